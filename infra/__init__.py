@@ -1,0 +1,1 @@
+"""Pipeline package: filled in by the pipeline / cluster issues."""

@@ -1,0 +1,72 @@
+"""Prompt formats (standard / conversational), dataset checks, tokenisation and padding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from datasets import Dataset, IterableDataset
+
+
+def is_conversational(prompt: Any) -> bool:
+    """A conversational prompt is a list of {'role': ..., 'content': ...} messages."""
+    return (isinstance(prompt, list) and len(prompt) > 0 and isinstance(prompt[0], dict) and "role" in prompt[0])
+
+
+def check_prompt_dataset(dataset: Any, name: str = "train_dataset") -> None:
+    """A dataset must be a (non-empty) datasets.Dataset / IterableDataset with a usable `prompt` column."""
+    if dataset is None:
+        raise ValueError(f"`{name}` is required: pass a datasets.Dataset with a 'prompt' column.")
+    if not isinstance(dataset, (Dataset, IterableDataset)):
+        raise TypeError(f"`{name}` must be a datasets.Dataset or IterableDataset, got {type(dataset).__name__}. "
+                        "Fix: datasets.Dataset.from_list(rows) or from_dict(columns).")
+    columns = dataset.column_names
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(f"`{name}` has no 'prompt' column (columns: {columns}). Fix: rename the column holding the "
+                         "prompts to 'prompt', e.g. dataset.rename_column('question', 'prompt').")
+    if isinstance(dataset, Dataset):
+        if len(dataset) == 0:
+            raise ValueError(f"`{name}` is empty: it needs at least one prompt.")
+        first = dataset[0]["prompt"]
+        if not (isinstance(first, str) or is_conversational(first)):
+            raise ValueError(f"`{name}` row 0: 'prompt' must be a string or a list of {{'role', 'content'}} messages, "
+                             f"got {type(first).__name__}: {str(first)[:80]!r}.")
+
+
+def tokenize_prompts(processing_class: Any, prompts: list, chat_template_kwargs: dict | None) -> list[list[int]]:
+    """Conversational prompts go through the chat template (generation prompt added); standard ones are
+    tokenised as they are (special tokens included, never truncated)."""
+    if is_conversational(prompts[0]):
+        encoded = processing_class.apply_chat_template(
+            prompts, add_generation_prompt=True, tokenize=True, return_dict=True, **(chat_template_kwargs or {}))
+        return [list(ids) for ids in encoded["input_ids"]]
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
+
+
+def round_up(length: int, multiple: int | None) -> int:
+    if not multiple:
+        return length
+    return ((length + multiple - 1) // multiple) * multiple
+
+
+def pad_rows(rows: list[list[int]], pad_id: int, side: str, multiple: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad token-id lists to one length (optionally a multiple); returns (ids, mask)."""
+    width = round_up(max((len(r) for r in rows), default=0), multiple)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if not row:
+            continue
+        if side == "left":
+            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row):] = 1
+        else:
+            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, :len(row)] = 1
+    return ids, mask
+
+
+def as_completion(text: str, conversational: bool) -> Any:
+    return [{"role": "assistant", "content": text}] if conversational else text

@@ -1,0 +1,5 @@
+"""Generation backends: each turns prompt token ids into completion token ids."""
+
+from rloo.generation.transformers_backend import TransformersGenerator
+
+__all__ = ["TransformersGenerator"]

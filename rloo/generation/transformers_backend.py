@@ -1,0 +1,46 @@
+"""Sampling completions with `model.generate` (the default backend)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from rloo.algorithm import completion_mask_after_eos
+from rloo.data import pad_rows
+from rloo.models import eval_mode
+
+
+def build_generation_config(args, pad_token_id: int, bos_token_id: int | None, eos_ids: list[int]) -> GenerationConfig:
+    """RLOOConfig sampling parameters -> GenerationConfig; generation_kwargs override everything."""
+    settings = dict(
+        max_new_tokens=args.max_completion_length, do_sample=True, pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id, eos_token_id=eos_ids, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k if args.top_k else None, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        cache_implementation=args.cache_implementation, disable_compile=True,
+    )
+    settings.update(args.generation_kwargs or {})
+    return GenerationConfig(**settings)
+
+
+class TransformersGenerator:
+    """Left-pads prompts, samples, and cuts each completion after its first EOS (EOS included)."""
+
+    def __init__(self, generation_config: GenerationConfig, pad_token_id: int, eos_ids: list[int],
+                 pad_to_multiple_of: int | None = None):
+        self.generation_config = generation_config
+        self.pad_token_id = pad_token_id
+        self.eos_ids = eos_ids
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    @torch.no_grad()
+    def generate(self, model: PreTrainedModel, prompt_ids: list[list[int]]) -> list[list[int]]:
+        device = next(model.parameters()).device
+        input_ids, attention_mask = pad_rows(prompt_ids, self.pad_token_id, "left", self.pad_to_multiple_of)
+        with eval_mode(model):
+            output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                    generation_config=self.generation_config)
+        completions = output[:, input_ids.size(1):].cpu()
+        if completions.size(1) == 0:
+            return [[] for _ in prompt_ids]
+        mask = completion_mask_after_eos(completions, self.eos_ids)
+        return [row[: int(length)].tolist() for row, length in zip(completions, mask.sum(dim=1))]

@@ -1,0 +1,171 @@
+"""Running reward functions and reward models: the reward-function contract of the spec.
+
+A reward function is called with keyword arguments `prompts`, `completions`, `completion_ids`,
+`trainer_state`, `log_extra`, `log_metric` and every dataset column except `prompt`, and returns one
+float (or None: "does not apply") per completion. `async def` functions are awaited concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import math
+import numbers
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from rloo.data import is_conversational
+
+
+class RewardFunctionError(ValueError):
+    """A reward function broke the contract; the message names the function and the row."""
+
+
+def reward_function_name(func: Any) -> str:
+    if isinstance(func, nn.Module):
+        return str(getattr(func.config, "_name_or_path", type(func).__name__)).rstrip("/").split("/")[-1]
+    while isinstance(func, functools.partial):
+        func = func.func
+    name = getattr(func, "__name__", None)
+    return name if name is not None else type(func).__name__
+
+
+def is_async_reward(func: Any) -> bool:
+    while isinstance(func, functools.partial):
+        func = func.func
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+
+
+class _AsyncLoop:
+    """One daemon event loop thread, so async rewards run concurrently even inside a running loop."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="rloo-reward-loop")
+        self.thread.start()
+
+    def run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+
+class ExtraLog:
+    """Collects log_extra columns and log_metric values produced by reward functions for one batch."""
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+        self.columns: dict[str, list] = {}
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+
+    def log_extra(self, column: str, values: list) -> None:
+        values = list(values)
+        if len(values) != self.num_rows:
+            raise RewardFunctionError(f"log_extra({column!r}, ...) got {len(values)} values for {self.num_rows} rows")
+        self.columns[column] = values
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics[name].append(float(value))
+
+
+def _check_output(name: str, output: Any, num_rows: int, rows_desc: Callable[[int], str]) -> list[float]:
+    if output is None or isinstance(output, (str, bytes)) or not hasattr(output, "__len__"):
+        raise RewardFunctionError(f"reward function '{name}' returned {type(output).__name__}; it must return a list "
+                                  f"with one float (or None) per completion ({num_rows} here).")
+    values = output.tolist() if isinstance(output, torch.Tensor) else list(output)
+    if len(values) != num_rows:
+        raise RewardFunctionError(f"reward function '{name}' returned {len(values)} values for {num_rows} completions; "
+                                  "it must return exactly one float (or None) per completion, in order.")
+    result = []
+    for row, value in enumerate(values):
+        if value is None:
+            result.append(math.nan)
+        elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise RewardFunctionError(f"reward function '{name}' returned {value!r} ({type(value).__name__}) for row "
+                                      f"{row} ({rows_desc(row)}); rewards must be numbers or None.")
+        else:
+            result.append(float(value))
+    return result
+
+
+class RewardRunner:
+    """Turns completions into the (rows, functions) reward matrix, NaN where a function returned None."""
+
+    def __init__(self, reward_funcs: list, reward_processing_classes: list, chat_template_kwargs: dict | None = None):
+        self.reward_funcs = reward_funcs
+        self.processing_classes = reward_processing_classes
+        self.names = [reward_function_name(f) for f in reward_funcs]
+        self.chat_template_kwargs = chat_template_kwargs or {}
+        self._loop = _AsyncLoop() if any(is_async_reward(f) for f in reward_funcs) else None
+
+    def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
+                 trainer_state: Any, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ExtraLog]:
+        num_rows = len(prompts)
+        extra = ExtraLog(num_rows)
+        kwargs = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
+                      trainer_state=trainer_state, log_extra=extra.log_extra, log_metric=extra.log_metric)
+
+        def describe(row: int) -> str:
+            return f"prompt {str(prompts[row])[:60]!r}"
+
+        outputs: dict[int, list[float]] = {}
+        async_indices = []
+        for index, func in enumerate(self.reward_funcs):
+            name = self.names[index]
+            if isinstance(func, PreTrainedModel):
+                outputs[index] = self._score_with_model(func, self.processing_classes[index], prompts, completions)
+            elif is_async_reward(func):
+                async_indices.append(index)
+            else:
+                try:
+                    output = func(**kwargs)
+                except Exception as err:  # the user's code: name it and find the row
+                    raise self._locate_failure(index, kwargs, num_rows, describe, err) from err
+                outputs[index] = _check_output(name, output, num_rows, describe)
+        if async_indices:
+            async def gather():
+                return await asyncio.gather(*(self.reward_funcs[i](**kwargs) for i in async_indices),
+                                            return_exceptions=True)
+            for index, output in zip(async_indices, self._loop.run(gather())):
+                if isinstance(output, BaseException):
+                    raise RewardFunctionError(f"reward function '{self.names[index]}' raised "
+                                              f"{type(output).__name__}: {output}") from output
+                outputs[index] = _check_output(self.names[index], output, num_rows, describe)
+        matrix = torch.tensor([outputs[i] for i in range(len(self.reward_funcs))], dtype=torch.float32).T
+        return matrix.reshape(num_rows, len(self.reward_funcs)).to(device), extra
+
+    def _locate_failure(self, index: int, kwargs: dict, num_rows: int, describe, err: Exception) -> Exception:
+        """Re-run the failing function one row at a time to name the first row that raises."""
+        name = self.names[index]
+        for row in range(num_rows):
+            row_kwargs = {key: (value[row:row + 1] if isinstance(value, list) and len(value) == num_rows else value)
+                          for key, value in kwargs.items()}
+            row_kwargs["log_extra"] = lambda *a, **k: None
+            row_kwargs["log_metric"] = lambda *a, **k: None
+            try:
+                self.reward_funcs[index](**row_kwargs)
+            except Exception as row_err:
+                return RewardFunctionError(f"reward function '{name}' raised {type(row_err).__name__}: {row_err} "
+                                           f"on row {row} ({describe(row)}, completion "
+                                           f"{str(kwargs['completions'][row])[:60]!r})")
+        return RewardFunctionError(f"reward function '{name}' raised {type(err).__name__}: {err} "
+                                   f"(on the batch of {num_rows} rows; no single row reproduces it)")
+
+    def _score_with_model(self, model: PreTrainedModel, tokenizer: Any, prompts: list, completions: list
+                          ) -> list[float]:
+        if is_conversational(prompts[0]):
+            texts = [tokenizer.apply_chat_template(p + c, tokenize=False, **self.chat_template_kwargs)
+                     for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        device = next(model.parameters()).device
+        encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        with torch.inference_mode():
+            logits = model(input_ids=encoded["input_ids"].to(device),
+                           attention_mask=encoded["attention_mask"].to(device)).logits
+        return logits[:, 0].float().cpu().tolist()

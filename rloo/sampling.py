@@ -1,0 +1,70 @@
+"""Which prompts each micro-step sees: the repeat sampler and the generation buffer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+class RepeatSampler(Sampler[int]):
+    """Indices for RLOO generation rounds.
+
+    Each epoch draws a permutation of the dataset (seeded by `seed + epoch`, so it is reproducible
+    on resume), cuts it into chunks of `batch_size` unique prompts (a trailing incomplete chunk is
+    dropped), and yields each chunk `repeat_count` times with every index repeated
+    `mini_repeat_count` times in a row:
+
+        chunk [0, 1], mini_repeat_count=2, repeat_count=2  ->  0 0 1 1 0 0 1 1
+    """
+
+    def __init__(self, data_source_length: int, mini_repeat_count: int, batch_size: int = 1, repeat_count: int = 1,
+                 shuffle: bool = True, seed: int = 0):
+        self.num_samples = data_source_length
+        self.mini_repeat_count = mini_repeat_count
+        self.batch_size = batch_size
+        self.repeat_count = repeat_count
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        order = self._order()
+        chunks = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        for chunk in chunks:
+            if len(chunk) < self.batch_size:
+                continue
+            for _ in range(self.repeat_count):
+                for index in chunk:
+                    for _ in range(self.mini_repeat_count):
+                        yield index
+
+    def __len__(self) -> int:
+        return (self.num_samples // self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
+
+
+def shuffle_rows(batch: dict[str, torch.Tensor | list], generator: torch.Generator | None = None) -> dict:
+    """Apply one random row permutation to every tensor/list of the batch."""
+    size = len(next(iter(batch.values())))
+    permutation = torch.randperm(size, generator=generator)
+    return {key: value[permutation] if isinstance(value, torch.Tensor) else [value[i] for i in permutation.tolist()]
+            for key, value in batch.items()}
+
+
+def split_rows(batch: dict[str, torch.Tensor | list], num_chunks: int) -> list[dict]:
+    """Cut the batch into `num_chunks` equal consecutive slices of rows."""
+    size = len(next(iter(batch.values())))
+    if size % num_chunks != 0:
+        raise ValueError(f"cannot split {size} rows into {num_chunks} equal micro-batches")
+    step = size // num_chunks
+    return [{key: value[i * step:(i + 1) * step] for key, value in batch.items()} for i in range(num_chunks)]

@@ -1,0 +1,437 @@
+"""RLOOTrainer: one step = sample prompts -> generate -> score -> leave-one-out advantages -> clipped loss.
+
+The mathematics lives in `rloo.algorithm`; this module wires it into `transformers.Trainer`
+(optimiser, DDP/DeepSpeed, checkpoints, callbacks) with TRL's public API.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object, set_seed
+from datasets import Dataset, IterableDataset
+from torch import nn
+from transformers import PreTrainedModel, Trainer
+
+from rloo import algorithm
+from rloo.config import RLOOConfig
+from rloo.data import as_completion, check_prompt_dataset, is_conversational, pad_rows, tokenize_prompts
+from rloo.generation import TransformersGenerator
+from rloo.generation.transformers_backend import build_generation_config
+from rloo.metrics import MetricBuffer, nanmean, nanstd_value, tensor_stats
+from rloo.models import (create_reference_model, disable_dropout, eos_token_ids, load_causal_lm, load_reward_model,
+                         load_tokenizer, per_token_logps, prepare_tokenizer, text_tokenizer_of)
+from rloo.rewards.runner import RewardFunctionError, RewardRunner, is_async_reward
+from rloo.sampling import RepeatSampler, shuffle_rows, split_rows
+
+logger = logging.getLogger(__name__)
+
+STATE_DIR = "rloo_state"
+
+
+def _identity(batch):
+    return batch
+
+
+class RLOOTrainer(Trainer):
+    """Trainer for REINFORCE Leave-One-Out (Ahmadian et al., 2024), API-compatible with TRL's RLOOTrainer."""
+
+    _tag_names = ["rloo"]
+    loss_is_scaled_for_ga = False  # our loss is a per-micro-batch mean: the Trainer divides by GA
+
+    def __init__(self, model: str | PreTrainedModel, reward_funcs: Any | list, args: RLOOConfig | None = None,
+                 train_dataset: Dataset | IterableDataset | None = None, eval_dataset: Any = None,
+                 processing_class: Any = None, reward_processing_classes: Any = None, callbacks: list | None = None,
+                 optimizers: tuple = (None, None), quantization_config: Any = None, peft_config: Any = None):
+        model_id = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
+        if args is None:
+            args = RLOOConfig(output_dir=f"{str(model_id).rstrip('/').split('/')[-1]}-RLOO")
+        elif not isinstance(args, RLOOConfig):
+            raise TypeError(f"args must be an RLOOConfig, got {type(args).__name__}")
+        self._check_inputs_before_loading(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes)
+
+        # Policy.
+        if isinstance(model, str):
+            init_kwargs = dict(args.model_init_kwargs or {})
+            if quantization_config is not None:
+                if "quantization_config" in init_kwargs:
+                    raise ValueError("quantization_config is given both as an argument and in model_init_kwargs; "
+                                     "pass it once.")
+                init_kwargs["quantization_config"] = quantization_config
+            model = load_causal_lm(model, init_kwargs, args.trust_remote_code)
+        elif args.model_init_kwargs or quantization_config is not None:
+            warnings.warn("model is already instantiated: model_init_kwargs and quantization_config are ignored.")
+
+        # Tokenizer / processor.
+        if processing_class is None:
+            processing_class = load_tokenizer(model_id if isinstance(model_id, str) else model.config._name_or_path,
+                                              args.trust_remote_code)
+        processing_class = prepare_tokenizer(processing_class)
+        tokenizer = text_tokenizer_of(processing_class)
+        self.pad_token_id = tokenizer.pad_token_id
+        self.eos_token_ids = eos_token_ids(tokenizer, model)
+        if getattr(model.generation_config, "pad_token_id", None) is None:
+            model.generation_config.pad_token_id = self.pad_token_id
+
+        # PEFT: the reference policy is the same network with the adapter disabled.
+        self._is_peft = False
+        if peft_config is not None:
+            from peft import PeftModel, get_peft_model
+            if isinstance(model, PeftModel):
+                raise ValueError("model is already a PeftModel and peft_config is also given; pass only one.")
+            model = get_peft_model(model, peft_config)
+        if type(model).__name__.startswith("Peft"):
+            self._is_peft = True
+            if args.gradient_checkpointing:
+                model.enable_input_require_grads()
+
+        # Reward functions and reward models.
+        reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        reward_funcs = [load_reward_model(f, args.model_init_kwargs, args.trust_remote_code) if isinstance(f, str)
+                        else f for f in reward_funcs]
+        reward_processing_classes = self._reward_processing_classes(reward_funcs, reward_processing_classes, args)
+        self.reward_funcs = reward_funcs
+        self.reward_runner = RewardRunner(reward_funcs, reward_processing_classes, args.chat_template_kwargs)
+        self.reward_func_names = self.reward_runner.names
+        weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(reward_funcs)
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        if isinstance(train_dataset, Dataset):
+            self._preflight_reward_functions(train_dataset, args)
+
+        if args.disable_dropout:
+            disable_dropout(model)
+
+        set_seed(args.seed)
+        super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
+                         optimizers=optimizers)
+
+        # Reference model: only needed when the KL penalty is on.
+        self.ref_model = None
+        if args.beta != 0.0 and not self._is_peft:
+            self.ref_model = self.accelerator.prepare_model(create_reference_model(self.model), evaluation_mode=True)
+        for index, func in enumerate(self.reward_funcs):
+            if isinstance(func, PreTrainedModel):
+                func.eval()
+                self.reward_funcs[index] = self.accelerator.prepare_model(func, evaluation_mode=True)
+
+        generation_config = build_generation_config(args, self.pad_token_id, tokenizer.bos_token_id, self.eos_token_ids)
+        self.generator = TransformersGenerator(generation_config, self.pad_token_id, self.eos_token_ids,
+                                               args.pad_to_multiple_of)
+        self._metrics = MetricBuffer()
+        self._step = 0
+        self._buffered_inputs: list[dict] | None = None
+        self._step_time = 0.0
+        # Old log-probs differ from the live ones only when a generation batch outlives an optimiser step.
+        self._needs_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        set_seed(args.seed, device_specific=True)  # duplicated prompts on different ranks sample differently
+
+    # ------------------------------------------------------------------ validation before any compute
+    @staticmethod
+    def _check_inputs_before_loading(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes):
+        check_prompt_dataset(train_dataset, "train_dataset")
+        if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
+            raise ValueError("train_dataset is an IterableDataset, whose length is unknown: set max_steps "
+                             "(e.g. RLOOConfig(max_steps=1000)).")
+        if eval_dataset is not None:
+            datasets_ = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
+            for name, dataset in datasets_:
+                check_prompt_dataset(dataset, name if name == "eval_dataset" else f"eval_dataset[{name!r}]")
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs:
+            raise ValueError("reward_funcs is empty: pass at least one reward function or reward model.")
+        for index, func in enumerate(funcs):
+            if not (isinstance(func, (str, nn.Module)) or callable(func)):
+                raise TypeError(f"reward_funcs[{index}] is a {type(func).__name__}: expected a callable, a "
+                                "sequence-classification model, or a model id/path.")
+        if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
+            raise ValueError(f"reward_weights has {len(args.reward_weights)} entries but there are {len(funcs)} "
+                             f"reward functions; give one weight per function.")
+        if isinstance(reward_processing_classes, (list, tuple)) and len(reward_processing_classes) != len(funcs):
+            raise ValueError(f"reward_processing_classes has {len(reward_processing_classes)} entries but there are "
+                             f"{len(funcs)} reward functions; the lengths must match.")
+        if reward_processing_classes is not None and not isinstance(reward_processing_classes, (list, tuple)) \
+                and len(funcs) != 1:
+            raise ValueError("a single reward_processing_class was given for several reward functions; "
+                             "pass a list with one entry per reward function.")
+
+    @staticmethod
+    def _reward_processing_classes(reward_funcs, classes, args) -> list:
+        if classes is None:
+            classes = [None] * len(reward_funcs)
+        elif not isinstance(classes, (list, tuple)):
+            classes = [classes]
+        classes = list(classes)
+        for index, (func, tokenizer) in enumerate(zip(reward_funcs, classes)):
+            if not isinstance(func, PreTrainedModel):
+                continue
+            if tokenizer is None:
+                tokenizer = load_tokenizer(func.config._name_or_path, args.trust_remote_code)
+            if tokenizer.pad_token_id is None:
+                if tokenizer.eos_token is None:
+                    raise ValueError(f"reward_processing_classes[{index}] has neither pad nor EOS token; set one.")
+                tokenizer.pad_token = tokenizer.eos_token
+            func.config.pad_token_id = tokenizer.pad_token_id
+            classes[index] = tokenizer
+        return classes
+
+    def _preflight_reward_functions(self, dataset: Dataset, args: RLOOConfig) -> None:
+        """Call every synchronous reward function once on a few real rows with empty completions, so a
+        wrong signature, count or type fails here, before any model work, instead of after generation."""
+        sync_funcs = [i for i, f in enumerate(self.reward_funcs)
+                      if not isinstance(f, nn.Module) and not is_async_reward(f)]
+        if not sync_funcs:
+            return
+        rows = dataset.select(range(min(len(dataset), 2)))
+        prompts = rows["prompt"]
+        columns = {c: rows[c] for c in rows.column_names if c != "prompt"}
+        conversational = is_conversational(prompts[0])
+        completions = [as_completion("", conversational) for _ in prompts]
+        probe = RewardRunner([self.reward_funcs[i] for i in sync_funcs], [None] * len(sync_funcs))
+        try:
+            probe(prompts, completions, [[] for _ in prompts], columns, trainer_state=None)
+        except RewardFunctionError as err:
+            raise RewardFunctionError(f"{err} [pre-flight check on dataset rows 0-{len(prompts) - 1} with empty "
+                                      "completions, before training]") from err
+
+    # ------------------------------------------------------------------ data
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt", "image", "images"]
+
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        # One dataloader batch = this process's share of a whole generation batch.
+        return self._get_dataloader(dataset=self.train_dataset, description="Training",
+                                    batch_size=self._train_batch_size * self.args.steps_per_generation,
+                                    sampler_fn=self._get_train_sampler, is_training=True)
+
+    def _get_train_sampler(self, dataset=None):
+        dataset = dataset if dataset is not None else self.train_dataset
+        args = self.args
+        return RepeatSampler(len(dataset), mini_repeat_count=args.num_generations,
+                             batch_size=args.generation_batch_size // args.num_generations,
+                             repeat_count=args.num_iterations * args.steps_per_generation,
+                             shuffle=args.shuffle_dataset, seed=args.seed)
+
+    def _get_eval_sampler(self, eval_dataset):
+        return RepeatSampler(len(eval_dataset), mini_repeat_count=self._num_generations("eval"), seed=self.args.seed)
+
+    def _num_generations(self, mode: str) -> int:
+        if mode == "eval":
+            return self.args.num_generations_eval or self.args.num_generations
+        return self.args.num_generations
+
+    # ------------------------------------------------------------------ the step
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._step += 1
+        self._step_time += time.perf_counter() - start
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics.add("train", "step_time", self._step_time)
+            self._step_time = 0.0
+        return loss
+
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            return self._generate_and_score(generation_batch, "eval")
+        generate_every = self.args.steps_per_generation * self.args.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score(generation_batch, "train")
+            self._buffered_inputs = split_rows(shuffle_rows(batch), self.args.steps_per_generation)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _generate_and_score(self, inputs: list[dict], mode: str) -> dict[str, torch.Tensor]:
+        args = self.args
+        device = self.accelerator.device
+        prompts = [row["prompt"] for row in inputs]
+        conversational = is_conversational(prompts[0])
+        prompt_id_lists = tokenize_prompts(self.processing_class, prompts, args.chat_template_kwargs)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        completion_id_lists = self.generator.generate(unwrapped, prompt_id_lists)
+
+        prompt_ids, prompt_mask = pad_rows(prompt_id_lists, self.pad_token_id, "left", args.pad_to_multiple_of)
+        completion_ids, completion_mask = pad_rows(completion_id_lists, self.pad_token_id, "right",
+                                                   args.pad_to_multiple_of)
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
+        stop_ids = set(self.eos_token_ids) | {self.pad_token_id}
+        truncated = torch.tensor([not ids or ids[-1] not in stop_ids for ids in completion_id_lists], device=device)
+        self._log_lengths(mode, prompt_id_lists, completion_id_lists, truncated)
+        if args.mask_truncated_completions:
+            completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
+
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+        old_per_token = ref_per_token = None
+        with torch.no_grad():
+            if self._needs_old_logps or args.beta != 0.0:
+                old_per_token = self._chunked_logps(unwrapped, input_ids, attention_mask, logits_to_keep, chunk)
+            if args.beta != 0.0:
+                ref_per_token = self._reference_logps(unwrapped, input_ids, attention_mask, logits_to_keep, chunk)
+
+        texts = self.processing_class.batch_decode(completion_id_lists, skip_special_tokens=True) \
+            if hasattr(self.processing_class, "batch_decode") else \
+            text_tokenizer_of(self.processing_class).batch_decode(completion_id_lists, skip_special_tokens=True)
+        completions = [as_completion(text, conversational) for text in texts]
+        columns = {key: [row[key] for row in inputs] for key in inputs[0] if key not in ("prompt", "completion",
+                                                                                      "completion_ids")}
+        local_rewards, extra = self.reward_runner(prompts, completions, completion_id_lists, columns, self.state,
+                                                  device=device)
+        rewards_per_func = self.accelerator.gather(local_rewards)
+
+        kl = None
+        if args.beta != 0.0:
+            local_kl = algorithm.sequence_kl(old_per_token, ref_per_token, completion_mask)
+            kl = self.accelerator.gather(local_kl)
+            kl_tokens = self.accelerator.gather(((old_per_token - ref_per_token) * completion_mask).sum().reshape(1))
+            kl_count = self.accelerator.gather(completion_mask.sum().reshape(1).float())
+            self._metrics.add(mode, "kl", kl_tokens.sum() / kl_count.sum().clamp(min=1.0))
+        num_generations = self._num_generations(mode)
+        shaped, advantages = algorithm.rloo_advantages(
+            rewards_per_func, self.reward_weights.to(device), num_generations, kl=kl, beta=args.beta,
+            reward_clip_range=args.reward_clip_range, normalize=args.normalize_advantages)
+        self._log_rewards(mode, rewards_per_func, shaped, num_generations, extra)
+
+        local = len(prompts)
+        start = self.accelerator.process_index * local
+        local_advantages = advantages[start:start + local]
+        old_logps = (old_per_token * completion_mask).sum(dim=1) if old_per_token is not None and \
+            self._needs_old_logps else None
+        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+                 "completion_mask": completion_mask, "advantages": local_advantages}
+        if old_logps is not None:
+            batch["old_logps"] = old_logps
+        return batch
+
+    def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
+        parts = []
+        for start in range(0, input_ids.size(0), chunk):
+            logps, _ = per_token_logps(model, input_ids[start:start + chunk], attention_mask[start:start + chunk],
+                                       logits_to_keep, self.args.temperature)
+            parts.append(logps)
+        return torch.cat(parts, dim=0)
+
+    def _reference_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._chunked_logps(self.ref_model, input_ids, attention_mask, logits_to_keep, chunk)
+        with unwrapped.disable_adapter():  # PEFT: base weights are the reference policy
+            return self._chunked_logps(unwrapped, input_ids, attention_mask, logits_to_keep, chunk)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("RLOOTrainer.compute_loss does not return model outputs.")
+        mode = "train" if self.model.training else "eval"
+        completion_mask = inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        token_logps, entropy = per_token_logps(model, input_ids, attention_mask, inputs["completion_ids"].size(1),
+                                               self.args.temperature, with_entropy=True)
+        old_logps = inputs.get("old_logps")
+        if old_logps is None:  # on-policy: pi_old is the current policy, ratio exactly 1
+            old_logps = (token_logps * completion_mask).sum(dim=1).detach()
+        loss, clipped = algorithm.clipped_surrogate_loss(token_logps, old_logps, inputs["advantages"], completion_mask,
+                                                         self.args.epsilon, self.args.epsilon_high)
+        gather = self.accelerator.gather
+        entropy_sum = gather((entropy * completion_mask).sum().reshape(1))
+        token_count = gather(completion_mask.sum().reshape(1).float())
+        self._metrics.add(mode, "entropy", entropy_sum.sum() / token_count.sum().clamp(min=1.0))
+        low, high, region = gather(clipped["low"]), gather(clipped["high"]), gather(clipped["region"])
+        self._metrics.add(mode, "clip_ratio/low_mean", low.mean())
+        self._metrics.add(mode, "clip_ratio/low_min", low.min())
+        self._metrics.add(mode, "clip_ratio/high_mean", high.mean())
+        self._metrics.add(mode, "clip_ratio/high_max", high.max())
+        self._metrics.add(mode, "clip_ratio/region_mean", region.mean())
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs).mean().detach()
+        return loss, None, None
+
+    # ------------------------------------------------------------------ metrics
+    def _log_lengths(self, mode, prompt_id_lists, completion_id_lists, truncated):
+        device = self.accelerator.device
+        lengths = torch.tensor([len(ids) for ids in completion_id_lists], device=device)
+        prompt_tokens = torch.tensor([sum(len(ids) for ids in prompt_id_lists)], device=device)
+        all_lengths = self.accelerator.gather(lengths)
+        all_truncated = self.accelerator.gather(truncated)
+        tokens = self.accelerator.gather(prompt_tokens).sum() + all_lengths.sum()
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(tokens.item())
+        self._metrics.set(mode, "num_tokens", float(self.state.num_input_tokens_seen))
+        mean, low, high = tensor_stats(all_lengths)
+        self._metrics.add(mode, "completions/mean_length", mean)
+        self._metrics.add(mode, "completions/min_length", low)
+        self._metrics.add(mode, "completions/max_length", high)
+        self._metrics.add(mode, "completions/clipped_ratio", all_truncated.float().mean())
+        mean, low, high = tensor_stats(all_lengths[~all_truncated])
+        self._metrics.add(mode, "completions/mean_terminated_length", mean)
+        self._metrics.add(mode, "completions/min_terminated_length", low)
+        self._metrics.add(mode, "completions/max_terminated_length", high)
+
+    def _log_rewards(self, mode, rewards_per_func, shaped, num_generations, extra):
+        for index, name in enumerate(self.reward_func_names):
+            self._metrics.add(mode, f"rewards/{name}/mean", nanmean(rewards_per_func[:, index]))
+            self._metrics.add(mode, f"rewards/{name}/std", nanstd_value(rewards_per_func[:, index]))
+        weighted = algorithm.combine_rewards(rewards_per_func, self.reward_weights.to(rewards_per_func.device))
+        if torch.isnan(weighted).any():
+            unscorable = torch.isnan(weighted).sum().item()
+            logger.warning("All reward functions returned None for %d of %d completions; they get advantage 0.",
+                           unscorable, weighted.numel())
+        self._metrics.add(mode, "reward", nanmean(weighted))
+        self._metrics.add(mode, "reward_std", nanstd_value(weighted))
+        zero_std = algorithm.group_std_is_zero(shaped, num_generations)
+        self._metrics.add(mode, "frac_reward_zero_std", zero_std.float().mean())
+        local = [(name, sum(values), len(values)) for name, values in sorted(extra.metrics.items())]
+        entries = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
+        totals: dict[str, list[float]] = {}
+        for rank_entries in entries:
+            for name, total, count in rank_entries:
+                accumulated = totals.setdefault(name, [0.0, 0])
+                accumulated[0] += total
+                accumulated[1] += count
+        for name, (total, count) in sorted(totals.items()):
+            self._metrics.add(mode, name, total / max(count, 1))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics.flush(mode)
+        if mode == "eval":
+            metrics = {f"eval_{key}": value for key, value in metrics.items()}
+        super().log({**logs, **metrics}, start_time)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        state_dir = os.path.join(output_dir, STATE_DIR)
+        os.makedirs(state_dir, exist_ok=True)
+        state = {"step": self._step, "buffered_inputs": self._buffered_inputs,
+                 "num_generations": self.args.num_generations,
+                 "generation_batch_size": self.args.generation_batch_size}
+        path = os.path.join(state_dir, f"rank{self.accelerator.process_index}.pt")
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = os.path.join(resume_from_checkpoint, STATE_DIR, f"rank{self.accelerator.process_index}.pt")
+        if not os.path.exists(path):
+            return
+        state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+        if state["num_generations"] != self.args.num_generations:
+            raise ValueError(f"checkpoint {resume_from_checkpoint} was trained with num_generations="
+                             f"{state['num_generations']}, this run has {self.args.num_generations}: the prompt "
+                             "groups would not line up. Resume with the same num_generations or start a new run.")
+        self._step = state["step"]
+        self._buffered_inputs = state["buffered_inputs"]
