@@ -193,9 +193,14 @@ class RLOOTrainer(Trainer):
         conversational = is_conversational(prompts[0])
         completions = [as_completion("", conversational) for _ in prompts]
         probe = RewardRunner([self.reward_funcs[i] for i in sync_funcs], [None] * len(sync_funcs))
+        eos = self.eos_token_ids[:1] or [self.pad_token_id]
         try:
-            probe(prompts, completions, [[] for _ in prompts], columns, trainer_state=None)
+            probe(prompts, completions, [list(eos) for _ in prompts], columns, trainer_state=None)
         except RewardFunctionError as err:
+            cause = err.__cause__
+            signature_error = isinstance(cause, TypeError) and "argument" in str(cause)
+            if cause is not None and not signature_error:
+                return  # the function may reject a placeholder completion; real ones are checked every step
             raise RewardFunctionError(f"{err} [pre-flight check on dataset rows 0-{len(prompts) - 1} with empty "
                                       "completions, before training]") from err
 

@@ -1,0 +1,222 @@
+"""RLOOTrainer on tiny local models: it learns, its gradient is exactly RLOO's, the contract holds."""
+
+import asyncio
+import copy
+import math
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+
+from rloo import RLOOConfig, RLOOTrainer
+from rloo.testing import save_tiny, tiny_causal_lm, tiny_reward_model, tiny_tokenizer
+
+WORDS = ["the dog", "a big cat", "one two", "what is", "red mat", "sat on", "good dog", "small blue"]
+
+
+def conversational(n=8):
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": WORDS[i % len(WORDS)]}], "tag": i}
+                              for i in range(n)])
+
+
+def standard(n=8):
+    return Dataset.from_list([{"prompt": WORDS[i % len(WORDS)], "tag": i} for i in range(n)])
+
+
+def make_args(tmp_path, **kwargs):
+    settings = dict(output_dir=str(tmp_path / "out"), bf16=False, use_cpu=True, per_device_train_batch_size=4,
+                    num_generations=2, max_completion_length=6, learning_rate=0.05, logging_steps=1, max_steps=2,
+                    report_to="none", save_strategy="no", beta=0.0, disable_tqdm=True)
+    settings.update(kwargs)
+    return RLOOConfig(**settings)
+
+
+def length_reward(completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
+    cat = tokenizer.convert_tokens_to_ids("cat")
+
+    def cat_reward(completion_ids, **kwargs):
+        return [sum(t == cat for t in ids) / len(ids) for ids in completion_ids]
+
+    args = make_args(tmp_path, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                     max_steps=30, beta=0.05)
+    trainer = RLOOTrainer(model=model, reward_funcs=cat_reward, args=args, train_dataset=conversational(16),
+                          processing_class=tokenizer)
+    trainer.train()
+    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
+    assert len(rewards) == 30
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.15 and last > 2 * first, rewards
+
+
+def test_gradient_is_exactly_reinforce_with_leave_one_out(tmp_path, tokenizer, model):
+    """After one SGD step, delta theta = lr * grad (1/B) sum_i A_i log pi(o_i|q), recomputed independently."""
+    before = copy.deepcopy(model)
+    recorded = {}
+    lr = 0.1
+
+    def reward(prompts, completion_ids, **kwargs):
+        rewards = [float(len(ids)) + 0.5 * i for i, ids in enumerate(completion_ids)]
+        recorded.update(prompts=prompts, completion_ids=completion_ids, rewards=rewards)
+        return rewards
+
+    args = make_args(tmp_path, max_steps=1, max_grad_norm=0.0, gradient_checkpointing=False,
+                     per_device_train_batch_size=6, num_generations=3, max_completion_length=5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    trainer = RLOOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=conversational(6),
+                          processing_class=tokenizer, optimizers=(optimizer, scheduler))
+    trainer.train()
+
+    rewards = recorded["rewards"]
+    B, G = len(rewards), 3
+    advantages = []
+    for i, r in enumerate(rewards):
+        group = range((i // G) * G, (i // G) * G + G)
+        advantages.append(r - sum(rewards[j] for j in group if j != i) / (G - 1))
+    objective = 0.0
+    for prompt, completion, advantage in zip(recorded["prompts"], recorded["completion_ids"], advantages):
+        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+        ids = torch.tensor([list(prompt_ids) + list(completion)])
+        logits = before(input_ids=ids).logits[0, len(prompt_ids) - 1:-1]
+        logp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(completion).unsqueeze(-1)).sum()
+        objective = objective + advantage * logp / B
+    objective.backward()
+    worst = 0.0
+    for (name, p0), p1 in zip(before.named_parameters(), model.parameters()):
+        expected = lr * p0.grad
+        worst = max(worst, (p1.detach() - p0.detach() - expected).abs().max().item())
+        assert torch.allclose(p1.detach() - p0.detach(), expected.float(), atol=1e-6, rtol=1e-4), name
+    assert worst < 1e-6
+
+
+@pytest.mark.parametrize("dataset", [standard, conversational])
+def test_reward_kwargs_contract(tmp_path, tokenizer, model, dataset):
+    seen = {}
+
+    def reward(**kwargs):
+        seen.update(kwargs)
+        kwargs["log_extra"]("length", [len(c) for c in kwargs["completion_ids"]])
+        kwargs["log_metric"]("my_metric", 0.5)
+        return [1.0] * len(kwargs["prompts"])
+
+    trainer = RLOOTrainer(model=model, reward_funcs=reward, args=make_args(tmp_path, max_steps=1),
+                          train_dataset=dataset(), processing_class=tokenizer)
+    trainer.train()
+    assert set(seen) == {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "tag"}
+    assert len(seen["tag"]) == 4 and seen["trainer_state"] is trainer.state
+    if dataset is conversational:
+        assert seen["completions"][0][0]["role"] == "assistant"
+    else:
+        assert isinstance(seen["completions"][0], str)
+    eos = tokenizer.eos_token_id
+    for ids in seen["completion_ids"]:  # ends after the first EOS, EOS included, no padding
+        assert eos not in ids[:-1] and 0 < len(ids) <= 6
+    log = trainer.state.log_history[0]
+    assert log["my_metric"] == 0.5
+
+
+def test_metrics_have_spec_names(tmp_path, tokenizer, model):
+    trainer = RLOOTrainer(model=model, reward_funcs=[length_reward], args=make_args(tmp_path, beta=0.1),
+                          train_dataset=conversational(), processing_class=tokenizer)
+    trainer.train()
+    log = trainer.state.log_history[0]
+    for key in ["num_tokens", "step_time", "completions/mean_length", "completions/min_length",
+                "completions/max_length", "completions/mean_terminated_length", "completions/min_terminated_length",
+                "completions/max_terminated_length", "completions/clipped_ratio", "rewards/length_reward/mean",
+                "rewards/length_reward/std", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl",
+                "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean",
+                "clip_ratio/high_max", "loss", "grad_norm"]:
+        assert key in log, key
+    assert log["reward"] == pytest.approx(log["completions/mean_length"])
+    assert trainer.state.log_history[1]["num_tokens"] > log["num_tokens"] > 0
+
+
+def test_no_kl_and_no_reference_model_when_beta_zero(tmp_path, tokenizer, model):
+    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, max_steps=1),
+                          train_dataset=conversational(), processing_class=tokenizer)
+    assert trainer.ref_model is None
+    trainer.train()
+    assert "kl" not in trainer.state.log_history[0]
+
+
+def test_async_rewards_run_concurrently(tmp_path, tokenizer, model):
+    async def slow_a(completions, **kwargs):
+        await asyncio.sleep(0.4)
+        return [1.0] * len(completions)
+
+    async def slow_b(completions, **kwargs):
+        await asyncio.sleep(0.4)
+        return [2.0] * len(completions)
+
+    trainer = RLOOTrainer(model=model, reward_funcs=[slow_a, slow_b, length_reward],
+                          args=make_args(tmp_path, max_steps=1), train_dataset=conversational(),
+                          processing_class=tokenizer)
+    start = time.perf_counter()
+    rewards, _ = trainer.reward_runner(["p"] * 4, ["c"] * 4, [[1]] * 4, {}, trainer.state)
+    assert time.perf_counter() - start < 0.75  # sequential would take >= 0.8 s
+    assert rewards[:, :2].tolist() == [[1.0, 2.0]] * 4
+    trainer.train()
+    assert trainer.state.log_history[0]["rewards/slow_b/mean"] == 2.0
+
+
+def test_reward_model_from_path_and_object(tmp_path, tokenizer, model):
+    reward_model = tiny_reward_model(tokenizer)
+    model_dir, tokenizer_dir = save_tiny(str(tmp_path / "rm"), reward_model, tokenizer)
+    args = make_args(tmp_path, max_steps=1, reward_weights=[1.0, 0.5])
+    trainer = RLOOTrainer(model=model, reward_funcs=[model_dir, reward_model], args=args,
+                          train_dataset=conversational(), processing_class=tokenizer,
+                          reward_processing_classes=[tiny_tokenizer(), tokenizer])
+    trainer.train()
+    log = trainer.state.log_history[0]
+    assert "rewards/model/mean" in log and log["reward"] is not None
+
+
+def test_model_from_local_path_and_save(tmp_path, tokenizer, model):
+    model_dir, tokenizer_dir = save_tiny(str(tmp_path / "policy"), model, tokenizer)
+    from transformers import AutoTokenizer
+    trainer = RLOOTrainer(model=model_dir, reward_funcs=length_reward, args=make_args(tmp_path, max_steps=1),
+                          train_dataset=standard(), processing_class=AutoTokenizer.from_pretrained(tokenizer_dir))
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    from transformers import AutoModelForCausalLM
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    for a, b in zip(reloaded.parameters(), trainer.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_none_rewards_multitask(tmp_path, tokenizer, model):
+    def only_even(tag, **kwargs):
+        return [1.0 if t % 2 == 0 else None for t in tag]
+
+    def never(prompts, **kwargs):
+        return [None] * len(prompts)
+
+    trainer = RLOOTrainer(model=model, reward_funcs=[only_even, never], args=make_args(tmp_path, max_steps=1),
+                          train_dataset=conversational(), processing_class=tokenizer)
+    trainer.train()
+    log = trainer.state.log_history[0]
+    assert log["rewards/never/mean"] is None and log["rewards/only_even/mean"] == 1.0
+
+
+def test_resume_from_checkpoint_continues(tmp_path, tokenizer):
+    data = conversational(8)
+    full = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=length_reward,
+                       args=make_args(tmp_path / "a", max_steps=4), train_dataset=data, processing_class=tokenizer)
+    full.train()
+    part = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=length_reward,
+                       args=make_args(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2),
+                       train_dataset=data, processing_class=tokenizer)
+    part.train()
+    resumed = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=length_reward,
+                          args=make_args(tmp_path / "b", max_steps=4), train_dataset=data, processing_class=tokenizer)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
