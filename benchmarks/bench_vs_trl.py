@@ -31,15 +31,16 @@ def child(impl: str, model_kind: str, steps: int) -> dict:
     from rloo.rewards import numeric_accuracy_reward
     dataset = load_dataset("json", data_files="data/arithmetic.jsonl", split="train")
     if model_kind == "tiny":
-        from rloo.testing import tiny_causal_lm, tiny_tokenizer
+        from rloo.testing import save_tiny, tiny_causal_lm, tiny_tokenizer
         tokenizer = tiny_tokenizer()
-        model = tiny_causal_lm(tokenizer)
+        # TRL rebuilds its reference model from the policy's path, so both get a saved folder.
+        model, _ = save_tiny(f"/tmp/bench-tiny-{impl}", tiny_causal_lm(tokenizer), tokenizer)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
         from rloo.assets import smollm2_path
         path = smollm2_path()
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = path
     args = RLOOConfig(output_dir=f"/tmp/bench-{impl}-{model_kind}", max_steps=steps, **RECIPE)
     trainer = RLOOTrainer(model=model, reward_funcs=numeric_accuracy_reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer)

@@ -188,8 +188,8 @@ class RLOOTrainer(Trainer):
         if not sync_funcs:
             return
         rows = dataset.select(range(min(len(dataset), 2)))
-        prompts = rows["prompt"]
-        columns = {c: rows[c] for c in rows.column_names if c != "prompt"}
+        prompts = list(rows["prompt"])
+        columns = {c: list(rows[c]) for c in rows.column_names if c != "prompt"}
         conversational = is_conversational(prompts[0])
         completions = [as_completion("", conversational) for _ in prompts]
         probe = RewardRunner([self.reward_funcs[i] for i in sync_funcs], [None] * len(sync_funcs))
@@ -267,8 +267,7 @@ class RLOOTrainer(Trainer):
                                                    args.pad_to_multiple_of)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
-        stop_ids = set(self.eos_token_ids) | {self.pad_token_id}
-        truncated = torch.tensor([not ids or ids[-1] not in stop_ids for ids in completion_id_lists], device=device)
+        truncated = algorithm.truncated_rows(completion_ids, completion_mask, self.eos_token_ids, self.pad_token_id)
         self._log_lengths(mode, prompt_id_lists, completion_id_lists, truncated)
         if args.mask_truncated_completions:
             completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
