@@ -4,7 +4,6 @@ import json
 import os
 import sys
 
-import torch
 from datasets import Dataset
 
 from rloo import RLOOConfig, RLOOTrainer

@@ -2,7 +2,6 @@
 
 import asyncio
 import copy
-import math
 import time
 
 import pytest
