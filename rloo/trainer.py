@@ -69,8 +69,7 @@ class RLOOTrainer(Trainer):
 
         # Tokenizer / processor.
         if processing_class is None:
-            processing_class = load_tokenizer(model_id if isinstance(model_id, str) else model.config._name_or_path,
-                                              args.trust_remote_code)
+            processing_class = load_tokenizer(model.config._name_or_path, args.trust_remote_code)
         processing_class = prepare_tokenizer(processing_class)
         tokenizer = text_tokenizer_of(processing_class)
         self.pad_token_id = tokenizer.pad_token_id
@@ -283,9 +282,7 @@ class RLOOTrainer(Trainer):
             if args.beta != 0.0:
                 ref_per_token = self._reference_logps(unwrapped, input_ids, attention_mask, logits_to_keep, chunk)
 
-        texts = self.processing_class.batch_decode(completion_id_lists, skip_special_tokens=True) \
-            if hasattr(self.processing_class, "batch_decode") else \
-            text_tokenizer_of(self.processing_class).batch_decode(completion_id_lists, skip_special_tokens=True)
+        texts = text_tokenizer_of(self.processing_class).batch_decode(completion_id_lists, skip_special_tokens=True)
         completions = [as_completion(text, conversational) for text in texts]
         columns = {key: [row[key] for row in inputs] for key in inputs[0] if key not in ("prompt", "completion",
                                                                                       "completion_ids")}
@@ -309,12 +306,10 @@ class RLOOTrainer(Trainer):
         local = len(prompts)
         start = self.accelerator.process_index * local
         local_advantages = advantages[start:start + local]
-        old_logps = (old_per_token * completion_mask).sum(dim=1) if old_per_token is not None and \
-            self._needs_old_logps else None
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                  "completion_mask": completion_mask, "advantages": local_advantages}
-        if old_logps is not None:
-            batch["old_logps"] = old_logps
+        if self._needs_old_logps:  # otherwise compute_loss uses the live log-probs, detached (ratio exactly 1)
+            batch["old_logps"] = (old_per_token * completion_mask).sum(dim=1)
         return batch
 
     def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
