@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,12 @@ def _from_pretrained(loader, name: str, what: str, **kwargs):
     check_model_source(name, what)
     try:
         return loader(os.path.expanduser(name), **kwargs)
+    except ValueError as err:
+        if "trust_remote_code" in str(err) and not kwargs.get("trust_remote_code"):
+            raise ValueError(f"{what}={name!r} needs custom code (its config has an auto_map) and "
+                             "trust_remote_code is False, so it was not executed. Fix: read the code, then pass "
+                             "RLOOConfig(trust_remote_code=True).") from err
+        raise
     except OSError as err:
         raise OSError(f"{what}={name!r} could not be loaded: not a local model directory and not reachable on the "
                       f"Hugging Face Hub ({err}).") from err
@@ -107,10 +113,21 @@ def create_reference_model(model: PreTrainedModel) -> PreTrainedModel:
     return reference
 
 
+DROPOUT_ATTRIBUTES = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
+
+
 def disable_dropout(model: nn.Module) -> None:
+    """Every dropout off: nn.Dropout modules and the float rates attention layers apply functionally."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        for attribute in DROPOUT_ATTRIBUTES:
+            if isinstance(getattr(module, attribute, None), float):
+                setattr(module, attribute, 0.0)
+    config = getattr(model, "config", None)
+    for attribute in DROPOUT_ATTRIBUTES:
+        if isinstance(getattr(config, attribute, None), float):
+            setattr(config, attribute, 0.0)
 
 
 def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -132,8 +149,14 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
         return -(logps.exp() * logps).sum(dim=-1)
 
 
+class TokenLogps(NamedTuple):
+    logps: torch.Tensor
+    entropy: torch.Tensor | None
+    aux_loss: torch.Tensor | None  # Mixture-of-Experts load-balancing loss, when the model returns it
+
+
 def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                    temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    temperature: float, with_entropy: bool = False) -> TokenLogps:
     """log pi(token_t | tokens_<t) / temperature-scaled, for the last `logits_to_keep` tokens of each row."""
     outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1,
                     use_cache=False)
@@ -141,7 +164,7 @@ def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     targets = input_ids[:, -logits_to_keep:]
     logps = selective_log_softmax(logits, targets)
     entropy = entropy_from_logits(logits) if with_entropy else None
-    return logps, entropy
+    return TokenLogps(logps, entropy, getattr(outputs, "aux_loss", None))
 
 
 @contextlib.contextmanager
@@ -154,3 +177,132 @@ def eval_mode(model: nn.Module):
     finally:
         if was_training:
             model.train()
+
+
+def model_identity(model: nn.Module) -> dict:
+    """What a checkpoint must share with the run resuming it: the base model's name, class and weight shapes."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    shapes = sorted((name, tuple(p.shape)) for name, p in base.named_parameters() if "lora_" not in name)
+    import hashlib
+    digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
+    return {"name_or_path": str(getattr(base.config, "_name_or_path", "")), "class": type(base).__name__,
+            "shapes_digest": digest}
+
+
+# ---------------------------------------------------------------------------------------------------- MoE
+def is_moe(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return config is not None and hasattr(config, "output_router_logits")
+
+
+def resolve_router_aux_loss_coef(model: nn.Module, coef: float | None) -> float:
+    """TRL 1.16 rule: None takes the model's coefficient; a non-zero value on a dense model is an error."""
+    if not is_moe(model):
+        if coef:
+            raise ValueError(f"router_aux_loss_coef={coef} but the model ({type(model).__name__}) is not a "
+                             "Mixture-of-Experts model, so it has no router loss. Fix: leave router_aux_loss_coef "
+                             "unset (None) or 0.0.")
+        return 0.0
+    if coef is None:
+        coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+    model.config.output_router_logits = coef != 0.0
+    return float(coef)
+
+
+# ---------------------------------------------------------------------------------------------------- quantization
+def check_quantization_supported(quantization_config: Any) -> None:
+    """QLoRA loads the base in 4/8 bit through bitsandbytes, which needs its package and a CUDA device."""
+    method = getattr(quantization_config, "quant_method", None)
+    method = getattr(method, "value", method)
+    if method != "bitsandbytes":
+        return
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ImportError("quantization_config (QLoRA) needs bitsandbytes, which is not installed. "
+                          "Fix: pip install bitsandbytes on a machine with a CUDA GPU, or drop "
+                          "quantization_config to train LoRA on a full-precision base.") from err
+    if not torch.cuda.is_available():
+        raise RuntimeError("quantization_config (QLoRA) needs a CUDA GPU: bitsandbytes' 4/8-bit kernels cannot "
+                           "run on this machine (torch.cuda.is_available() is False). Fix: train on a GPU, or drop "
+                           "quantization_config to train LoRA on a full-precision base.")
+
+
+# ---------------------------------------------------------------------------------------------------- PEFT
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Short names of the Linear layers LoRA can target (what `target_modules` matches against)."""
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    return sorted(names)
+
+
+def wrap_with_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool, quantized: bool):
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    if getattr(peft_config, "target_modules", None) == "lm_head" or "lm_head" in (
+            getattr(peft_config, "target_modules", None) or []):
+        raise ValueError("peft_config.target_modules includes 'lm_head': the log-probabilities are read from the "
+                         "output layer, which LoRA would bypass. Fix: target the attention/MLP projections.")
+    if quantized:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    try:
+        peft_model = get_peft_model(model, peft_config)
+    except ValueError as err:
+        if "not found" in str(err) or "match" in str(err):
+            raise ValueError(f"peft_config.target_modules={getattr(peft_config, 'target_modules', None)!r} matches "
+                             f"no layer of {type(model).__name__}. Its Linear layers are: "
+                             f"{', '.join(linear_module_names(model))}. Fix: pick target_modules from that list "
+                             "(or 'all-linear').") from err
+        raise
+    if quantized:  # trainable adapter weights in bf16 next to the 4-bit base, as TRL does
+        for param in peft_model.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
+    return peft_model
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+REFERENCE_ADAPTER = "ref"
+
+
+def add_reference_adapter(model) -> str:
+    """A PeftModel that arrives trained (e.g. an SFT adapter) is its own reference: freeze a copy of the active
+    adapter under the name 'ref'. Returns the name of the trainable adapter."""
+    active = model.active_adapter
+    model.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(model.peft_config[active]))
+    params = dict(model.named_parameters())
+    copied = 0
+    with torch.no_grad():
+        for name, param in params.items():
+            if f".{active}." in name:
+                params[name.replace(f".{active}.", f".{REFERENCE_ADAPTER}.")].copy_(param)
+                copied += 1
+    if copied == 0:
+        raise ValueError(f"could not find the weights of adapter {active!r} to copy into the reference adapter.")
+    model.set_adapter(active)
+    for name, param in model.named_parameters():
+        if f".{REFERENCE_ADAPTER}." in name:
+            param.requires_grad_(False)
+    return active
+
+
+@contextlib.contextmanager
+def reference_adapter(model, trainable_adapter: str | None):
+    """Inside: the model computes the reference policy (the 'ref' adapter, or the base with adapters disabled)."""
+    if trainable_adapter is None or REFERENCE_ADAPTER not in model.peft_config:
+        with model.disable_adapter():
+            yield model
+        return
+    model.set_adapter(REFERENCE_ADAPTER)
+    try:
+        yield model
+    finally:
+        model.set_adapter(trainable_adapter)
+        for name, param in model.named_parameters():
+            if f".{REFERENCE_ADAPTER}." in name:
+                param.requires_grad_(False)

@@ -19,13 +19,16 @@ from torch import nn
 from transformers import PreTrainedModel, Trainer
 
 from rloo import algorithm
+from rloo.callbacks import SyncRefModelCallback
 from rloo.config import RLOOConfig
 from rloo.data import as_completion, check_prompt_dataset, is_conversational, pad_rows, tokenize_prompts
 from rloo.generation import TransformersGenerator
 from rloo.generation.transformers_backend import build_generation_config
 from rloo.metrics import MetricBuffer, nanmean, nanstd_value, tensor_stats
-from rloo.models import (create_reference_model, disable_dropout, eos_token_ids, load_causal_lm, load_reward_model,
-                         load_tokenizer, per_token_logps, prepare_tokenizer, text_tokenizer_of)
+from rloo.models import (add_reference_adapter, create_reference_model, disable_dropout, eos_token_ids, is_peft_model,
+                         load_causal_lm, load_reward_model, load_tokenizer, model_identity, per_token_logps,
+                         prepare_tokenizer, reference_adapter, resolve_router_aux_loss_coef, text_tokenizer_of,
+                         check_quantization_supported, wrap_with_peft)
 from rloo.rewards.runner import RewardFunctionError, RewardRunner, is_async_reward
 from rloo.sampling import RepeatSampler, shuffle_rows, split_rows
 
@@ -53,7 +56,8 @@ class RLOOTrainer(Trainer):
             args = RLOOConfig(output_dir=f"{str(model_id).rstrip('/').split('/')[-1]}-RLOO")
         elif not isinstance(args, RLOOConfig):
             raise TypeError(f"args must be an RLOOConfig, got {type(args).__name__}")
-        self._check_inputs_before_loading(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes)
+        self._check_inputs_before_loading(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes,
+                                          model, quantization_config, peft_config)
 
         # Policy.
         if isinstance(model, str):
@@ -66,6 +70,7 @@ class RLOOTrainer(Trainer):
             model = load_causal_lm(model, init_kwargs, args.trust_remote_code)
         elif args.model_init_kwargs or quantization_config is not None:
             warnings.warn("model is already instantiated: model_init_kwargs and quantization_config are ignored.")
+        self._model_identity = model_identity(model)
 
         # Tokenizer / processor.
         if processing_class is None:
@@ -77,17 +82,18 @@ class RLOOTrainer(Trainer):
         if getattr(model.generation_config, "pad_token_id", None) is None:
             model.generation_config.pad_token_id = self.pad_token_id
 
-        # PEFT: the reference policy is the same network with the adapter disabled.
-        self._is_peft = False
+        # PEFT: the reference policy is the network with the adapter disabled (new adapter) or a frozen copy of the
+        # adapter it arrived with (a PeftModel passed in, e.g. after SFT).
+        self._trainable_adapter = None
         if peft_config is not None:
-            from peft import PeftModel, get_peft_model
-            if isinstance(model, PeftModel):
-                raise ValueError("model is already a PeftModel and peft_config is also given; pass only one.")
-            model = get_peft_model(model, peft_config)
-        if type(model).__name__.startswith("Peft"):
-            self._is_peft = True
-            if args.gradient_checkpointing:
-                model.enable_input_require_grads()
+            quantized = bool(getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False))
+            model = wrap_with_peft(model, peft_config, args.gradient_checkpointing, quantized)
+        elif is_peft_model(model) and args.beta != 0.0:
+            self._trainable_adapter = add_reference_adapter(model)
+        self._is_peft = is_peft_model(model)
+        if self._is_peft and args.gradient_checkpointing:
+            model.enable_input_require_grads()
+        self.router_aux_loss_coef = resolve_router_aux_loss_coef(model, args.router_aux_loss_coef)
 
         # Reward functions and reward models.
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -114,6 +120,8 @@ class RLOOTrainer(Trainer):
         self.ref_model = None
         if args.beta != 0.0 and not self._is_peft:
             self.ref_model = self.accelerator.prepare_model(create_reference_model(self.model), evaluation_mode=True)
+        if args.sync_ref_model:
+            self.add_callback(SyncRefModelCallback(self))
         for index, func in enumerate(self.reward_funcs):
             if isinstance(func, PreTrainedModel):
                 func.eval()
@@ -132,8 +140,30 @@ class RLOOTrainer(Trainer):
 
     # ------------------------------------------------------------------ validation before any compute
     @staticmethod
-    def _check_inputs_before_loading(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes):
+    def _check_inputs_before_loading(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes,
+                                     model, quantization_config, peft_config):
+        if train_dataset is None:
+            raise ValueError("train_dataset is required: pass a Dataset or IterableDataset with a 'prompt' column.")
+        if not isinstance(train_dataset, (Dataset, IterableDataset)):
+            raise TypeError(f"train_dataset must be a datasets.Dataset or IterableDataset, got "
+                            f"{type(train_dataset).__name__}. Fix: datasets.Dataset.from_list(rows).")
         check_prompt_dataset(train_dataset, "train_dataset")
+        quantized = quantization_config is not None or "quantization_config" in (args.model_init_kwargs or {})
+        if quantized and peft_config is None:
+            raise ValueError("quantization_config is set without peft_config: a 4/8-bit base model cannot be "
+                             "trained directly. Fix: also pass peft_config=LoraConfig(...) (QLoRA).")
+        if quantized:
+            check_quantization_supported(quantization_config or args.model_init_kwargs["quantization_config"])
+        if args.sync_ref_model:
+            if args.beta == 0.0:
+                raise ValueError("sync_ref_model=True but beta=0.0: without the KL penalty there is no reference "
+                                 "model to synchronise. Fix: set beta > 0 or sync_ref_model=False.")
+            if peft_config is not None or is_peft_model(model):
+                raise NotImplementedError("sync_ref_model=True is not supported with PEFT: the reference is the "
+                                          "base model (adapter disabled), which is frozen. Fix: sync_ref_model=False.")
+        if args.eval_strategy != "no" and eval_dataset is None:
+            raise ValueError(f"eval_strategy={args.eval_strategy!r} but no eval_dataset was given. Fix: pass "
+                             "eval_dataset=... or set eval_strategy='no'.")
         if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
             raise ValueError("train_dataset is an IterableDataset, whose length is unknown: set max_steps "
                              "(e.g. RLOOConfig(max_steps=1000)).")
@@ -315,15 +345,14 @@ class RLOOTrainer(Trainer):
     def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
         parts = []
         for start in range(0, input_ids.size(0), chunk):
-            logps, _ = per_token_logps(model, input_ids[start:start + chunk], attention_mask[start:start + chunk],
-                                       logits_to_keep, self.args.temperature)
-            parts.append(logps)
+            parts.append(per_token_logps(model, input_ids[start:start + chunk], attention_mask[start:start + chunk],
+                                         logits_to_keep, self.args.temperature).logps)
         return torch.cat(parts, dim=0)
 
     def _reference_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
         if self.ref_model is not None:
             return self._chunked_logps(self.ref_model, input_ids, attention_mask, logits_to_keep, chunk)
-        with unwrapped.disable_adapter():  # PEFT: base weights are the reference policy
+        with reference_adapter(unwrapped, self._trainable_adapter):  # PEFT: base (or frozen copy) is the reference
             return self._chunked_logps(unwrapped, input_ids, attention_mask, logits_to_keep, chunk)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -333,8 +362,9 @@ class RLOOTrainer(Trainer):
         completion_mask = inputs["completion_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
-        token_logps, entropy = per_token_logps(model, input_ids, attention_mask, inputs["completion_ids"].size(1),
-                                               self.args.temperature, with_entropy=True)
+        token_logps, entropy, aux_loss = per_token_logps(model, input_ids, attention_mask,
+                                                         inputs["completion_ids"].size(1), self.args.temperature,
+                                                         with_entropy=True)
         old_logps = inputs.get("old_logps")
         if old_logps is None:  # on-policy: pi_old is the current policy, ratio exactly 1
             old_logps = (token_logps * completion_mask).sum(dim=1).detach()
@@ -344,6 +374,9 @@ class RLOOTrainer(Trainer):
         entropy_sum = gather((entropy * completion_mask).sum().reshape(1))
         token_count = gather(completion_mask.sum().reshape(1).float())
         self._metrics.add(mode, "entropy", entropy_sum.sum() / token_count.sum().clamp(min=1.0))
+        if self.router_aux_loss_coef != 0.0 and aux_loss is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss
+            self._metrics.add(mode, "aux_loss", gather(aux_loss.detach().reshape(1)).mean())
         low, high, region = gather(clipped["low"]), gather(clipped["high"]), gather(clipped["region"])
         self._metrics.add(mode, "clip_ratio/low_mean", low.mean())
         self._metrics.add(mode, "clip_ratio/low_min", low.min())
@@ -417,20 +450,37 @@ class RLOOTrainer(Trainer):
         os.makedirs(state_dir, exist_ok=True)
         state = {"step": self._step, "buffered_inputs": self._buffered_inputs,
                  "num_generations": self.args.num_generations,
-                 "generation_batch_size": self.args.generation_batch_size}
+                 "generation_batch_size": self.args.generation_batch_size, "model": self._model_identity}
         path = os.path.join(state_dir, f"rank{self.accelerator.process_index}.pt")
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # Check compatibility before any weight is loaded, so a mismatch is a clear error, not a state-dict one.
         path = os.path.join(resume_from_checkpoint, STATE_DIR, f"rank{self.accelerator.process_index}.pt")
-        if not os.path.exists(path):
-            return
-        state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+        state = torch.load(path, map_location=self.accelerator.device, weights_only=False) \
+            if os.path.exists(path) else None
+        if state is not None:
+            self._check_checkpoint_compatible(resume_from_checkpoint, state)
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if state is not None:
+            self._step = state["step"]
+            self._buffered_inputs = state["buffered_inputs"]
+
+    def _check_checkpoint_compatible(self, checkpoint: str, state: dict) -> None:
         if state["num_generations"] != self.args.num_generations:
-            raise ValueError(f"checkpoint {resume_from_checkpoint} was trained with num_generations="
-                             f"{state['num_generations']}, this run has {self.args.num_generations}: the prompt "
-                             "groups would not line up. Resume with the same num_generations or start a new run.")
-        self._step = state["step"]
-        self._buffered_inputs = state["buffered_inputs"]
+            raise ValueError(f"checkpoint {checkpoint} was trained with num_generations={state['num_generations']}, "
+                             f"this run has {self.args.num_generations}: the prompt groups would not line up. "
+                             "Fix: resume with the same num_generations, or start a new run in another output_dir.")
+        saved, current = state.get("model"), self._model_identity
+        if saved is not None and (saved["class"], saved["shapes_digest"]) != (current["class"],
+                                                                              current["shapes_digest"]):
+            raise ValueError(f"checkpoint {checkpoint} was trained from a different model ({saved['class']} "
+                             f"{saved['name_or_path']!r}, weights {saved['shapes_digest']}) than this run "
+                             f"({current['class']} {current['name_or_path']!r}, weights {current['shapes_digest']}). "
+                             "Fix: resume with the model the checkpoint was trained from, or start a new run in "
+                             "another output_dir.")
+        if state["generation_batch_size"] != self.args.generation_batch_size:
+            warnings.warn(f"checkpoint {checkpoint} used generation_batch_size={state['generation_batch_size']}, "
+                          f"this run uses {self.args.generation_batch_size}: the resumed run will not replay the "
+                          "same prompt order.")

@@ -6,34 +6,11 @@ import time
 
 import pytest
 import torch
-from datasets import Dataset
 
-from rloo import RLOOConfig, RLOOTrainer
+from rloo import RLOOTrainer
 from rloo.testing import save_tiny, tiny_causal_lm, tiny_reward_model, tiny_tokenizer
 
-WORDS = ["the dog", "a big cat", "one two", "what is", "red mat", "sat on", "good dog", "small blue"]
-
-
-def conversational(n=8):
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": WORDS[i % len(WORDS)]}], "tag": i}
-                              for i in range(n)])
-
-
-def standard(n=8):
-    return Dataset.from_list([{"prompt": WORDS[i % len(WORDS)], "tag": i} for i in range(n)])
-
-
-def make_args(tmp_path, **kwargs):
-    settings = dict(output_dir=str(tmp_path / "out"), bf16=False, use_cpu=True, per_device_train_batch_size=4,
-                    num_generations=2, max_completion_length=6, learning_rate=0.05, logging_steps=1, max_steps=2,
-                    report_to="none", save_strategy="no", beta=0.0, disable_tqdm=True)
-    settings.update(kwargs)
-    return RLOOConfig(**settings)
-
-
-def length_reward(completion_ids, **kwargs):
-    return [float(len(ids)) for ids in completion_ids]
-
+from helpers import conversational, length_reward, make_args, standard
 
 def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
     cat = tokenizer.convert_tokens_to_ids("cat")

@@ -1,0 +1,155 @@
+"""Model handling: PEFT (new adapter and PeftModel in), QLoRA refusal, init kwargs, dropout, remote code, MoE, GC."""
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from rloo import RLOOTrainer
+from rloo.testing import save_remote_code_model, save_tiny, tiny_causal_lm, tiny_moe_causal_lm
+
+from helpers import conversational, length_reward, logged, make_args
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def snapshot(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_lora_trains_adapter_only_and_reference_is_the_base(tmp_path, tokenizer, model):
+    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, beta=0.05, max_steps=3),
+                          train_dataset=conversational(), processing_class=tokenizer,
+                          peft_config=LoraConfig(**LORA))
+    assert trainer.ref_model is None
+    before = snapshot(trainer.model)
+    trainer.train()
+    after = snapshot(trainer.model)
+    lora = [n for n in before if "lora_" in n]
+    base = [n for n in before if "lora_" not in n]
+    assert len(lora) == 8 and base
+    assert all(torch.equal(before[n], after[n]) for n in base), "base weights must never change"
+    assert all(not torch.equal(before[n], after[n]) for n in lora if "lora_B" in n)
+    assert logged(trainer, "kl")[-1] > 0  # policy moved away from the adapter-free reference
+
+
+def test_peft_model_passed_in_keeps_its_adapter_as_reference(tmp_path, tokenizer, model):
+    peft_model = get_peft_model(model, LoraConfig(**LORA))
+    with torch.no_grad():  # a "trained" adapter (e.g. after SFT): the reference must include it
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    initial = copy.deepcopy(peft_model)
+    trainer = RLOOTrainer(model=peft_model, reward_funcs=length_reward,
+                          args=make_args(tmp_path, beta=0.05, max_steps=2), train_dataset=conversational(),
+                          processing_class=tokenizer)
+    assert "ref" in trainer.model.peft_config
+    trainer.train()
+    ids = torch.tensor([[3, 10, 11, 12, 13]])
+    with torch.no_grad():
+        expected = initial(input_ids=ids).logits
+        from rloo.models import reference_adapter
+        with reference_adapter(trainer.model, trainer._trainable_adapter):
+            reference = trainer.model(input_ids=ids).logits
+        live = trainer.model(input_ids=ids).logits
+    assert torch.allclose(reference, expected, atol=1e-6)  # reference = the adapter as it arrived
+    assert not torch.allclose(live, expected, atol=1e-4)  # the trainable copy moved
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".default." in n for n in trainable)
+
+
+def test_peft_targets_matching_nothing(tmp_path, tokenizer, model):
+    with pytest.raises(ValueError, match=r"target_modules=.*nope.*matches no layer.*q_proj"):
+        RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path),
+                    train_dataset=conversational(), processing_class=tokenizer,
+                    peft_config=LoraConfig(r=4, target_modules=["nope"]))
+
+
+def test_quantization_needs_peft_and_bitsandbytes(tmp_path, tokenizer, model):
+    from transformers import BitsAndBytesConfig
+    quantization = BitsAndBytesConfig(load_in_4bit=True)
+    with pytest.raises(ValueError, match="quantization_config is set without peft_config"):
+        RLOOTrainer(model="/nonexistent/model", reward_funcs=length_reward, args=make_args(tmp_path),
+                    train_dataset=conversational(), quantization_config=quantization)
+    with pytest.raises((ImportError, RuntimeError), match="QLoRA.*(bitsandbytes|CUDA GPU)"):
+        RLOOTrainer(model="/nonexistent/model", reward_funcs=length_reward, args=make_args(tmp_path),
+                    train_dataset=conversational(), quantization_config=quantization,
+                    peft_config=LoraConfig(**LORA))
+
+
+def test_model_init_kwargs_and_float32_default(tmp_path, tokenizer, model):
+    model_dir, _ = save_tiny(str(tmp_path / "policy"), model.to(torch.bfloat16), tokenizer)
+    default = RLOOTrainer(model=model_dir, reward_funcs=length_reward, args=make_args(tmp_path),
+                          train_dataset=conversational(), processing_class=tokenizer)
+    assert next(default.model.parameters()).dtype == torch.float32  # not the checkpoint's bf16
+    chosen = RLOOTrainer(model=model_dir, reward_funcs=length_reward,
+                         args=make_args(tmp_path, model_init_kwargs='{"dtype": "bfloat16"}'),
+                         train_dataset=conversational(), processing_class=tokenizer)
+    assert next(chosen.model.parameters()).dtype == torch.bfloat16
+
+
+def test_disable_dropout_makes_training_forward_deterministic(tmp_path, tokenizer):
+    model = tiny_causal_lm(tokenizer, attention_dropout=0.5).train()
+    ids = torch.tensor([[3, 10, 11, 12, 13, 14]])
+    assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+    RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, disable_dropout=True),
+                train_dataset=conversational(), processing_class=tokenizer)
+    model.train()
+    assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_remote_code_refused_without_trust_remote_code(tmp_path, tokenizer):
+    path = save_remote_code_model(str(tmp_path / "remote"), tokenizer)
+    with pytest.raises(ValueError, match="custom code.*trust_remote_code=True"):
+        RLOOTrainer(model=path, reward_funcs=length_reward, args=make_args(tmp_path),
+                    train_dataset=conversational(), processing_class=tokenizer)
+    trainer = RLOOTrainer(model=path, reward_funcs=length_reward, args=make_args(tmp_path, trust_remote_code=True),
+                          train_dataset=conversational(), processing_class=tokenizer)
+    assert type(trainer.model).__name__ == "RemoteForCausalLM"
+
+
+def test_moe_router_aux_loss_is_added_and_logged(tmp_path, tokenizer):
+    model = tiny_moe_causal_lm(tokenizer)
+    # One micro-batch holds whole groups, on-policy: the surrogate's value is -mean(A) = 0, so the logged loss
+    # is exactly coef * aux_loss.
+    trainer = RLOOTrainer(model=model, reward_funcs=length_reward,
+                          args=make_args(tmp_path, router_aux_loss_coef=0.5, max_steps=2),
+                          train_dataset=conversational(), processing_class=tokenizer)
+    trainer.train()
+    aux, loss = logged(trainer, "aux_loss"), logged(trainer, "loss")
+    assert len(aux) == 2 and all(a > 0 for a in aux)
+    for a, value in zip(aux, loss):
+        assert value == pytest.approx(0.5 * a, abs=1e-4)
+
+
+def test_moe_default_coefficient_and_off(tmp_path, tokenizer):
+    default = RLOOTrainer(model=tiny_moe_causal_lm(tokenizer, router_aux_loss_coef=0.02), reward_funcs=length_reward,
+                          args=make_args(tmp_path), train_dataset=conversational(), processing_class=tokenizer)
+    assert default.router_aux_loss_coef == 0.02
+    off = RLOOTrainer(model=tiny_moe_causal_lm(tokenizer), reward_funcs=length_reward,
+                      args=make_args(tmp_path, router_aux_loss_coef=0.0, max_steps=1), train_dataset=conversational(),
+                      processing_class=tokenizer)
+    off.train()
+    assert not logged(off, "aux_loss")
+
+
+def test_router_aux_loss_on_dense_model_is_an_error(tmp_path, tokenizer, model):
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.01.*not a Mixture-of-Experts"):
+        RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, router_aux_loss_coef=0.01),
+                    train_dataset=conversational(), processing_class=tokenizer)
+
+
+def test_gradient_checkpointing_on_and_off_give_the_same_update(tmp_path, tokenizer):
+    results = {}
+    for checkpointing in (True, False):
+        model = tiny_causal_lm(tokenizer)
+        trainer = RLOOTrainer(model=model, reward_funcs=length_reward,
+                              args=make_args(tmp_path / str(checkpointing), gradient_checkpointing=checkpointing,
+                                             max_steps=2, beta=0.05),
+                              train_dataset=conversational(), processing_class=tokenizer)
+        trainer.train()
+        assert model.is_gradient_checkpointing == checkpointing
+        results[checkpointing] = snapshot(model)
+    for name, value in results[True].items():
+        assert torch.allclose(value, results[False][name], atol=1e-6), name
