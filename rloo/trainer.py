@@ -20,6 +20,7 @@ from transformers import PreTrainedModel, Trainer
 
 from rloo import algorithm
 from rloo.callbacks import SyncRefModelCallback
+from rloo.completion_log import CompletionLog, log_table_to_mlflow, print_table
 from rloo.config import RLOOConfig
 from rloo.data import as_completion, check_prompt_dataset, is_conversational, pad_rows, tokenize_prompts
 from rloo.generation import TransformersGenerator
@@ -131,6 +132,8 @@ class RLOOTrainer(Trainer):
         self.generator = TransformersGenerator(generation_config, self.pad_token_id, self.eos_token_ids,
                                                args.pad_to_multiple_of)
         self._metrics = MetricBuffer()
+        self._logs = CompletionLog(args.generation_batch_size)
+        self._logs_fresh = False
         self._step = 0
         self._buffered_inputs: list[dict] | None = None
         self._step_time = 0.0
@@ -200,7 +203,12 @@ class RLOOTrainer(Trainer):
             if not isinstance(func, PreTrainedModel):
                 continue
             if tokenizer is None:
-                tokenizer = load_tokenizer(func.config._name_or_path, args.trust_remote_code)
+                source = getattr(func.config, "_name_or_path", "")
+                if not source:
+                    raise ValueError(f"reward_funcs[{index}] is a reward model object built in memory, so its tokenizer "
+                                     "cannot be loaded from a path. Fix: pass reward_processing_classes with its "
+                                     "tokenizer at that position (None for function entries).")
+                tokenizer = load_tokenizer(source, args.trust_remote_code)
             if tokenizer.pad_token_id is None:
                 if tokenizer.eos_token is None:
                     raise ValueError(f"reward_processing_classes[{index}] has neither pad nor EOS token; set one.")
@@ -332,6 +340,8 @@ class RLOOTrainer(Trainer):
             rewards_per_func, self.reward_weights.to(device), num_generations, kl=kl, beta=args.beta,
             reward_clip_range=args.reward_clip_range, normalize=args.normalize_advantages)
         self._log_rewards(mode, rewards_per_func, shaped, num_generations, extra)
+        if args.log_completions:
+            self._record_completions(prompts, texts, rewards_per_func, advantages, extra.columns)
 
         local = len(prompts)
         start = self.accelerator.process_index * local
@@ -436,12 +446,35 @@ class RLOOTrainer(Trainer):
         for name, (total, count) in sorted(totals.items()):
             self._metrics.add(mode, name, total / max(count, 1))
 
+    def _record_completions(self, prompts, texts, rewards_per_func, advantages, extra_columns) -> None:
+        per_rank = [(len(texts), extra_columns)]
+        if self.accelerator.num_processes > 1:
+            prompts, texts = gather_object(list(prompts)), gather_object(list(texts))
+            per_rank = gather_object(per_rank)
+        keys = sorted({key for _, columns in per_rank for key in columns})
+        extra = {key: [value for rows, columns in per_rank for value in (columns.get(key) or [None] * rows)]
+                 for key in keys}
+        rewards = {name: rewards_per_func[:, index].tolist() for index, name in enumerate(self.reward_func_names)}
+        self._logs.record(prompts, texts, rewards, advantages.tolist(), extra)
+        self._logs_fresh = True
+
+    def _log_completions(self) -> None:
+        args = self.args
+        if not (args.log_completions and self.accelerator.is_main_process and self._logs_fresh):
+            return
+        self._logs_fresh = False
+        rows = self._logs.rows(self.state.global_step, args.log_unique_prompts)
+        print_table(rows, self.state.global_step, args.num_completions_to_print, seed=args.seed)
+        if "mlflow" in (args.report_to or []):
+            log_table_to_mlflow(rows, self.state.global_step)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics.flush(mode)
         if mode == "eval":
             metrics = {f"eval_{key}": value for key, value in metrics.items()}
         super().log({**logs, **metrics}, start_time)
+        self._log_completions()
 
     # ------------------------------------------------------------------ checkpoints
     def _save_rng_state(self, output_dir: str) -> None:

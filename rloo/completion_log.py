@@ -1,0 +1,104 @@
+"""Samples of (prompt, completion, rewards, advantage) from the latest generation batch, for people to read.
+
+The trainer records the gathered rows of every generation; at each log step the main process prints them as a
+rich table in the terminal and, when `report_to` includes mlflow and a run is active, logs the same table with
+`mlflow.log_table` (TRL only sends it to wandb/trackio)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from typing import Any
+
+COLUMNS_BEFORE_REWARDS = ("step", "prompt", "completion")
+
+
+def as_text(value: Any) -> str:
+    """Conversational prompts/completions are message lists: show them as `role: content` lines."""
+    if isinstance(value, list) and value and isinstance(value[0], dict) and "content" in value[0]:
+        return "\n".join(f"{m.get('role', '?')}: {m['content']}" for m in value)
+    return str(value)
+
+
+class CompletionLog:
+    """TRL-compatible buffers (`prompt`, `completion`, `rewards[name]`, `advantages`, `extra[column]`) holding the
+    rows of the latest generation batch (deques of length generation_batch_size)."""
+
+    def __init__(self, maxlen: int):
+        self.maxlen = maxlen
+        self.prompt: deque = deque(maxlen=maxlen)
+        self.completion: deque = deque(maxlen=maxlen)
+        self.rewards: dict[str, deque] = {}
+        self.advantages: deque = deque(maxlen=maxlen)
+        self.extra: dict[str, deque] = {}
+
+    def __getitem__(self, key: str):  # TRL code reads trainer._logs["extra"] etc.
+        return getattr(self, key)
+
+    def record(self, prompts: list, completions: list, rewards: dict[str, list[float]], advantages: list[float],
+               extra: dict[str, list]) -> None:
+        self.prompt.extend(as_text(p) for p in prompts)
+        self.completion.extend(as_text(c) for c in completions)
+        for name, values in rewards.items():
+            self.rewards.setdefault(name, deque(maxlen=self.maxlen)).extend(values)
+        self.advantages.extend(advantages)
+        for column, values in extra.items():
+            self.extra.setdefault(column, deque(maxlen=self.maxlen)).extend(values)
+
+    def rows(self, step: int, unique_prompts: bool = False) -> list[dict]:
+        rows, seen = [], set()
+        for index, prompt in enumerate(self.prompt):
+            if unique_prompts:
+                if prompt in seen:
+                    continue
+                seen.add(prompt)
+            row = {"step": step, "prompt": prompt, "completion": self.completion[index]}
+            for name, values in self.rewards.items():
+                row[name] = values[index] if index < len(values) else None
+            for column, values in self.extra.items():
+                row[column] = values[index] if index < len(values) else None
+            row["advantage"] = self.advantages[index]
+            rows.append(row)
+        return rows
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return "None" if math.isnan(value) else f"{value:.2f}"
+    return "None" if value is None else str(value)
+
+
+def print_table(rows: list[dict], step: int, num_to_print: int | None, seed: int = 0, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    if num_to_print is not None and len(rows) > num_to_print:
+        rows = random.Random(seed + step).sample(rows, num_to_print)
+    if not rows:
+        return
+    table = Table(title=f"Completions at step {step}", show_lines=True)
+    for column in rows[0]:
+        if column != "step":
+            table.add_column(column, overflow="fold", style="bold cyan" if column == "advantage" else None)
+    for row in rows:
+        table.add_row(*[_cell(value) for key, value in row.items() if key != "step"])
+    (console or Console()).print(table)
+
+
+def log_table_to_mlflow(rows: list[dict], step: int) -> bool:
+    """Append the rows to the active MLflow run's `completions/step_<N>.json` table; False when no run is active."""
+    try:
+        import mlflow
+    except ImportError:
+        return False
+    if not rows or mlflow.active_run() is None:
+        return False
+    columns = {key: [_json_safe(row[key]) for row in rows] for key in rows[0]}
+    mlflow.log_table(data=columns, artifact_file=f"completions/step_{step:07d}.json")
+    return True
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
