@@ -68,3 +68,16 @@ def split_rows(batch: dict[str, torch.Tensor | list], num_chunks: int) -> list[d
         raise ValueError(f"cannot split {size} rows into {num_chunks} equal micro-batches")
     step = size // num_chunks
     return [{key: value[i * step:(i + 1) * step] for key, value in batch.items()} for i in range(num_chunks)]
+
+
+def _repeat_rows(batch: dict[str, list], mini_repeat_count: int, repeat_count: int) -> dict[str, list]:
+    size = len(next(iter(batch.values())))
+    order = [row for _ in range(repeat_count) for row in range(size) for _ in range(mini_repeat_count)]
+    return {column: [values[row] for row in order] for column, values in batch.items()}
+
+
+def repeat_iterable(dataset, batch_size: int, mini_repeat_count: int, repeat_count: int = 1):
+    """The RepeatSampler's order for a streaming dataset: chunks of `batch_size` unique rows (a trailing incomplete
+    chunk dropped), each chunk `repeat_count` times, each row `mini_repeat_count` times in a row."""
+    return dataset.map(_repeat_rows, batched=True, batch_size=batch_size, drop_last_batch=True,
+                       fn_kwargs={"mini_repeat_count": mini_repeat_count, "repeat_count": repeat_count})

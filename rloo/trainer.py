@@ -31,7 +31,7 @@ from rloo.models import (add_reference_adapter, create_reference_model, disable_
                          prepare_tokenizer, reference_adapter, resolve_router_aux_loss_coef, text_tokenizer_of,
                          check_quantization_supported, wrap_with_peft)
 from rloo.rewards.runner import RewardFunctionError, RewardRunner, is_async_reward
-from rloo.sampling import RepeatSampler, shuffle_rows, split_rows
+from rloo.sampling import RepeatSampler, repeat_iterable, shuffle_rows, split_rows
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ class RLOOTrainer(Trainer):
         if args.disable_dropout:
             disable_dropout(model)
 
+        self._prepare_for_iterable_datasets(args, train_dataset, eval_dataset)
         set_seed(args.seed)
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
@@ -134,6 +135,8 @@ class RLOOTrainer(Trainer):
         self._metrics = MetricBuffer()
         self._logs = CompletionLog(args.generation_batch_size)
         self._logs_fresh = False
+        self._eval_prefix = "eval"
+        self._last_eval_metrics: dict[str, float | None] = {}
         self._step = 0
         self._buffered_inputs: list[dict] | None = None
         self._step_time = 0.0
@@ -165,7 +168,8 @@ class RLOOTrainer(Trainer):
                 raise NotImplementedError("sync_ref_model=True is not supported with PEFT: the reference is the "
                                           "base model (adapter disabled), which is frozen. Fix: sync_ref_model=False.")
         if args.eval_strategy != "no" and eval_dataset is None:
-            raise ValueError(f"eval_strategy={args.eval_strategy!r} but no eval_dataset was given. Fix: pass "
+            strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
+            raise ValueError(f"eval_strategy={strategy!r} but no eval_dataset was given. Fix: pass "
                              "eval_dataset=... or set eval_strategy='no'.")
         if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
             raise ValueError("train_dataset is an IterableDataset, whose length is unknown: set max_steps "
@@ -191,6 +195,34 @@ class RLOOTrainer(Trainer):
                 and len(funcs) != 1:
             raise ValueError("a single reward_processing_class was given for several reward functions; "
                              "pass a list with one entry per reward function.")
+
+    @staticmethod
+    def _prepare_for_iterable_datasets(args, train_dataset, eval_dataset) -> None:
+        """Streaming datasets: every process reads its own slice of each global batch (no dispatch from rank 0,
+        which cannot carry string/message columns), as TRL does."""
+        evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+        if not any(isinstance(d, IterableDataset) for d in [train_dataset, *evals]):
+            return
+        if args.accelerator_config.dispatch_batches:
+            raise ValueError("accelerator_config.dispatch_batches=True cannot be used with an IterableDataset here: "
+                             "prompts are strings or message lists, which rank 0 cannot dispatch as tensors. "
+                             "Fix: leave dispatch_batches unset (it is set to False).")
+        args.accelerator_config.dispatch_batches = False
+
+    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
+                        dataloader_key=None):
+        if not isinstance(dataset, IterableDataset):
+            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+        # A stream of one shard would be read once per worker: load it in the main process.
+        names = ("dataloader_num_workers", "dataloader_persistent_workers", "dataloader_prefetch_factor")
+        saved = {name: getattr(self.args, name) for name in names}
+        for name, value in zip(names, (0, False, None)):
+            setattr(self.args, name, value)
+        try:
+            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+        finally:
+            for name, value in saved.items():
+                setattr(self.args, name, value)
 
     @staticmethod
     def _reward_processing_classes(reward_funcs, classes, args) -> list:
@@ -226,7 +258,9 @@ class RLOOTrainer(Trainer):
             return
         rows = dataset.select(range(min(len(dataset), 2)))
         prompts = list(rows["prompt"])
-        columns = {c: list(rows[c]) for c in rows.column_names if c != "prompt"}
+        kept = [c for c in rows.column_names if c != "prompt" and (not args.remove_unused_columns or c in
+                                                                  ("image", "images"))]
+        columns = {c: list(rows[c]) for c in kept}
         conversational = is_conversational(prompts[0])
         completions = [as_completion("", conversational) for _ in prompts]
         probe = RewardRunner([self.reward_funcs[i] for i in sync_funcs], [None] * len(sync_funcs))
@@ -249,10 +283,42 @@ class RLOOTrainer(Trainer):
     def get_train_dataloader(self):
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
+        args, dataset = self.args, self.train_dataset
+        if isinstance(dataset, IterableDataset):  # no sampler: the same order, built into the stream
+            if args.shuffle_dataset:
+                dataset = dataset.shuffle(seed=args.seed)
+            dataset = repeat_iterable(dataset, args.generation_batch_size // args.num_generations, args.num_generations,
+                                      args.num_iterations * args.steps_per_generation)
         # One dataloader batch = this process's share of a whole generation batch.
-        return self._get_dataloader(dataset=self.train_dataset, description="Training",
-                                    batch_size=self._train_batch_size * self.args.steps_per_generation,
+        return self._get_dataloader(dataset=dataset, description="Training",
+                                    batch_size=self._train_batch_size * args.steps_per_generation,
                                     sampler_fn=self._get_train_sampler, is_training=True)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else (
+            eval_dataset if eval_dataset is not None else self.eval_dataset)
+        generations = self._num_generations("eval")
+        eval_batch = self.args.per_device_eval_batch_size * self.accelerator.num_processes
+        if eval_batch % generations != 0:
+            raise ValueError(f"The global eval batch size ({eval_batch} = per_device_eval_batch_size "
+                             f"{self.args.per_device_eval_batch_size} x {self.accelerator.num_processes} processes) "
+                             f"must be divisible by num_generations_eval ({generations}) so that every batch holds "
+                             "whole prompt groups.")
+        if isinstance(dataset, IterableDataset):
+            dataset = repeat_iterable(dataset, 1, generations)
+        return super().get_eval_dataloader(dataset)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Trainer.evaluate, with the RLOO metrics (reward, completions/*, ...) under the same prefix as the loss:
+        `eval_` for one dataset, `eval_<name>_` for each entry of a dict / DatasetDict."""
+        previous, self._eval_prefix = self._eval_prefix, metric_key_prefix
+        try:
+            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            self._eval_prefix = previous
+        if not isinstance(eval_dataset if eval_dataset is not None else self.eval_dataset, dict):
+            metrics.update(self._last_eval_metrics)
+        return metrics
 
     def _get_train_sampler(self, dataset=None):
         dataset = dataset if dataset is not None else self.train_dataset
@@ -472,7 +538,8 @@ class RLOOTrainer(Trainer):
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics.flush(mode)
         if mode == "eval":
-            metrics = {f"eval_{key}": value for key, value in metrics.items()}
+            metrics = {f"{self._eval_prefix}_{key}": value for key, value in metrics.items()}
+            self._last_eval_metrics = metrics
         super().log({**logs, **metrics}, start_time)
         self._log_completions()
 
