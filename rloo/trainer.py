@@ -23,7 +23,7 @@ from rloo.callbacks import SyncRefModelCallback
 from rloo.completion_log import CompletionLog, log_table_to_mlflow, print_table
 from rloo.config import RLOOConfig
 from rloo.data import as_completion, check_prompt_dataset, is_conversational, pad_rows, tokenize_prompts
-from rloo.generation import TransformersGenerator
+from rloo.generation import ContinuousBatchingGenerator, TransformersGenerator
 from rloo.generation.transformers_backend import build_generation_config
 from rloo.metrics import MetricBuffer, nanmean, nanstd_value, tensor_stats
 from rloo.models import (add_reference_adapter, create_reference_model, disable_dropout, eos_token_ids, is_peft_model,
@@ -130,8 +130,12 @@ class RLOOTrainer(Trainer):
                 self.reward_funcs[index] = self.accelerator.prepare_model(func, evaluation_mode=True)
 
         generation_config = build_generation_config(args, self.pad_token_id, tokenizer.bos_token_id, self.eos_token_ids)
-        self.generator = TransformersGenerator(generation_config, self.pad_token_id, self.eos_token_ids,
-                                               args.pad_to_multiple_of)
+        if args.use_transformers_continuous_batching:
+            self.generator = ContinuousBatchingGenerator(generation_config, self.eos_token_ids,
+                                                         args.transformers_continuous_batching_config)
+        else:
+            self.generator = TransformersGenerator(generation_config, self.pad_token_id, self.eos_token_ids,
+                                                   args.pad_to_multiple_of)
         self._metrics = MetricBuffer()
         self._logs = CompletionLog(args.generation_batch_size)
         self._logs_fresh = False

@@ -1,5 +1,6 @@
 """Generation backends: each turns prompt token ids into completion token ids."""
 
+from rloo.generation.continuous_batching import ContinuousBatchingGenerator
 from rloo.generation.transformers_backend import TransformersGenerator
 
-__all__ = ["TransformersGenerator"]
+__all__ = ["ContinuousBatchingGenerator", "TransformersGenerator"]
