@@ -36,6 +36,12 @@ from rloo.sampling import RepeatSampler, repeat_iterable, shuffle_rows, split_ro
 logger = logging.getLogger(__name__)
 
 STATE_DIR = "rloo_state"
+REFERENCE_FILE = "ref_model.pt"
+
+
+def _atomic_save(obj, path: str) -> None:
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def _identity(batch):
@@ -556,8 +562,10 @@ class RLOOTrainer(Trainer):
                  "num_generations": self.args.num_generations,
                  "generation_batch_size": self.args.generation_batch_size, "model": self._model_identity}
         path = os.path.join(state_dir, f"rank{self.accelerator.process_index}.pt")
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        _atomic_save(state, path)
+        if self.args.sync_ref_model and self.accelerator.is_main_process:  # TR-DPO moves the reference: keep it
+            reference = self.accelerator.unwrap_model(self.ref_model)
+            _atomic_save(reference.state_dict(), os.path.join(state_dir, REFERENCE_FILE))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # Check compatibility before any weight is loaded, so a mismatch is a clear error, not a state-dict one.
@@ -567,6 +575,10 @@ class RLOOTrainer(Trainer):
         if state is not None:
             self._check_checkpoint_compatible(resume_from_checkpoint, state)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        reference_path = os.path.join(resume_from_checkpoint, STATE_DIR, REFERENCE_FILE)
+        if self.args.sync_ref_model and os.path.exists(reference_path):
+            reference = self.accelerator.unwrap_model(self.ref_model)
+            reference.load_state_dict(torch.load(reference_path, map_location="cpu", weights_only=True))
         if state is not None:
             self._step = state["step"]
             self._buffered_inputs = state["buffered_inputs"]
