@@ -280,6 +280,8 @@ class RLOOTrainer(Trainer):
         except RewardFunctionError as err:
             cause = err.__cause__
             signature_error = isinstance(cause, TypeError) and "argument" in str(cause)
+            if isinstance(cause, ImportError):  # a missing optional dependency: knowable now, fatal later
+                raise
             if cause is not None and not signature_error:
                 return  # the function may reject a placeholder completion; real ones are checked every step
             raise RewardFunctionError(f"{err} [pre-flight check on dataset rows 0-{len(prompts) - 1} with empty "
