@@ -6,6 +6,7 @@ The mathematics lives in `rloo.algorithm`; this module wires it into `transforme
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ from rloo.callbacks import SyncRefModelCallback
 from rloo.completion_log import CompletionLog, log_table_to_mlflow, print_table
 from rloo.config import RLOOConfig
 from rloo.data import as_completion, check_prompt_dataset, is_conversational, pad_rows, tokenize_prompts
+from rloo.hub import get_publisher, is_secret, render_model_card
 from rloo.generation import ContinuousBatchingGenerator, TransformersGenerator
 from rloo.generation.transformers_backend import build_generation_config
 from rloo.metrics import MetricBuffer, nanmean, nanstd_value, tensor_stats
@@ -602,3 +604,76 @@ class RLOOTrainer(Trainer):
             warnings.warn(f"checkpoint {checkpoint} used generation_batch_size={state['generation_batch_size']}, "
                           f"this run uses {self.args.generation_batch_size}: the resumed run will not replay the "
                           "same prompt order.")
+
+    # ------------------------------------------------------------------ saving and the Hub (through rloo.hub's Publisher)
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        super()._save(output_dir, state_dict)
+        # transformers pickles the whole TrainingArguments, hub_token included, into every save (and so into every
+        # upload): write it again with the secrets cleared.
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        scrubbed = copy.copy(self.args)
+        for name in vars(scrubbed):
+            if is_secret(name) and isinstance(getattr(scrubbed, name), str):
+                setattr(scrubbed, name, None)
+        _atomic_save(scrubbed, os.path.join(output_dir, "training_args.bin"))
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        if not self.is_world_process_zero():
+            return
+        repo_id = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
+        token = token if token is not None else self.args.hub_token
+        private = private if private is not None else self.args.hub_private_repo
+        self.hub_model_id = get_publisher().create_repo(repo_id, token=token, private=private)
+        self.push_in_progress = None
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None, **kwargs) -> None:
+        """README.md in output_dir: base model, dataset, method, reward functions, RLOO configuration (no secrets),
+        final metrics."""
+        if not self.is_world_process_zero():
+            return
+        if dataset_name is None and isinstance(self.train_dataset, (Dataset, IterableDataset)):
+            info = getattr(self.train_dataset, "info", None)
+            dataset_name = getattr(info, "dataset_name", None)
+        base_model = self._model_identity["name_or_path"] or None
+        if base_model and os.path.isdir(os.path.expanduser(base_model)):
+            base_model = None  # a local path means nothing to readers of the Hub page
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        metrics = next((log for log in reversed(self.state.log_history) if "reward" in log), None)
+        card = render_model_card(model_name or os.path.basename(os.path.abspath(self.args.output_dir)), base_model,
+                                 dataset_name, self.reward_func_names, self.args.to_dict(), metrics,
+                                 tags + self._tag_names, peft=self._is_peft)
+        with open(os.path.join(self.args.output_dir, "README.md"), "w", encoding="utf-8") as handle:
+            handle.write(card)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
+        """Save the model, write the model card, upload output_dir (checkpoints excluded). Returns the commit."""
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        token = token if token is not None else self.args.hub_token
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        model_name = kwargs.pop("model_name", None) or (self.args.hub_model_id or "").split("/")[-1] or None
+        self.create_model_card(model_name=model_name, **kwargs)
+        return get_publisher().upload_folder(self.hub_model_id, self.args.output_dir, commit_message, token,
+                                             revision=revision or self.args.hub_revision,
+                                             ignore_patterns=["_*", "checkpoint-*"])
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """push_to_hub=True during training: upload at each save, per hub_strategy (synchronously)."""
+        strategy = getattr(self.args.hub_strategy, "value", self.args.hub_strategy)
+        if not self.is_world_process_zero() or strategy == "end":
+            return
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        publisher, token = get_publisher(), self.args.hub_token
+        message = f"Training in progress, step {self.state.global_step}"
+        publisher.upload_folder(self.hub_model_id, checkpoint_folder, message, token,
+                                revision=self.args.hub_revision, ignore_patterns=["rloo_state", "optimizer.pt",
+                                                                                   "scheduler.pt", "rng_state*"])
+        if strategy in ("checkpoint", "all_checkpoints"):
+            path = "last-checkpoint" if strategy == "checkpoint" else os.path.basename(checkpoint_folder)
+            publisher.upload_folder(self.hub_model_id, checkpoint_folder, message + ", checkpoint", token,
+                                    revision=self.args.hub_revision, path_in_repo=path)

@@ -1,0 +1,159 @@
+"""Publishing to the Hugging Face Hub behind a narrow interface, and the model card.
+
+Everything the trainer sends to the Hub goes through a `Publisher` (two calls: create a repo, upload a folder).
+`HfHubPublisher` is the real one; `LocalPublisher` writes into a directory laid out like the Hub (one folder per
+repo, one numbered commit folder per upload) for tests and air-gapped clusters. Pick it with
+`RLOO_HUB_PUBLISHER=local:/some/dir` or `set_publisher(...)`. Tokens are passed to the publisher only: never
+written to a file, a model card, a log line or an MLflow param."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+from typing import Any, Protocol
+
+SECRET_MARKERS = ("token", "password", "secret", "api_key")
+
+
+class Publisher(Protocol):
+    def create_repo(self, repo_id: str, token: str | None, private: bool | None) -> str:
+        """Create (or reuse) the repository; return its canonical id."""
+
+    def upload_folder(self, repo_id: str, folder: str, commit_message: str, token: str | None,
+                      revision: str | None = None, path_in_repo: str | None = None,
+                      ignore_patterns: list[str] | None = None) -> str:
+        """Upload a folder's files; return a commit reference."""
+
+
+class HfHubPublisher:
+    def create_repo(self, repo_id, token, private):
+        from huggingface_hub import HfApi
+        return HfApi().create_repo(repo_id, token=token, private=private, exist_ok=True).repo_id
+
+    def upload_folder(self, repo_id, folder, commit_message, token, revision=None, path_in_repo=None,
+                      ignore_patterns=None):
+        from huggingface_hub import HfApi
+        info = HfApi().upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, token=token,
+                                     revision=revision, path_in_repo=path_in_repo, ignore_patterns=ignore_patterns)
+        return getattr(info, "oid", None) or str(info)
+
+
+class LocalPublisher:
+    """A directory that behaves like the Hub: `<root>/<repo_id>/commits/<n>/...` plus `<root>/<repo_id>/main` (the
+    latest tree). Records each call (never the token, only whether one was given)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.calls: list[dict[str, Any]] = []
+
+    def create_repo(self, repo_id, token, private):
+        os.makedirs(os.path.join(self.root, repo_id, "commits"), exist_ok=True)
+        self.calls.append({"call": "create_repo", "repo_id": repo_id, "private": private,
+                           "authenticated": token is not None})
+        return repo_id
+
+    def upload_folder(self, repo_id, folder, commit_message, token, revision=None, path_in_repo=None,
+                      ignore_patterns=None):
+        repo = os.path.join(self.root, repo_id)
+        if not os.path.isdir(repo):
+            raise FileNotFoundError(f"repository {repo_id!r} does not exist: create_repo first")
+        commits = os.path.join(repo, "commits")
+        number = len(os.listdir(commits))
+        commit = os.path.join(commits, f"{number:04d}")
+        tree = os.path.join(repo, revision or "main")
+        for target in (commit, tree):
+            destination = os.path.join(target, path_in_repo or "")
+            for directory, _, files in os.walk(folder):
+                relative_dir = os.path.relpath(directory, folder)
+                for name in files:
+                    relative = os.path.normpath(os.path.join(relative_dir, name))
+                    if any(fnmatch.fnmatch(relative, p) or fnmatch.fnmatch(relative.split(os.sep)[0], p)
+                           for p in ignore_patterns or []):
+                        continue
+                    os.makedirs(os.path.join(destination, os.path.dirname(relative)), exist_ok=True)
+                    shutil.copy2(os.path.join(directory, name), os.path.join(destination, relative))
+        with open(os.path.join(commit, ".commit.json"), "w") as handle:
+            json.dump({"message": commit_message, "path_in_repo": path_in_repo, "revision": revision}, handle)
+        self.calls.append({"call": "upload_folder", "repo_id": repo_id, "commit_message": commit_message,
+                           "path_in_repo": path_in_repo, "authenticated": token is not None})
+        return f"{number:04d}"
+
+
+_publisher: Publisher | None = None
+
+
+def set_publisher(publisher: Publisher | None) -> None:
+    global _publisher
+    _publisher = publisher
+
+
+def get_publisher() -> Publisher:
+    if _publisher is not None:
+        return _publisher
+    choice = os.environ.get("RLOO_HUB_PUBLISHER", "")
+    if choice.startswith("local:"):
+        return LocalPublisher(choice[len("local:"):])
+    if choice not in ("", "hf"):
+        raise ValueError(f"RLOO_HUB_PUBLISHER={choice!r}: use 'hf' (default) or 'local:/path/to/dir'.")
+    return HfHubPublisher()
+
+
+def is_secret(name: str) -> bool:
+    lowered = name.lower()
+    return any(marker in lowered for marker in SECRET_MARKERS)
+
+
+def public_config(config: dict) -> dict:
+    """Drop every key that names a secret (hub_token, ...), whatever its value."""
+    return {key: value for key, value in config.items() if not is_secret(key)}
+
+
+CITATION = """@inproceedings{ahmadian2024back,
+    title     = {{Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human Feedback in LLMs}},
+    author    = {Arash Ahmadian and Chris Cremer and Matthias Gall{\\'e} and Marzieh Fadaee and Julia Kreutzer and
+                 Olivier Pietquin and Ahmet {\\"U}st{\\"u}n and Sara Hooker},
+    booktitle = {ACL 2024},
+    year      = 2024,
+}"""
+
+CARD_FIELDS = ("num_generations", "beta", "learning_rate", "max_completion_length", "temperature", "top_p",
+               "num_iterations", "epsilon", "epsilon_high", "normalize_advantages", "reward_weights",
+               "reward_clip_range", "mask_truncated_completions", "per_device_train_batch_size",
+               "gradient_accumulation_steps", "generation_batch_size", "max_steps", "num_train_epochs", "seed")
+
+
+def render_model_card(model_name: str, base_model: str | None, dataset_name: str | None, reward_names: list[str],
+                      config: dict, metrics: dict | None = None, tags: list[str] | None = None,
+                      peft: bool = False) -> str:
+    tags = list(dict.fromkeys(["rloo", "reinforce", "rl", *(tags or [])]))
+    front = ["---", f"library_name: {'peft' if peft else 'transformers'}", f"model_name: {model_name}"]
+    if base_model:
+        front.append(f"base_model: {base_model}")
+    if dataset_name:
+        front.append(f"datasets: [{dataset_name}]")
+    front += ["tags:"] + [f"- {tag}" for tag in tags] + ["---", ""]
+    body = [f"# {model_name}", ""]
+    origin = f"a fine-tuned version of [{base_model}](https://huggingface.co/{base_model})" if base_model else \
+        "a fine-tuned model"
+    body.append(f"This model is {origin}" + (f", trained on [{dataset_name}](https://huggingface.co/datasets/"
+                                             f"{dataset_name})" if dataset_name else "") + ".")
+    body += ["", "## Method", "",
+             "Trained with RLOO (REINFORCE Leave-One-Out): for each prompt, `num_generations` completions are "
+             "sampled; each completion's advantage is its reward (minus `beta` times its KL to the reference "
+             "policy) minus the mean reward of its siblings, and the policy is updated with a sequence-level "
+             "clipped importance ratio.", "",
+             f"Reward functions: {', '.join(f'`{name}`' for name in reward_names) or 'n/a'}.", "",
+             "## Training configuration", "", "| parameter | value |", "| --- | --- |"]
+    safe = public_config(config)
+    for field in CARD_FIELDS:
+        if field in safe:
+            body.append(f"| {field} | {safe[field]} |")
+    if metrics:
+        body += ["", "## Final training metrics", "", "| metric | value |", "| --- | --- |"]
+        for name, value in sorted(metrics.items()):
+            if isinstance(value, (int, float)) and not is_secret(name):
+                body.append(f"| {name} | {value:.4g} |")
+    body += ["", "## Citation", "", "```bibtex", CITATION, "```", ""]
+    return "\n".join(front + body)

@@ -1,0 +1,88 @@
+"""push_to_hub through the narrow Publisher interface (a local directory stands in for the Hub): model card,
+uploads during and after training, and the token never written anywhere."""
+
+import logging
+import os
+
+import pytest
+import torch
+
+from rloo import RLOOTrainer
+from rloo.hub import LocalPublisher, get_publisher, render_model_card, set_publisher
+
+from helpers import conversational, length_reward, make_args
+
+TOKEN = "hf_SECRETtoken1234567890"
+
+
+@pytest.fixture
+def hub(tmp_path):
+    publisher = LocalPublisher(str(tmp_path / "hub"))
+    set_publisher(publisher)
+    yield publisher
+    set_publisher(None)
+
+
+def files_containing(root, needle):
+    hits = []
+    for directory, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(directory, name), "rb") as handle:
+                if needle.encode() in handle.read():
+                    hits.append(os.path.join(directory, name))
+    return hits
+
+
+def test_push_to_hub_after_training(tmp_path, tokenizer, model, hub, capsys, caplog):
+    caplog.set_level(logging.DEBUG)
+    model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    args = make_args(tmp_path, hub_model_id="me/tiny-rloo", hub_token=TOKEN, max_steps=2)
+    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=conversational(),
+                          processing_class=tokenizer)
+    trainer.train()
+    commit = trainer.push_to_hub(dataset_name="me/arithmetic")
+    tree = tmp_path / "hub" / "me" / "tiny-rloo" / "main"
+    assert commit == "0000" and {"model.safetensors", "config.json", "README.md", "tokenizer.json"} <= set(
+        os.listdir(tree))
+    card = (tree / "README.md").read_text()
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "datasets: [me/arithmetic]" in card
+    assert "RLOO (REINFORCE Leave-One-Out)" in card and "`length_reward`" in card and "| num_generations | 2 |" in card
+    assert "ahmadian2024back" in card and "- rloo" in card
+    reloaded = torch.load(tree / "training_args.bin", weights_only=False)
+    assert reloaded.hub_token is None and reloaded.hub_model_id == "me/tiny-rloo"
+    # The token reached the publisher, and nothing else.
+    assert [c["authenticated"] for c in hub.calls] == [True, True]
+    out = capsys.readouterr()
+    assert TOKEN not in out.out + out.err + caplog.text
+    assert not files_containing(tmp_path, TOKEN)
+
+
+def test_push_during_training_per_hub_strategy(tmp_path, tokenizer, model, hub):
+    args = make_args(tmp_path, push_to_hub=True, hub_model_id="me/live", hub_token=TOKEN, hub_strategy="checkpoint",
+                     save_strategy="steps", save_steps=1, max_steps=2)
+    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=conversational(),
+                          processing_class=tokenizer)
+    assert trainer.hub_model_id == "me/live"
+    trainer.train()
+    repo = tmp_path / "hub" / "me" / "live"
+    messages = [c.get("commit_message") for c in hub.calls if c["call"] == "upload_folder"]
+    assert messages == ["Training in progress, step 1", "Training in progress, step 1, checkpoint",
+                        "Training in progress, step 2", "Training in progress, step 2, checkpoint"]
+    assert (repo / "main" / "model.safetensors").exists()
+    assert (repo / "main" / "last-checkpoint" / "rloo_state" / "rank0.pt").exists()  # resumable from the Hub
+    assert not (repo / "main" / "rloo_state").exists()
+    assert not files_containing(tmp_path, TOKEN)
+
+
+def test_model_card_never_lists_secrets():
+    card = render_model_card("m", None, None, ["r"], {"hub_token": TOKEN, "num_generations": 4,
+                                                     "mlflow_password": "pw"}, metrics={"reward": 0.5})
+    assert TOKEN not in card and "pw" not in card and "| reward | 0.5 |" in card
+
+
+def test_publisher_choice_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLOO_HUB_PUBLISHER", f"local:{tmp_path}")
+    assert isinstance(get_publisher(), LocalPublisher)
+    monkeypatch.setenv("RLOO_HUB_PUBLISHER", "ftp://x")
+    with pytest.raises(ValueError, match="RLOO_HUB_PUBLISHER"):
+        get_publisher()
