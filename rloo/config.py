@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
 import json
 import warnings
@@ -275,10 +277,15 @@ def _bf16_device_available() -> bool:
 def _reject_legacy_parameters(init):
     @functools.wraps(init)
     def checked_init(self, *args, **kwargs):
+        known = {f.name for f in dataclasses.fields(RLOOConfig) if f.init}
         for name in kwargs:
             if name in LEGACY_PARAMETERS:
                 raise TypeError(f"RLOOConfig: '{name}' is a TRL <= 0.21 parameter that no longer exists; "
                                 f"use {LEGACY_PARAMETERS[name]}.")
+            if name not in known:
+                match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+                raise TypeError(f"RLOOConfig: unknown field '{name}'." + (f" Did you mean '{match[0]}'?" if match
+                                                                          else ""))
         init(self, *args, **kwargs)
     return checked_init
 

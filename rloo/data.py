@@ -70,3 +70,35 @@ def pad_rows(rows: list[list[int]], pad_id: int, side: str, multiple: int | None
 
 def as_completion(text: str, conversational: bool) -> Any:
     return [{"role": "assistant", "content": text}] if conversational else text
+
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_prompt_dataset(name: str, config: str | None = None, split: str = "train", streaming: bool = False):
+    """A Hub dataset id, a folder written by `save_to_disk`, or a JSON/JSONL/CSV/Parquet file -> one split."""
+    import os
+
+    from datasets import DatasetDict, load_dataset, load_from_disk
+    path = os.path.expanduser(name)
+    extension = os.path.splitext(path)[1].lower()
+    if extension in FILE_BUILDERS:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"dataset {name!r}: no such file.")
+        return load_dataset(FILE_BUILDERS[extension], data_files={split: path}, split=split, streaming=streaming)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")) or \
+            os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
+        loaded = load_from_disk(path)
+        if isinstance(loaded, DatasetDict):
+            if split not in loaded:
+                raise ValueError(f"dataset {name!r} has no split {split!r} (splits: {list(loaded)}).")
+            loaded = loaded[split]
+        return loaded.to_iterable_dataset() if streaming else loaded
+    if os.path.exists(path) or name.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"dataset {name!r} is neither a data file (.json/.jsonl/.csv/.parquet) nor a "
+                                "folder written by Dataset.save_to_disk.")
+    try:
+        return load_dataset(name, config, split=split, streaming=streaming)
+    except Exception as err:  # datasets raises many types for offline / missing ids
+        raise ValueError(f"dataset {name!r} (config {config!r}, split {split!r}) could not be loaded from the "
+                         f"Hugging Face Hub: {err}") from err

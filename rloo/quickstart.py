@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
@@ -11,25 +10,12 @@ import time
 import yaml
 from datasets import load_dataset
 
+from rloo.cli import resolve_callable
 from rloo.config import RLOOConfig
 from rloo.trainer import RLOOTrainer
 
 SHOWN = ["reward", "reward_std", "kl", "entropy", "completions/mean_length", "completions/clipped_ratio",
          "frac_reward_zero_std", "grad_norm", "step_time"]
-
-
-def resolve_callable(path: str):
-    """'package.module.name' or 'package.module:name' -> the object; a clear error when it does not resolve."""
-    module_name, _, attribute = path.rpartition(":") if ":" in path else path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"reward function {path!r} must be an import path like 'my_module:my_reward'.")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward function {path!r}: module {module_name!r} cannot be imported ({err}).") from None
-    if not hasattr(module, attribute):
-        raise ValueError(f"reward function {path!r}: module {module_name!r} has no attribute {attribute!r}.")
-    return getattr(module, attribute)
 
 
 def load_recipe(path: str) -> dict:

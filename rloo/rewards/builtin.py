@@ -80,3 +80,8 @@ def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int
         return rewards
 
     return soft_overlong_punishment
+
+
+def unique_chars_reward(completions: list, **kwargs) -> list[float]:
+    """The spec's TL;DR example reward: the number of distinct characters in the completion."""
+    return [float(len(set(_content(completion)))) for completion in completions]

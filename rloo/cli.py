@@ -1,0 +1,213 @@
+"""`rloo train --config recipe.yaml [--any_field value ...]`: TRL-style recipes on the command line.
+
+A recipe is a flat YAML mapping. Its keys are the fields of `ScriptArguments` (model, data, reward functions, LoRA)
+and of `RLOOConfig` (every training field); command-line flags override the recipe. Works the same under
+`torchrun ... -m rloo train --config recipe.yaml` on many processes."""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field, fields
+
+import yaml
+from transformers import HfArgumentParser
+
+from rloo.config import RLOOConfig
+
+
+@dataclass
+class ScriptArguments:
+    model_name_or_path: str = field(metadata={"help": "Policy: a Hub model id or a local directory."})
+    dataset_name: str = field(metadata={"help": "Hub dataset id, a save_to_disk folder, or a .json/.jsonl/.csv/"
+                                                ".parquet file (needs a 'prompt' column)."})
+    reward_funcs: list[str] = field(metadata={
+        "help": "Reward functions by import path ('rloo.rewards.accuracy_reward', 'my_module:my_reward', a factory "
+                "call 'rloo.rewards:get_soft_overlong_punishment(max_completion_len=512, soft_punish_cache=64)'), "
+                "or reward-model ids/paths."})
+    tokenizer_name_or_path: str | None = field(default=None, metadata={
+        "help": "Tokenizer / processor id or path (default: the model's)."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split used for training."})
+    dataset_test_split: str | None = field(default=None, metadata={"help": "Split used for evaluation (optional)."})
+    dataset_streaming: bool = field(default=False, metadata={"help": "Stream the dataset (needs max_steps)."})
+    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of the full model."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={
+        "help": "Modules LoRA adapts (default: all linear layers)."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: load the base in 4 bit (bitsandbytes, GPU)."})
+
+
+FIELD_NAMES = {f.name for f in fields(ScriptArguments)} | {f.name for f in fields(RLOOConfig) if f.init}
+
+
+def closest(name: str) -> str:
+    matches = difflib.get_close_matches(name, sorted(FIELD_NAMES), n=1, cutoff=0.6)
+    return f" Did you mean '{matches[0]}'?" if matches else ""
+
+
+def read_recipe(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--config {path!r}: no such file.")
+    with open(path) as handle:
+        recipe = yaml.safe_load(handle) or {}
+    if not isinstance(recipe, dict):
+        raise ValueError(f"{path}: a recipe must be a YAML mapping of field: value.")
+    for key in recipe:
+        if key not in FIELD_NAMES:
+            raise ValueError(f"{path}: unknown field '{key}'.{closest(key)} (Fields are those of RLOOConfig and "
+                             "rloo.cli.ScriptArguments; see `rloo train --help`.)")
+    return recipe
+
+
+def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, RLOOConfig]:
+    """`--config recipe.yaml` plus flags -> (ScriptArguments, RLOOConfig); flags win over the recipe."""
+    parser = HfArgumentParser((ScriptArguments, RLOOConfig), prog="rloo train")
+    parser.add_argument("--config", help="YAML recipe; any flag given on the command line overrides it.")
+    for action in parser._actions:  # tuple[float, float] fields (reward_clip_range): two values on the command line
+        if getattr(action.type, "__origin__", None) is tuple:
+            action.type, action.nargs = action.type.__args__[0], len(action.type.__args__)
+    config_path = None
+    if "--config" in argv:
+        at = argv.index("--config")
+        if at + 1 >= len(argv):
+            raise ValueError("--config needs a path to a YAML recipe.")
+        config_path = argv[at + 1]
+        argv = argv[:at] + argv[at + 2:]
+    if config_path:
+        recipe = read_recipe(config_path)
+        for action in parser._actions:
+            if action.dest in recipe:
+                action.required = False  # given by the recipe
+        parser.set_defaults(**recipe)
+    outputs = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    script_args, config, remaining = outputs[0], outputs[1], outputs[-1]  # (a Namespace holds --config)
+    leftovers = [item for item in remaining if item.startswith("--")]
+    if leftovers:
+        name = leftovers[0][2:].split("=")[0]
+        raise ValueError(f"unknown field '--{name}'.{closest(name)}")
+    if remaining:
+        raise ValueError(f"unexpected arguments: {remaining}")
+    return script_args, config
+
+
+def resolve_callable(path: str):
+    """'package.module.name', 'package.module:name', or a factory call with literal arguments
+    'package.module:factory(a=1, b="x")' -> the object; a clear error when it does not resolve."""
+    call = None
+    if path.endswith(")") and "(" in path:
+        path, _, call = path[:-1].partition("(")
+    module_name, _, attribute = path.rpartition(":") if ":" in path else path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"reward function {path!r} must be an import path like 'my_module:my_reward'.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"reward function {path!r}: module {module_name!r} cannot be imported ({err}).") from None
+    if not hasattr(module, attribute):
+        names = [n for n in dir(module) if not n.startswith("_")]
+        hint = difflib.get_close_matches(attribute, names, n=1)
+        raise ValueError(f"reward function {path!r}: module {module_name!r} has no attribute {attribute!r}."
+                         + (f" Did you mean '{hint[0]}'?" if hint else ""))
+    target = getattr(module, attribute)
+    if call is None:
+        return target
+    try:
+        node = ast.parse(f"f({call})", mode="eval").body
+        args = [ast.literal_eval(a) for a in node.args]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    except (SyntaxError, ValueError) as err:
+        raise ValueError(f"reward function {path}({call}): arguments must be Python literals ({err}).") from None
+    return target(*args, **kwargs)
+
+
+def resolve_reward(entry: str):
+    """An import path resolves to a callable; anything that names a model directory or looks like a Hub id
+    ('org/name' without a module) is a reward model."""
+    if os.path.isdir(os.path.expanduser(entry)):
+        return entry
+    try:
+        return resolve_callable(entry)
+    except ValueError:
+        if entry.count("/") == 1 and ":" not in entry and "(" not in entry:
+            return entry  # a Hub reward-model id
+        raise
+
+
+def build_peft_config(script_args: ScriptArguments):
+    if not script_args.use_peft:
+        if script_args.load_in_4bit:
+            raise ValueError("load_in_4bit=True needs use_peft=True (QLoRA trains a LoRA adapter on the 4-bit base).")
+        return None, None
+    from peft import LoraConfig
+    peft_config = LoraConfig(r=script_args.lora_r, lora_alpha=script_args.lora_alpha,
+                             lora_dropout=script_args.lora_dropout, task_type="CAUSAL_LM",
+                             target_modules=script_args.lora_target_modules or "all-linear")
+    quantization = None
+    if script_args.load_in_4bit:
+        import torch
+        from transformers import BitsAndBytesConfig
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True)
+    return peft_config, quantization
+
+
+def build_trainer(argv: list[str]):
+    """Everything that can be checked before training: arguments, reward imports, data, model, PEFT."""
+    from rloo.data import load_prompt_dataset
+    from rloo.trainer import RLOOTrainer
+    script_args, config = parse_arguments(argv)
+    reward_funcs = [resolve_reward(entry) for entry in script_args.reward_funcs]
+    peft_config, quantization = build_peft_config(script_args)
+    train_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
+                                        script_args.dataset_train_split, streaming=script_args.dataset_streaming)
+    eval_dataset = None
+    if script_args.dataset_test_split:
+        eval_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
+                                           script_args.dataset_test_split, streaming=script_args.dataset_streaming)
+    processing_class = None
+    if script_args.tokenizer_name_or_path:
+        from rloo.models import load_tokenizer
+        processing_class = load_tokenizer(script_args.tokenizer_name_or_path, config.trust_remote_code)
+    trainer = RLOOTrainer(model=script_args.model_name_or_path, reward_funcs=reward_funcs, args=config,
+                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
+                          peft_config=peft_config, quantization_config=quantization)
+    return trainer, script_args
+
+
+def train(argv: list[str]) -> int:
+    try:
+        trainer, script_args = build_trainer(argv)
+    except (ValueError, TypeError, FileNotFoundError, ImportError, RuntimeError) as err:
+        print(f"rloo train: error: {err}", file=sys.stderr)
+        return 2
+    config = trainer.args
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    trainer.save_model(config.output_dir)
+    if config.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    return 0
+
+
+USAGE = """usage: rloo train --config recipe.yaml [--field value ...]
+
+Commands:
+  train    train a policy with RLOO from a recipe (`rloo train --help` lists every field)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command != "train":
+        print(f"rloo: unknown command {command!r}.\n{USAGE}", file=sys.stderr)
+        return 2
+    return train(rest)
