@@ -41,6 +41,8 @@ class ScriptArguments:
     lora_target_modules: list[str] | None = field(default=None, metadata={
         "help": "Modules LoRA adapts (default: all linear layers)."})
     load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: load the base in 4 bit (bitsandbytes, GPU)."})
+    callbacks: list[str] | None = field(default=None, metadata={
+        "help": "Extra TrainerCallback classes by import path ('my_module:MyCallback'), created with no arguments."})
 
 
 FIELD_NAMES = {f.name for f in fields(ScriptArguments)} | {f.name for f in fields(RLOOConfig) if f.init}
@@ -174,10 +176,20 @@ def build_trainer(argv: list[str]):
     if script_args.tokenizer_name_or_path:
         from rloo.models import load_tokenizer
         processing_class = load_tokenizer(script_args.tokenizer_name_or_path, config.trust_remote_code)
+    callbacks = [resolve_callable(path)() for path in script_args.callbacks or []]
     trainer = RLOOTrainer(model=script_args.model_name_or_path, reward_funcs=reward_funcs, args=config,
                           train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-                          peft_config=peft_config, quantization_config=quantization)
+                          callbacks=callbacks, peft_config=peft_config, quantization_config=quantization)
     return trainer, script_args
+
+
+def resume_target(value: str | None):
+    """resume_from_checkpoint: a path, or 'latest'/'true' for the newest checkpoint in output_dir (none: start)."""
+    if value is None or str(value).lower() in ("", "none", "false"):
+        return None
+    if str(value).lower() in ("latest", "true"):
+        return True
+    return value
 
 
 def train(argv: list[str]) -> int:
@@ -187,7 +199,11 @@ def train(argv: list[str]) -> int:
         print(f"rloo train: error: {err}", file=sys.stderr)
         return 2
     config = trainer.args
-    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    resume = resume_target(config.resume_from_checkpoint)
+    if resume is True:
+        from transformers.trainer_utils import get_last_checkpoint
+        resume = get_last_checkpoint(config.output_dir) if os.path.isdir(config.output_dir) else None
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(config.output_dir)
     if config.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)

@@ -102,3 +102,45 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
     except Exception as err:  # datasets raises many types for offline / missing ids
         raise ValueError(f"dataset {name!r} (config {config!r}, split {split!r}) could not be loaded from the "
                          f"Hugging Face Hub: {err}") from err
+
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class DatasetValidationError(ValueError):
+    """A dataset row that cannot be used, named by row index and column."""
+
+
+def validate_prompt_rows(dataset, source: str = "dataset") -> str:
+    """Check every row's `prompt` (a non-empty string, or a list of {'role', 'content'} messages, the same kind in
+    every row); returns 'standard' or 'conversational'. The first bad row is named with its column."""
+    if "prompt" not in (dataset.column_names or []):
+        raise DatasetValidationError(f"{source}: no 'prompt' column (columns: {dataset.column_names}). Fix: rename "
+                                     "the column holding the prompts to 'prompt'.")
+    kind = None
+    for index, prompt in enumerate(dataset["prompt"]):
+        if isinstance(prompt, str):
+            row_kind = "standard"
+            if not prompt.strip():
+                raise DatasetValidationError(f"{source}: row {index}, column 'prompt': empty prompt.")
+        elif isinstance(prompt, list):
+            row_kind = "conversational"
+            if not prompt:
+                raise DatasetValidationError(f"{source}: row {index}, column 'prompt': empty message list.")
+            for position, message in enumerate(prompt):
+                if not isinstance(message, dict) or message.get("role") not in ROLES or \
+                        not isinstance(message.get("content"), str):
+                    raise DatasetValidationError(
+                        f"{source}: row {index}, column 'prompt', message {position}: expected "
+                        f"{{'role': one of {list(ROLES)}, 'content': str}}, got {str(message)[:80]!r}.")
+        else:
+            raise DatasetValidationError(f"{source}: row {index}, column 'prompt': expected a string or a list of "
+                                         f"messages, got {type(prompt).__name__} {str(prompt)[:60]!r}.")
+        if kind is None:
+            kind = row_kind
+        elif row_kind != kind:
+            raise DatasetValidationError(f"{source}: row {index}, column 'prompt' is {row_kind} but earlier rows are "
+                                         f"{kind}; use one format for the whole dataset.")
+    if kind is None:
+        raise DatasetValidationError(f"{source}: the dataset is empty.")
+    return kind

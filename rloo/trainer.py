@@ -546,7 +546,13 @@ class RLOOTrainer(Trainer):
         rows = self._logs.rows(self.state.global_step, args.log_unique_prompts)
         print_table(rows, self.state.global_step, args.num_completions_to_print, seed=args.seed)
         if "mlflow" in (args.report_to or []):
-            log_table_to_mlflow(rows, self.state.global_step)
+            try:
+                log_table_to_mlflow(rows, self.state.global_step)
+            except Exception as err:  # a tracking outage must not stop training
+                logger.warning("could not log the completion table to MLflow: %s", err)
+        for callback in self.callback_handler.callbacks:  # extension point: callbacks that want the rows
+            if hasattr(callback, "on_completions"):
+                callback.on_completions(args, self.state, self.control, rows=rows)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"

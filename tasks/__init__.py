@@ -1,1 +1,1 @@
-"""Pipeline package: filled in by the pipeline / cluster issues."""
+"""Prefect tasks: one per pipeline stage, each a thin wrapper over a plain function in `infra.stages`."""

@@ -1,0 +1,249 @@
+"""`rloo-pipeline`: run, validate, status, resume, compare, ui, sync."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+DEFAULT_ROOT = "runs"
+
+
+def _prefect_environment(run_root: str) -> None:
+    """Embedded default: an ephemeral Prefect API whose database lives under the run root (so `rloo-pipeline ui`
+    shows the same runs). Set before prefect is imported; an explicit PREFECT_API_URL wins."""
+    os.environ.setdefault("PREFECT_HOME", os.path.abspath(os.path.join(run_root, ".prefect")))
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+
+def _load(config_path: str, assignments: list[str]):
+    from infra.runconfig import load_run_config
+    return load_run_config(config_path, assignments)
+
+
+def cmd_validate(options) -> int:
+    from infra.stages import build_training_args
+    from rloo.cli import resolve_reward
+    config = _load(options.config, options.set)
+    build_training_args(config, os.path.join(config.run_dir, "train", "output"))
+    for entry in config.rewards:
+        resolve_reward(entry)
+    source = config.data.source
+    if source.endswith((".json", ".jsonl", ".csv", ".parquet")) and not os.path.isfile(source):
+        raise FileNotFoundError(f"data.source {source!r}: no such file.")
+    print(f"valid: {options.config} -> run {config.run_key} in {config.run_dir}")
+    return 0
+
+
+def cmd_run(options, config_path: str | None = None, assignments: list[str] | None = None) -> int:
+    config = _load(config_path or options.config, assignments if assignments is not None else options.set)
+    _prefect_environment(config.run_root)
+    from flows.pipeline import rloo_pipeline
+    start = time.time()
+    summary = asyncio.run(rloo_pipeline(config_path or options.config,
+                                        assignments if assignments is not None else options.set))
+    evaluation = summary.get("evaluate") or {}
+    print("")
+    print(f"Done in {time.time() - start:.0f} s: {summary['run_dir']}")
+    if evaluation:
+        print(f"  held-out reward: base {evaluation['base']['reward']:.3f} -> trained "
+              f"{evaluation['trained']['reward']:.3f} ({evaluation['reward_gain']:+.3f}); "
+              f"report {evaluation['report_path']}")
+    print(f"  MLflow run {summary['mlflow_run_id']} in {config.tracking_uri}")
+    print(f"  Browse both UIs: rloo-pipeline ui --run-root {config.run_root}   (Prefect :4200, MLflow :5000 -> "
+          f"{summary['mlflow_link']})")
+    return 0
+
+
+def _run_dirs(run_root: str) -> list[str]:
+    if not os.path.isdir(run_root):
+        return []
+    return sorted(d for d in os.listdir(run_root) if os.path.exists(os.path.join(run_root, d, "config.json")))
+
+
+def _stage_states(run_dir: str) -> dict[str, str]:
+    from infra.launch import JobHandle, job_state
+    states = {}
+    for stage in ("dataset", "model", "train", "evaluate"):
+        states[stage] = "done" if os.path.exists(os.path.join(run_dir, "stages", f"{stage}.json")) else "-"
+    job = os.path.join(run_dir, "train", "job.json")
+    if states["train"] != "done" and os.path.exists(job):
+        with open(job) as handle:
+            state, _ = job_state(JobHandle.from_dict(json.load(handle)["handle"]))
+        states["train"] = state.lower()
+    return states
+
+
+def cmd_status(options) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    runs = [options.run] if options.run else _run_dirs(options.run_root)
+    if not runs:
+        print(f"no runs under {options.run_root}")
+        return 0
+    table = Table(title=f"runs in {options.run_root}")
+    for column in ("run", "dataset", "model", "train", "evaluate", "steps", "held-out gain"):
+        table.add_column(column)
+    for run in runs:
+        run_dir = os.path.join(options.run_root, run)
+        if not os.path.isdir(run_dir):
+            raise FileNotFoundError(f"no run {run!r} under {options.run_root}")
+        states = _stage_states(run_dir)
+        steps = gain = "-"
+        metrics = os.path.join(run_dir, "train", "metrics.jsonl")
+        if os.path.exists(metrics):
+            with open(metrics) as handle:
+                lines = [json.loads(line) for line in handle if line.strip()]
+            steps = str(max((line.get("step", 0) for line in lines), default=0))
+        evaluation = os.path.join(run_dir, "eval", "metrics.json")
+        if os.path.exists(evaluation):
+            with open(evaluation) as handle:
+                value = json.load(handle).get("reward_gain")
+            gain = "-" if value is None else f"{value:+.3f}"
+        table.add_row(run, *states.values(), steps, gain)
+    Console().print(table)
+    return 0
+
+
+def _run_config_file(run_root: str, run: str) -> str:
+    """The resolved config of a run, as a recipe the pipeline can load again (same fingerprint)."""
+    import yaml
+    path = os.path.join(run_root, run, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no run {run!r} under {run_root} (rloo-pipeline status lists them).")
+    with open(path) as handle:
+        config = json.load(handle)["config"]
+    recipe = os.path.join(run_root, run, "config.yaml")
+    with open(recipe, "w") as handle:
+        yaml.safe_dump(config, handle, sort_keys=False)
+    return recipe
+
+
+def cmd_resume(options) -> int:
+    return cmd_run(options, _run_config_file(options.run_root, options.run), [])
+
+
+def cmd_compare(options) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from infra import tracking
+    from infra.runconfig import load_run_config
+    runs = options.runs or _run_dirs(options.run_root)
+    configs = {run: load_run_config(_run_config_file(options.run_root, run)) for run in runs}
+    if not configs:
+        print(f"no runs under {options.run_root}")
+        return 0
+    uri = next(iter(configs.values())).tracking_uri
+    mlflow_client = tracking.client(uri)
+    flat = {run: tracking.flatten(json.loads(config.model_dump_json(exclude={"run_root"})))
+            for run, config in configs.items()}
+    keys = sorted({key for values in flat.values() for key in values})
+    differing = [key for key in keys if len({json.dumps(values.get(key), default=str) for values in flat.values()}) > 1]
+    table = Table(title="runs compared (config differences and key metrics)")
+    table.add_column("")
+    for run in runs:
+        table.add_column(run)
+    for key in differing:
+        table.add_row(key, *[str(flat[run].get(key, "-")) for run in runs])
+    metric_names = ["base_reward", "trained_reward", "reward_gain"]
+    metrics = {}
+    for run, config in configs.items():
+        experiment = mlflow_client.get_experiment_by_name(config.tracking.experiment)
+        found = mlflow_client.search_runs([experiment.experiment_id], filter_string=
+                                          f"tags.`rloo.run_key` = '{run}' and tags.`rloo.stage` = 'evaluate'",
+                                          order_by=["attributes.start_time DESC"], max_results=1) if experiment else []
+        metrics[run] = found[0].data.metrics if found else {}
+    for name in metric_names:
+        table.add_row(name, *[f"{metrics[run][name]:.3f}" if name in metrics[run] else "-" for run in runs])
+    Console().print(table)
+    return 0
+
+
+def cmd_sync(options) -> int:
+    from infra import tracking
+    from infra.runconfig import load_run_config
+    config = load_run_config(_run_config_file(options.run_root, options.run))
+    train_dir = os.path.join(config.run_dir, "train")
+    with open(os.path.join(train_dir, "job.json")) as handle:
+        run_id = json.load(handle)["mlflow_run_id"]
+    before = tracking.pending_count(train_dir)
+    tracking.check_reachable(config.tracking_uri)
+    ok = tracking.flush_pending(train_dir, config.tracking_uri, run_id)
+    after = tracking.pending_count(train_dir)
+    print(f"uploaded {before - after} pending item(s) to MLflow run {run_id}; {after} left")
+    return 0 if ok else 1
+
+
+def cmd_ui(options) -> int:
+    _prefect_environment(options.run_root)
+    db = os.path.abspath(os.path.join(options.run_root, "mlflow.db"))
+    processes = [
+        subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                          str(options.prefect_port)]),
+        subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{db}", "--host",
+                          "127.0.0.1", "--port", str(options.mlflow_port)]),
+    ]
+    print(f"Prefect UI: http://127.0.0.1:{options.prefect_port}   MLflow UI: http://127.0.0.1:{options.mlflow_port}"
+          "   (Ctrl-C stops both)")
+    try:
+        while all(p.poll() is None for p in processes):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=30)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="rloo-pipeline", description="The RLOO pipeline (Prefect + MLflow).")
+    commands = root.add_subparsers(dest="command", required=True)
+    for name, helptext in (("run", "run the pipeline on a config"), ("validate", "check a config, no compute")):
+        command = commands.add_parser(name, help=helptext)
+        command.add_argument("config")
+        command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                             help="override a config key, e.g. --set training.max_steps=20")
+    for name, helptext in (("status", "stage states of the runs"), ("resume", "run a run's pipeline again "
+                                                                              "(finished stages are skipped)"),
+                           ("sync", "upload metrics kept while MLflow was unreachable")):
+        command = commands.add_parser(name, help=helptext)
+        command.add_argument("run", nargs="?" if name == "status" else None)
+        command.add_argument("--run-root", default=DEFAULT_ROOT)
+    compare = commands.add_parser("compare", help="config differences and key metrics of runs (from MLflow)")
+    compare.add_argument("runs", nargs="*")
+    compare.add_argument("--run-root", default=DEFAULT_ROOT)
+    ui = commands.add_parser("ui", help="start the Prefect and MLflow UIs on 127.0.0.1")
+    ui.add_argument("--run-root", default=DEFAULT_ROOT)
+    ui.add_argument("--prefect-port", type=int, default=4200)
+    ui.add_argument("--mlflow-port", type=int, default=5000)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parser().parse_args(argv)
+    handlers = {"run": cmd_run, "validate": cmd_validate, "status": cmd_status, "resume": cmd_resume,
+                "compare": cmd_compare, "sync": cmd_sync, "ui": cmd_ui}
+    from infra.runconfig import ConfigError
+    from infra.tracking import TrackingUnavailable
+    try:
+        return handlers[options.command](options)
+    except (ConfigError, TrackingUnavailable, FileNotFoundError) as err:
+        print(f"rloo-pipeline {options.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""`rloo_pipeline`: dataset -> model -> train -> evaluate, tracked in MLflow, resumable stage by stage.
+
+Every stage's result is persisted (Prefect result storage under the run root) with a cache key made of the
+config fingerprint and the stage's version: running the flow again with the same config, or retrying a failed
+run, executes only the stages that did not complete."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from prefect import flow
+from prefect.artifacts import create_link_artifact
+from prefect.runtime import flow_run
+from pydantic import Field
+
+from infra import stages, tracking
+from infra.runconfig import load_run_config, resolved_dict
+from tasks.dataset import dataset_task
+from tasks.evaluate import evaluate_task
+from tasks.model import model_task
+from tasks.train import train_task
+
+MLFLOW_UI = os.environ.get("RLOO_MLFLOW_UI", "http://127.0.0.1:5000")
+
+
+def result_storage(run_root: str) -> str:
+    """A saved local-file-system block under the run root (Prefect needs result storage persisted server-side)."""
+    from prefect.filesystems import LocalFileSystem
+    root = os.path.abspath(os.path.join(run_root, ".prefect-results"))
+    name = "rloo-results-" + hashlib.sha256(root.encode()).hexdigest()[:12]
+    LocalFileSystem(basepath=root).save(name, overwrite=True, _sync=True)  # the flow is async: save now
+    return f"local-file-system/{name}"
+
+
+def mlflow_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    base = tracking_uri if tracking_uri.startswith("http") else MLFLOW_UI
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+@flow(name="rloo-pipeline", log_prints=True)
+async def rloo_pipeline(
+    recipe: str = Field("configs/quickstart.yaml", description="Path of a YAML run config (configs/*.yaml)."),
+    overrides: list[str] = Field(default_factory=list, description="key=value overrides, e.g. training.max_steps=20"),
+) -> dict:
+    config = load_run_config(recipe, overrides)
+    stages.write_config(config)
+    uri = config.tracking_uri
+    tracking.check_reachable(uri)
+    run_id = str(flow_run.id) if flow_run.id else None
+    parent = tracking.start_run(uri, config.tracking.experiment, config.run_key,
+                                {"rloo.run_key": config.run_key, "rloo.fingerprint": config.fingerprint(),
+                                 "rloo.recipe": recipe, "prefect.flow_run_id": run_id or "",
+                                 "prefect.flow_run_name": flow_run.name or ""})
+    tracking.log_params(uri, parent, resolved_dict(config))
+    experiment = tracking.experiment_id(uri, config.tracking.experiment)
+    link = mlflow_link(uri, experiment, parent)
+    create_link_artifact(link, link_text=f"MLflow run {config.run_key}", key=f"{config.name}-mlflow-run", _sync=True)
+    print(f"[pipeline] {config.run_key}: run directory {config.run_dir}; MLflow run {parent} ({uri})")
+    storage = result_storage(config.run_root)
+    options = dict(result_storage=storage)
+    try:
+        dataset = dataset_task.with_options(**options)(config, parent)
+        model = model_task.with_options(**options)(config, dataset, parent)
+        trained = await train_task.with_options(**options)(config, dataset, model, parent)
+        summary = {"run_key": config.run_key, "run_dir": config.run_dir, "mlflow_run_id": parent,
+                   "mlflow_link": link, "dataset": dataset, "model": model, "train": trained}
+        if config.evaluation.enabled:
+            summary["evaluate"] = evaluate_task.with_options(**options)(config, dataset, model, trained, parent)
+    except BaseException:
+        tracking.client(uri).set_terminated(parent, status="FAILED")
+        raise
+    tracking.client(uri).set_terminated(parent, status="FINISHED")
+    stages.write_json(stages.stage_path(config, "summary.json"), summary)
+    return summary

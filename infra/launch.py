@@ -1,0 +1,137 @@
+"""Launching the training job with submitit and following it without holding anything but a file.
+
+The job is `torchrun ... -m rloo train --config <recipe>` wrapped in a picklable callable. Its handle (executor,
+job id, folder) is written to the run directory, so a retried stage — even from a new orchestrator process —
+reattaches to a job that is still running instead of starting another."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class JobHandle:
+    executor: str
+    job_id: str
+    folder: str
+    log_path: str
+    submitted_at: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "JobHandle":
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+
+
+def tail(path: str, lines: int = 40) -> str:
+    if not os.path.exists(path):
+        return "(no log)"
+    with open(path, errors="replace") as handle:
+        return "".join(handle.readlines()[-lines:])
+
+
+class TrainJob:
+    """What submitit runs: torchrun on this node, output to a log file; raises with the log's tail on failure."""
+
+    def __init__(self, recipe_path: str, nproc_per_node: int, env: dict[str, str], log_path: str,
+                 workdir: str):
+        self.recipe_path = recipe_path
+        self.nproc_per_node = nproc_per_node
+        self.env = env
+        self.log_path = log_path
+        self.workdir = workdir
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                str(self.nproc_per_node), "-m", "rloo", "train", "--config", self.recipe_path]
+
+    def __call__(self) -> dict:
+        env = dict(os.environ, **self.env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [self.workdir, env.get("PYTHONPATH", "")] if p)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        start = time.time()
+        with open(self.log_path, "a") as log:
+            log.write(f"$ {' '.join(self.command())}\n")
+            log.flush()
+            code = subprocess.call(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
+        if code != 0:
+            raise TrainingFailed(f"training exited with code {code}; last lines of {self.log_path}:\n"
+                                 f"{tail(self.log_path)}")
+        return {"seconds": time.time() - start}
+
+
+def submit_local(job: TrainJob, folder: str, timeout_min: int) -> JobHandle:
+    import submitit
+    os.makedirs(folder, exist_ok=True)
+    executor = submitit.LocalExecutor(folder=folder)
+    executor.update_parameters(timeout_min=timeout_min)
+    submitted = executor.submit(job)
+    return JobHandle("local", str(submitted.job_id), folder, job.log_path, time.time())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:  # a zombie child (finished, not reaped) is not running
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+def job_state(handle: JobHandle) -> tuple[str, str | None]:
+    """('RUNNING' | 'COMPLETED' | 'FAILED' | 'LOST', error text). LOST = gone without a result (killed)."""
+    from submitit.core.utils import JobPaths, pickle_load
+    paths = JobPaths(handle.folder, job_id=handle.job_id, task_id=0)
+    if paths.result_pickle.exists():
+        outcome, value = pickle_load(paths.result_pickle)
+        if outcome == "success":
+            return "COMPLETED", None
+        return "FAILED", str(value)
+    if handle.executor == "local" and _pid_alive(int(handle.job_id)):
+        return "RUNNING", None
+    return "LOST", f"the job (pid {handle.job_id}) ended without a result; last lines of {handle.log_path}:\n" \
+                   f"{tail(handle.log_path)}"
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def cancel(handle: JobHandle) -> None:
+    """Stop a local job and every process it started (torchrun and its ranks)."""
+    import signal
+    if handle.executor != "local":
+        return
+    pid = int(handle.job_id)
+    for target in [*reversed(descendants(pid)), pid]:
+        try:
+            os.kill(target, signal.SIGTERM)
+        except ProcessLookupError:
+            pass

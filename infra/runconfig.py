@@ -1,0 +1,178 @@
+"""The pipeline's run configuration: a YAML recipe validated by pydantic, `--set key=value` overrides, and a
+fingerprint of the resolved config that names the run directory `runs/<run_key>/`."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rloo.cli import FIELD_NAMES, closest
+
+MODEL_ALIASES = ("smollm2", "tiny")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PeftSettings(Strict):
+    """LoRA adapter (the reference policy is the base with the adapter disabled)."""
+    enabled: bool = False
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    load_in_4bit: bool = Field(False, description="QLoRA (bitsandbytes + CUDA).")
+
+
+class ModelSettings(Strict):
+    """The policy: 'smollm2' (the packaged SmolLM2-135M-Instruct), 'tiny' (a tiny random model for tests), a local
+    directory, or a Hub id."""
+    name_or_path: str
+    tokenizer: str | None = None
+    peft: PeftSettings = PeftSettings()
+
+
+class DataSettings(Strict):
+    """Prompts: a Hub id, a save_to_disk folder, or a JSON/JSONL/CSV/Parquet file with a 'prompt' column."""
+    source: str
+    config: str | None = None
+    split: str = "train"
+    eval_size: int = Field(40, ge=0, description="Held-out prompts for evaluation (taken before training).")
+    max_train_samples: int | None = Field(None, ge=1)
+    seed: int = 0
+
+
+class LaunchSettings(Strict):
+    """Where training runs: 'local' (submitit local executor + torchrun) or 'slurm'."""
+    executor: Literal["local", "slurm"] = "local"
+    nproc_per_node: int = Field(1, ge=1)
+    timeout_min: int = Field(120, ge=1)
+    poll_seconds: float = Field(2.0, gt=0)
+
+
+class EvalSettings(Strict):
+    """Held-out evaluation of the trained policy against the base model."""
+    enabled: bool = True
+    max_completion_length: int | None = Field(None, ge=1, description="Default: training's max_completion_length.")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy decoding.")
+    batch_size: int = Field(16, ge=1)
+
+
+class TrackingSettings(Strict):
+    """MLflow: default a SQLite store under the run root (the embedded default)."""
+    tracking_uri: str | None = None
+    experiment: str = "rloo"
+
+
+class RunConfig(Strict):
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$", description="Lowercase letters, digits and dashes.")
+    run_root: str = "runs"
+    model: ModelSettings
+    data: DataSettings
+    rewards: list[str] = Field(min_length=1, description="Reward functions by import path, or reward-model ids.")
+    reward_weights: list[float] | None = None
+    training: dict[str, Any] = Field(default_factory=dict, description="RLOOConfig fields.")
+    launch: LaunchSettings = LaunchSettings()
+    evaluation: EvalSettings = EvalSettings()
+    tracking: TrackingSettings = TrackingSettings()
+
+    @field_validator("training")
+    @classmethod
+    def _known_training_fields(cls, training: dict) -> dict:
+        reserved = {"output_dir", "reward_weights", "report_to"}
+        for key in training:
+            if key in reserved:
+                raise ValueError(f"training.{key} is set by the pipeline (output_dir = the run directory, "
+                                 "reward_weights at the top level, report_to = mlflow); remove it.")
+            if key not in FIELD_NAMES:
+                raise ValueError(f"training.{key} is not an RLOOConfig field.{closest(key)}")
+        return training
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "RunConfig":
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {len(self.rewards)} "
+                             "rewards; give one weight per reward.")
+        if self.model.peft.load_in_4bit and not self.model.peft.enabled:
+            raise ValueError("model.peft.load_in_4bit needs model.peft.enabled: true (QLoRA trains an adapter).")
+        generations = self.training.get("num_generations", 2)
+        batch = self.training.get("per_device_train_batch_size", 8) * self.launch.nproc_per_node
+        if batch % generations:
+            raise ValueError(f"training.per_device_train_batch_size x launch.nproc_per_node = {batch} is not "
+                             f"divisible by training.num_generations = {generations}.")
+        return self
+
+    # ------------------------------------------------------------------ identity
+    def fingerprint(self) -> str:
+        """Hash of everything that changes the result (not where it is stored or tracked)."""
+        payload = self.model_dump(exclude={"run_root", "tracking"})
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+    @property
+    def run_key(self) -> str:
+        return f"{self.name}-{self.fingerprint()[:10]}"
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.abspath(os.path.join(self.run_root, self.run_key))
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.tracking.tracking_uri or f"sqlite:///{os.path.abspath(os.path.join(self.run_root, 'mlflow.db'))}"
+
+
+class ConfigError(ValueError):
+    """A recipe problem, named by key; raised before any stage runs."""
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """'training.learning_rate=1e-5' -> data['training']['learning_rate'] = 1e-5 (value parsed as YAML)."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. training.max_steps=10.")
+    key, _, raw = assignment.partition("=")
+    value = yaml.safe_load(raw) if raw else None
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {assignment!r}: '{part}' is not a section.")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_run_config(source: str | dict, overrides: list[str] | None = None) -> RunConfig:
+    if isinstance(source, dict):
+        data = copy.deepcopy(source)
+        origin = "config"
+    else:
+        if not os.path.isfile(source):
+            raise ConfigError(f"config {source!r}: no such file.")
+        with open(source) as handle:
+            data = yaml.safe_load(handle) or {}
+        origin = source
+    for assignment in overrides or []:
+        apply_override(data, assignment)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        lines = []
+        for problem in err.errors():
+            where = ".".join(str(part) for part in problem["loc"]) or "(top level)"
+            message = problem["msg"]
+            if problem["type"] == "extra_forbidden":
+                message = "unknown key"
+            lines.append(f"  {where}: {message}" + (f" (got {problem['input']!r})" if problem["type"] not in (
+                "extra_forbidden", "missing", "value_error") else ""))
+        raise ConfigError(f"{origin}: invalid run config\n" + "\n".join(lines)) from None
+
+
+def resolved_dict(config: RunConfig) -> dict:
+    return json.loads(config.model_dump_json())

@@ -1,0 +1,455 @@
+"""The pipeline's stages as plain functions (Prefect tasks in `tasks/` wrap them; tests call them directly).
+
+Each stage writes into the run directory and returns a small JSON-able dict; `stages/<stage>.json` keeps it, so a
+retried or re-run pipeline (same config fingerprint) finds the finished stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+from infra.runconfig import RunConfig
+
+STAGE_VERSIONS = {"dataset": 1, "model": 1, "train": 1, "evaluate": 1}
+
+
+# ---------------------------------------------------------------------------------------------- run directory
+def stage_path(config: RunConfig, *parts: str) -> str:
+    return os.path.join(config.run_dir, *parts)
+
+
+def record_execution(config: RunConfig, stage: str) -> None:
+    """One line per execution of a stage's body: how tests (and people) see what really ran."""
+    os.makedirs(stage_path(config, "stages"), exist_ok=True)
+    with open(stage_path(config, "stages", "executions.log"), "a") as handle:
+        handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {stage} v{STAGE_VERSIONS[stage]}\n")
+
+
+def executions(config: RunConfig) -> list[str]:
+    path = stage_path(config, "stages", "executions.log")
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return [line.split()[1] for line in handle if line.strip()]
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as handle:
+        json.dump(payload, handle, indent=2, sort_keys=True, default=str)
+    os.replace(path + ".tmp", path)
+
+
+def read_json(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def save_stage_result(config: RunConfig, stage: str, result: dict) -> dict:
+    write_json(stage_path(config, "stages", f"{stage}.json"),
+               {"version": STAGE_VERSIONS[stage], "fingerprint": config.fingerprint(), "result": result})
+    return result
+
+
+def load_stage_result(config: RunConfig, stage: str) -> dict | None:
+    record = read_json(stage_path(config, "stages", f"{stage}.json"))
+    if record and record["version"] == STAGE_VERSIONS[stage] and record["fingerprint"] == config.fingerprint():
+        return record["result"]
+    return None
+
+
+def write_config(config: RunConfig) -> str:
+    from infra.runconfig import resolved_dict
+    path = stage_path(config, "config.json")
+    write_json(path, {"run_key": config.run_key, "fingerprint": config.fingerprint(), "config": resolved_dict(config)})
+    return path
+
+
+def _replace_dir(staging: str, target: str) -> None:
+    if os.path.exists(target):
+        shutil.rmtree(target)
+    os.replace(staging, target)
+
+
+# ---------------------------------------------------------------------------------------------- dataset
+def prepare_dataset(config: RunConfig) -> dict:
+    """Load, validate every row, hold out `eval_size` prompts, save both splits to the run directory."""
+    from rloo.data import load_prompt_dataset, validate_prompt_rows
+    record_execution(config, "dataset")
+    data = config.data
+    dataset = load_prompt_dataset(data.source, data.config, data.split)
+    prompt_format = validate_prompt_rows(dataset, data.source)
+    if data.eval_size >= len(dataset):
+        raise ValueError(f"data.eval_size={data.eval_size} leaves no training prompts ({len(dataset)} rows in "
+                         f"{data.source}). Fix: a smaller data.eval_size.")
+    shuffled = dataset.shuffle(seed=data.seed)
+    eval_split = shuffled.select(range(data.eval_size))
+    train_split = shuffled.select(range(data.eval_size, len(shuffled)))
+    if data.max_train_samples is not None:
+        train_split = train_split.select(range(min(data.max_train_samples, len(train_split))))
+    root = stage_path(config, "data")
+    os.makedirs(root, exist_ok=True)
+    paths = {}
+    for name, split in (("train", train_split), ("eval", eval_split)):
+        staging = os.path.join(root, f".{name}-staging")
+        shutil.rmtree(staging, ignore_errors=True)
+        split.flatten_indices().save_to_disk(staging)
+        paths[name] = os.path.join(root, name)
+        _replace_dir(staging, paths[name])
+    result = {"train_path": paths["train"], "eval_path": paths["eval"], "num_train": len(train_split),
+              "num_eval": len(eval_split), "format": prompt_format, "columns": dataset.column_names,
+              "source": data.source, "digest": dataset_digest(train_split, eval_split)}
+    return save_stage_result(config, "dataset", result)
+
+
+def dataset_digest(*splits) -> str:
+    import hashlib
+    digest = hashlib.sha256()
+    for split in splits:
+        for row in split:
+            digest.update(json.dumps(row, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------- model
+def resolve_model_source(config: RunConfig) -> tuple[str, str | None]:
+    """(policy path or id, tokenizer path or None) with the aliases resolved: 'smollm2' -> the packaged
+    SmolLM2-135M-Instruct (converted once, cached); 'tiny' -> a tiny random Llama built under the run root."""
+    name = config.model.name_or_path
+    if name == "smollm2":
+        from rloo.assets import smollm2_path
+        return smollm2_path(), config.model.tokenizer
+    if name == "tiny":
+        from rloo.testing import save_tiny, tiny_causal_lm, tiny_tokenizer
+        root = os.path.abspath(os.path.join(config.run_root, ".assets", "tiny"))
+        model_dir, tokenizer_dir = os.path.join(root, "model"), os.path.join(root, "tokenizer")
+        if not os.path.exists(os.path.join(model_dir, "config.json")):
+            staging = root + f".staging-{os.getpid()}"
+            shutil.rmtree(staging, ignore_errors=True)
+            tokenizer = tiny_tokenizer()
+            save_tiny(staging, tiny_causal_lm(tokenizer), tokenizer)
+            os.makedirs(os.path.dirname(root), exist_ok=True)
+            if not os.path.exists(root):
+                os.replace(staging, root)
+            shutil.rmtree(staging, ignore_errors=True)
+        return model_dir, config.model.tokenizer or tokenizer_dir
+    return name, config.model.tokenizer
+
+
+def check_lora_targets(model_source: str, targets, trust_remote_code: bool) -> int:
+    """Build the architecture on the meta device (no weights) and check that LoRA's targets exist;
+    returns the parameter count."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rloo.models import linear_module_names
+    model_config = AutoConfig.from_pretrained(model_source, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+    available = linear_module_names(skeleton)
+    if targets != "all-linear":
+        missing = [t for t in targets if t not in available]
+        if missing:
+            raise ValueError(f"model.peft.target_modules {missing} match no layer of {type(skeleton).__name__}; "
+                             f"its Linear layers are: {', '.join(available)}.")
+    return sum(p.numel() for p in skeleton.parameters())
+
+
+def build_training_args(config: RunConfig, output_dir: str):
+    from rloo.config import RLOOConfig
+    settings = dict(config.training)
+    settings.update(output_dir=output_dir, report_to="none")
+    if config.reward_weights is not None:
+        settings["reward_weights"] = config.reward_weights
+    return RLOOConfig(**settings)
+
+
+def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
+    """Everything about the model that can fail, checked before training: paths, tokenizer, chat template,
+    LoRA targets, quantization support, the training arguments, the reward imports."""
+    from rloo.cli import resolve_reward
+    from rloo.models import check_quantization_supported, load_tokenizer, prepare_tokenizer
+    record_execution(config, "model")
+    args = build_training_args(config, stage_path(config, "train", "output"))
+    rewards = [resolve_reward(entry) for entry in config.rewards]
+    policy, tokenizer_source = resolve_model_source(config)
+    tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_source or policy, args.trust_remote_code))
+    if dataset_result["format"] == "conversational" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the dataset's prompts are conversational but the tokenizer of {policy!r} has no chat "
+                         "template. Fix: use an instruct model, set model.tokenizer to one with a template, or "
+                         "give plain-text prompts.")
+    peft = config.model.peft
+    if peft.load_in_4bit:
+        check_quantization_supported(type("Q", (), {"quant_method": "bitsandbytes"})())
+    num_parameters = check_lora_targets(policy, peft.target_modules if peft.enabled else "all-linear",
+                                        args.trust_remote_code)
+    result = {"policy": policy, "tokenizer": tokenizer_source, "num_parameters": num_parameters,
+              "peft": peft.model_dump(), "reward_names": [getattr(r, "__name__", str(r)) for r in rewards]}
+    return save_stage_result(config, "model", result)
+
+
+# ---------------------------------------------------------------------------------------------- train
+def train_dir(config: RunConfig) -> str:
+    return stage_path(config, "train")
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    if not os.path.isdir(output_dir):
+        return None
+    from transformers.trainer_utils import get_last_checkpoint
+    return get_last_checkpoint(output_dir)
+
+
+def write_train_recipe(config: RunConfig, dataset_result: dict, model_result: dict, resume: bool) -> str:
+    """The `rloo train` recipe the job runs: the pipeline's config in the CLI's flat format."""
+    import yaml
+    peft = config.model.peft
+    recipe = {"model_name_or_path": model_result["policy"], "dataset_name": dataset_result["train_path"],
+              "reward_funcs": list(config.rewards), "callbacks": ["infra.tracking:RunDirTrackingCallback"],
+              **config.training, "output_dir": stage_path(config, "train", "output"), "report_to": "none"}
+    if model_result.get("tokenizer"):
+        recipe["tokenizer_name_or_path"] = model_result["tokenizer"]
+    if config.reward_weights is not None:
+        recipe["reward_weights"] = config.reward_weights
+    if peft.enabled:
+        recipe.update(use_peft=True, lora_r=peft.r, lora_alpha=peft.alpha, lora_dropout=peft.dropout,
+                      load_in_4bit=peft.load_in_4bit)
+        if peft.target_modules != "all-linear":
+            recipe["lora_target_modules"] = list(peft.target_modules)
+    if resume:
+        recipe["resume_from_checkpoint"] = "latest"
+    path = stage_path(config, "train", "recipe.yaml")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as handle:
+        yaml.safe_dump(recipe, handle, sort_keys=False)
+    return path
+
+
+def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_result: dict,
+                               mlflow_run_id: str | None) -> dict:
+    """A running job (from an earlier attempt) is reattached; otherwise a job is submitted, resuming from the
+    newest checkpoint when there is one. Returns the job record (also in train/job.json)."""
+    from infra.launch import JobHandle, TrainJob, job_state, submit_local
+    from infra.tracking import job_environment
+    job_file = stage_path(config, "train", "job.json")
+    previous = read_json(job_file)
+    if previous is not None:
+        state, _ = job_state(JobHandle.from_dict(previous["handle"]))
+        if state == "RUNNING":
+            return {**previous, "reattached": True}
+    if config.launch.executor != "local":
+        raise NotImplementedError("launch.executor='slurm' is delivered with the multi-node issue; use 'local'.")
+    record_execution(config, "train")
+    output_dir = stage_path(config, "train", "output")
+    checkpoint = latest_checkpoint(output_dir)
+    recipe = write_train_recipe(config, dataset_result, model_result, resume=checkpoint is not None)
+    run_id = (previous or {}).get("mlflow_run_id") or mlflow_run_id
+    env = job_environment(config.tracking_uri, run_id, train_dir(config)) if run_id else \
+        {"RLOO_TRAIN_DIR": train_dir(config)}
+    workdir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    job = TrainJob(recipe, config.launch.nproc_per_node, env, stage_path(config, "train", "job.log"), workdir)
+    handle = submit_local(job, stage_path(config, "train", "submitit"), config.launch.timeout_min)
+    record = {"handle": handle.to_dict(), "mlflow_run_id": run_id, "resumed_from": checkpoint,
+              "attempt": (previous or {}).get("attempt", 0) + 1, "reattached": False}
+    write_json(job_file, record)
+    return record
+
+
+def training_progress(config: RunConfig) -> tuple[int, int | None]:
+    """(last logged optimizer step, max_steps) from the job's metrics file."""
+    path = stage_path(config, "train", "metrics.jsonl")
+    step = 0
+    if os.path.exists(path):
+        with open(path) as handle:
+            for line in handle:
+                if line.strip():
+                    step = max(step, json.loads(line).get("step", 0))
+    max_steps = config.training.get("max_steps")
+    return step, max_steps if max_steps and max_steps > 0 else None
+
+
+async def follow_training(config: RunConfig, record: dict, on_progress=None) -> dict:
+    """Poll the job (asyncio.sleep between polls, so the orchestrator stays responsive and cancellable)."""
+    import asyncio
+
+    from infra.launch import JobHandle, TrainingFailed, job_state
+    handle = JobHandle.from_dict(record["handle"])
+    deadline = handle.submitted_at + config.launch.timeout_min * 60 + 60
+    last = None
+    while True:
+        state, error = job_state(handle)
+        progress = training_progress(config)
+        if on_progress is not None and progress != last:
+            on_progress(*progress)
+            last = progress
+        if state == "COMPLETED":
+            break
+        if state in ("FAILED", "LOST"):
+            raise TrainingFailed(f"training job {handle.job_id} {state.lower()}: {error}")
+        if time.time() > deadline:
+            from infra.launch import cancel
+            cancel(handle)
+            raise TrainingFailed(f"training job {handle.job_id} exceeded launch.timeout_min="
+                                 f"{config.launch.timeout_min}; cancelled. It can be resumed from its last "
+                                 "checkpoint by retrying.")
+        await asyncio.sleep(config.launch.poll_seconds)
+    output_dir = stage_path(config, "train", "output")
+    result = {"output_dir": output_dir, "global_step": progress[0], "mlflow_run_id": record.get("mlflow_run_id"),
+              "metrics_path": stage_path(config, "train", "metrics.jsonl"), "job_id": handle.job_id,
+              "attempt": record.get("attempt", 1), "resumed_from": record.get("resumed_from")}
+    return save_stage_result(config, "train", result)
+
+
+# ---------------------------------------------------------------------------------------------- evaluate
+def _load_policies(config: RunConfig, model_result: dict, train_result: dict):
+    """(base, trained) models: the trained one is the base plus the saved adapter, or the saved full model."""
+    from rloo.models import load_causal_lm
+    trust = bool(config.training.get("trust_remote_code", False))
+    base = load_causal_lm(model_result["policy"], {}, trust).eval()
+    output_dir = train_result["output_dir"]
+    if os.path.exists(os.path.join(output_dir, "adapter_config.json")):
+        from peft import PeftModel
+        trained = PeftModel.from_pretrained(load_causal_lm(model_result["policy"], {}, trust), output_dir).eval()
+    else:
+        trained = load_causal_lm(output_dir, {}, trust).eval()
+    return base, trained
+
+
+def _score(config: RunConfig, model, tokenizer, rows, reward_funcs, runner, generator) -> dict:
+    import math
+
+    import torch
+
+    from rloo.algorithm import truncated_rows
+    from rloo.data import as_completion, is_conversational, pad_rows, tokenize_prompts
+    prompts = [row["prompt"] for row in rows]
+    conversational = is_conversational(prompts[0])
+    completion_ids, texts = [], []
+    for start in range(0, len(prompts), config.evaluation.batch_size):
+        batch = prompts[start:start + config.evaluation.batch_size]
+        ids = generator.generate(model, tokenize_prompts(tokenizer, batch, None))
+        completion_ids += ids
+        texts += tokenizer.batch_decode(ids, skip_special_tokens=True)
+    completions = [as_completion(text, conversational) for text in texts]
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    matrix, _ = runner(prompts, completions, completion_ids, columns, trainer_state=None)
+    weights = config.reward_weights or [1.0] * matrix.shape[1]
+    metrics = {}
+    for index, name in enumerate(runner.names):
+        column = [v for v in matrix[:, index].tolist() if not math.isnan(v)]
+        metrics[f"reward/{name}"] = sum(column) / len(column) if column else None
+        if column and set(column) <= {0.0, 1.0}:
+            metrics[f"accuracy/{name}"] = sum(column) / len(column)
+    from rloo.algorithm import combine_rewards
+    total = combine_rewards(matrix, torch.tensor(weights, dtype=torch.float32))
+    valid = total[~torch.isnan(total)]
+    metrics["reward"] = valid.mean().item() if valid.numel() else None
+    lengths = [len(ids) for ids in completion_ids]
+    metrics["completion_length"] = sum(lengths) / len(lengths)
+    padded, mask = pad_rows(completion_ids, generator.pad_token_id, "right")
+    metrics["truncated_ratio"] = truncated_rows(padded, mask, generator.eos_ids, generator.pad_token_id).float() \
+        .mean().item()
+    return {"metrics": metrics, "texts": texts}
+
+
+def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict) -> dict:
+    """Held-out prompts, base vs trained: mean reward per function, accuracy where a reward is 0/1, completion
+    lengths; a markdown report with a table, sample completions and the training reward curve."""
+    import torch
+    from datasets import load_from_disk
+    from transformers import GenerationConfig
+
+    from rloo.cli import resolve_reward
+    from rloo.generation import TransformersGenerator
+    from rloo.models import eos_token_ids, load_reward_model, load_tokenizer, prepare_tokenizer
+    from rloo.rewards import RewardRunner
+    record_execution(config, "evaluate")
+    rows = list(load_from_disk(dataset_result["eval_path"]))
+    if not rows:
+        raise ValueError("no held-out prompts to evaluate (data.eval_size is 0); set evaluation.enabled: false.")
+    trust = bool(config.training.get("trust_remote_code", False))
+    reward_funcs = [resolve_reward(entry) for entry in config.rewards]
+    reward_funcs = [load_reward_model(f, {}, trust) if isinstance(f, str) else f for f in reward_funcs]
+    tokenizers = [load_tokenizer(f.config._name_or_path, trust) if not callable(f) or hasattr(f, "config") else None
+                  for f in reward_funcs]
+    runner = RewardRunner(reward_funcs, tokenizers, config.training.get("chat_template_kwargs"))
+    tokenizer = prepare_tokenizer(load_tokenizer(model_result["tokenizer"] or model_result["policy"], trust))
+    base, trained = _load_policies(config, model_result, train_result)
+    eos = eos_token_ids(tokenizer, base)
+    max_new = config.evaluation.max_completion_length or config.training.get("max_completion_length", 512)
+    sampling = dict(do_sample=False) if config.evaluation.temperature == 0 else dict(
+        do_sample=True, temperature=config.evaluation.temperature)
+    generation_config = GenerationConfig(max_new_tokens=max_new, pad_token_id=tokenizer.pad_token_id,
+                                         eos_token_id=eos, **sampling)
+    generator = TransformersGenerator(generation_config, tokenizer.pad_token_id, eos)
+    torch.manual_seed(config.data.seed)
+    results = {label: _score(config, model, tokenizer, rows, reward_funcs, runner, generator)
+               for label, model in (("base", base), ("trained", trained))}
+    base_metrics, trained_metrics = results["base"]["metrics"], results["trained"]["metrics"]
+    out = stage_path(config, "eval")
+    os.makedirs(out, exist_ok=True)
+    plot = plot_reward_curve(train_result["metrics_path"], os.path.join(out, "reward_curve.png"))
+    report = render_report(config, dataset_result, base_metrics, trained_metrics, rows, results, plot)
+    with open(os.path.join(out, "report.md"), "w") as handle:
+        handle.write(report)
+    gain = None
+    if base_metrics["reward"] is not None and trained_metrics["reward"] is not None:
+        gain = trained_metrics["reward"] - base_metrics["reward"]
+    result = {"base": base_metrics, "trained": trained_metrics, "reward_gain": gain, "num_prompts": len(rows),
+              "report_path": os.path.join(out, "report.md"), "plot_path": plot}
+    write_json(os.path.join(out, "metrics.json"), result)
+    return save_stage_result(config, "evaluate", result)
+
+
+def plot_reward_curve(metrics_path: str, target: str) -> str | None:
+    if not os.path.exists(metrics_path):
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps, rewards = [], []
+    with open(metrics_path) as handle:
+        for line in handle:
+            record = json.loads(line)
+            if record.get("reward") is not None and "train_runtime" not in record:
+                steps.append(record["step"])
+                rewards.append(record["reward"])
+    if not steps:
+        return None
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    axis.plot(steps, rewards, marker="o")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("mean reward (training batch)")
+    axis.set_title("Training reward")
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(target, dpi=100)
+    plt.close(figure)
+    return target
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def render_report(config, dataset_result, base, trained, rows, results, plot) -> str:
+    lines = [f"# Evaluation of `{config.run_key}`", "",
+             f"{len(rows)} held-out prompts from `{dataset_result['source']}`, "
+             f"{'greedy decoding' if config.evaluation.temperature == 0 else f'temperature {config.evaluation.temperature}'}.",
+             "", "| metric | base | trained | change |", "| --- | --- | --- | --- |"]
+    for key in base:
+        change = None if base[key] is None or trained.get(key) is None else trained[key] - base[key]
+        lines.append(f"| {key} | {_fmt(base[key])} | {_fmt(trained.get(key))} | "
+                     f"{'-' if change is None else f'{change:+.3f}'} |")
+    if plot:
+        lines += ["", f"![training reward]({os.path.basename(plot)})"]
+    lines += ["", "## Samples", "", "| prompt | base | trained |", "| --- | --- | --- |"]
+    from rloo.completion_log import as_text
+    for index in range(min(5, len(rows))):
+        cells = [as_text(rows[index]["prompt"]), results["base"]["texts"][index], results["trained"]["texts"][index]]
+        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ")[:160] for c in cells) + " |")
+    return "\n".join(lines) + "\n"

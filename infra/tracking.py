@@ -1,0 +1,206 @@
+"""MLflow plumbing for the pipeline: runs (one parent per pipeline run, one child per stage), params without
+secrets, dataset inputs, artifacts; and the training job's callback, which keeps every metric in the run directory
+first and sends it to MLflow when it can (an outage loses nothing: `rloo-pipeline sync RUN` uploads the rest)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+from transformers import TrainerCallback
+
+from rloo.hub import is_secret
+
+ENV_RUN_ID = "RLOO_MLFLOW_RUN_ID"  # not MLFLOW_RUN_ID: mlflow consumes and deletes that one
+ENV_TRAIN_DIR = "RLOO_TRAIN_DIR"
+PENDING = "mlflow-pending.jsonl"
+
+
+class TrackingUnavailable(RuntimeError):
+    pass
+
+
+def client(tracking_uri: str):
+    from mlflow import MlflowClient
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def check_reachable(tracking_uri: str) -> None:
+    """Fail before any compute when the tracking server cannot be used."""
+    try:
+        client(tracking_uri).search_experiments(max_results=1)
+    except Exception as err:
+        raise TrackingUnavailable(f"MLflow at {tracking_uri} is not reachable ({type(err).__name__}: "
+                                  f"{str(err)[:200]}). Fix: start it (rloo-pipeline ui starts one on 127.0.0.1) or "
+                                  "set tracking.tracking_uri.") from None
+
+
+def experiment_id(tracking_uri: str, name: str) -> str:
+    mlflow_client = client(tracking_uri)
+    experiment = mlflow_client.get_experiment_by_name(name)
+    return experiment.experiment_id if experiment else mlflow_client.create_experiment(name)
+
+
+def flatten(values: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def safe_params(values: dict) -> dict[str, str]:
+    """Flattened params with every secret-looking key removed, values cut to MLflow's limit."""
+    return {key: str(value)[:6000] for key, value in flatten(values).items() if not is_secret(key)}
+
+
+def start_run(tracking_uri: str, experiment: str, run_name: str, tags: dict[str, str],
+              parent_run_id: str | None = None) -> str:
+    mlflow_client = client(tracking_uri)
+    all_tags = dict(tags)
+    if parent_run_id:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    run = mlflow_client.create_run(experiment_id(tracking_uri, experiment), run_name=run_name, tags=all_tags)
+    return run.info.run_id
+
+
+def log_params(tracking_uri: str, run_id: str, params: dict) -> None:
+    from mlflow.entities import Param
+    items = [Param(key, value) for key, value in safe_params(params).items()]
+    mlflow_client = client(tracking_uri)
+    for start in range(0, len(items), 100):
+        mlflow_client.log_batch(run_id, params=items[start:start + 100])
+
+
+def numeric_metrics(logs: dict) -> dict[str, float]:
+    return {key: float(value) for key, value in logs.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))}
+
+
+def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
+    from mlflow.entities import Metric
+    now = int(time.time() * 1000)
+    items = [Metric(key, value, now, step) for key, value in metrics.items()]
+    mlflow_client = client(tracking_uri)
+    for start in range(0, len(items), 200):
+        mlflow_client.log_batch(run_id, metrics=items[start:start + 200], synchronous=True)
+
+
+def log_dataset(tracking_uri: str, run_id: str, dataset_path: str, name: str, digest: str, context: str) -> None:
+    import mlflow
+    from datasets import load_from_disk
+    dataset = mlflow.data.from_huggingface(load_from_disk(dataset_path), path=dataset_path, name=name, digest=digest)
+    client(tracking_uri).log_inputs(run_id, datasets=[_dataset_input(dataset, context)])
+
+
+def _dataset_input(dataset, context: str):
+    from mlflow.entities import DatasetInput, InputTag
+    return DatasetInput(dataset=dataset._to_mlflow_entity(), tags=[InputTag(key="mlflow.data.context",
+                                                                           value=context)])
+
+
+def job_environment(tracking_uri: str, run_id: str, train_dir: str) -> dict[str, str]:
+    """What the training job needs to log into the train stage's run (rank 0 only), failing fast on outages."""
+    return {"MLFLOW_TRACKING_URI": tracking_uri, ENV_RUN_ID: run_id, ENV_TRAIN_DIR: train_dir,
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+# ---------------------------------------------------------------------------------------------- training job side
+class RunDirTrackingCallback(TrainerCallback):
+    """On global rank 0: every log line goes to `<train_dir>/metrics.jsonl`, then to the MLflow run named by
+    RLOO_MLFLOW_RUN_ID; completion tables to `<train_dir>/completions/` then MLflow; each checkpoint is recorded
+    as a small artifact (its location). Whatever MLflow refuses is queued in `mlflow-pending.jsonl`."""
+
+    def __init__(self):
+        self.train_dir = os.environ.get(ENV_TRAIN_DIR)
+        self.run_id = os.environ.get(ENV_RUN_ID)
+        self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
+
+    def _active(self, state) -> bool:
+        return state.is_world_process_zero and self.train_dir is not None
+
+    def _send(self, item: dict) -> None:
+        if not (self.run_id and self.tracking_uri):
+            return
+        if flush_pending(self.train_dir, self.tracking_uri, self.run_id) and _upload(item, self.tracking_uri,
+                                                                                      self.run_id):
+            return
+        _append(os.path.join(self.train_dir, PENDING), item)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._active(state) or not logs:
+            return
+        record = {"step": state.global_step, "time": time.time(), **logs}
+        _append(os.path.join(self.train_dir, "metrics.jsonl"), record)
+        metrics = numeric_metrics(logs)
+        if metrics:
+            self._send({"kind": "metrics", "step": state.global_step, "metrics": metrics})
+
+    def on_completions(self, args, state, control, rows=None, **kwargs):
+        if not self._active(state) or not rows:
+            return
+        path = os.path.join(self.train_dir, "completions", f"step_{state.global_step:07d}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        columns = {key: [row[key] for row in rows] for key in rows[0]}
+        with open(path, "w") as handle:
+            json.dump(columns, handle, default=str)
+        self._send({"kind": "table", "path": path, "artifact_file": f"completions/{os.path.basename(path)}"})
+
+    def on_save(self, args, state, control, **kwargs):
+        if not self._active(state):
+            return
+        checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        self._send({"kind": "dict", "artifact_file": f"checkpoints/checkpoint-{state.global_step}.json",
+                    "payload": {"path": checkpoint, "global_step": state.global_step, "time": time.time()}})
+
+
+def _append(path: str, item: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as handle:
+        handle.write(json.dumps(item, default=str) + "\n")
+
+
+def _upload(item: dict, tracking_uri: str, run_id: str) -> bool:
+    try:
+        mlflow_client = client(tracking_uri)
+        if item["kind"] == "metrics":
+            log_metrics(tracking_uri, run_id, item["metrics"], item["step"])
+        elif item["kind"] == "table":
+            with open(item["path"]) as handle:
+                mlflow_client.log_table(run_id, data=json.load(handle), artifact_file=item["artifact_file"])
+        elif item["kind"] == "dict":
+            mlflow_client.log_dict(run_id, item["payload"], item["artifact_file"])
+        return True
+    except Exception:
+        return False
+
+
+def flush_pending(train_dir: str, tracking_uri: str, run_id: str) -> bool:
+    """Upload queued items in order; True when the queue is empty afterwards."""
+    path = os.path.join(train_dir, PENDING)
+    if not os.path.exists(path):
+        return True
+    with open(path) as handle:
+        items = [json.loads(line) for line in handle if line.strip()]
+    for index, item in enumerate(items):
+        if not _upload(item, tracking_uri, run_id):
+            with open(path + ".tmp", "w") as handle:
+                handle.writelines(json.dumps(rest) + "\n" for rest in items[index:])
+            os.replace(path + ".tmp", path)
+            return False
+    os.remove(path)
+    return True
+
+
+def pending_count(train_dir: str) -> int:
+    path = os.path.join(train_dir, PENDING)
+    if not os.path.exists(path):
+        return 0
+    with open(path) as handle:
+        return sum(1 for line in handle if line.strip())

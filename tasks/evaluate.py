@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import os
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from infra import stages, tracking
+from infra.runconfig import RunConfig
+from tasks.common import cache_key, say, stage_run
+
+
+@task(name="evaluate", cache_key_fn=cache_key("evaluate"), persist_result=True)
+def evaluate_task(config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict,
+                  parent_run_id: str | None) -> dict:
+    with stage_run(config, parent_run_id, "evaluate") as run_id:
+        result = stages.evaluate_policy(config, dataset_result, model_result, train_result)
+        if run_id:
+            metrics = {f"{label}_{key}".replace("/", "_"): value for label in ("base", "trained")
+                       for key, value in result[label].items() if value is not None}
+            if result["reward_gain"] is not None:
+                metrics["reward_gain"] = result["reward_gain"]
+            uri = config.tracking_uri
+            tracking.log_metrics(uri, run_id, metrics, train_result["global_step"])
+            if parent_run_id:
+                tracking.log_metrics(uri, parent_run_id, metrics, train_result["global_step"])
+            mlflow_client = tracking.client(uri)
+            mlflow_client.log_artifact(run_id, result["report_path"], "evaluation")
+            if result["plot_path"]:
+                mlflow_client.log_artifact(run_id, result["plot_path"], "evaluation")
+    with open(result["report_path"]) as handle:
+        report = handle.read()
+    if result["plot_path"]:
+        report = report.replace(f"]({os.path.basename(result['plot_path'])})", f"]({result['plot_path']})")
+    create_markdown_artifact(report, key=f"{config.name}-evaluation", description=f"Evaluation of {config.run_key}")
+    create_table_artifact([{"metric": key, "base": result["base"][key], "trained": result["trained"].get(key)}
+                           for key in result["base"]], key=f"{config.name}-evaluation-table")
+    gain = result["reward_gain"]
+    say("evaluate", f"held-out reward {stages._fmt(result['base']['reward'])} (base) -> "
+                    f"{stages._fmt(result['trained']['reward'])} (trained), gain "
+                    f"{'-' if gain is None else f'{gain:+.3f}'}; report: {result['report_path']}")
+    return result
