@@ -46,6 +46,8 @@ def cmd_validate(options) -> int:
 
 def cmd_run(options, config_path: str | None = None, assignments: list[str] | None = None) -> int:
     config = _load(config_path or options.config, assignments if assignments is not None else options.set)
+    from infra.tracking import check_reachable
+    check_reachable(config.tracking_uri)  # before Prefect starts and before any stage
     _prefect_environment(config.run_root)
     from flows.pipeline import rloo_pipeline
     start = time.time()

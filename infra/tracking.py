@@ -17,6 +17,7 @@ from rloo.hub import is_secret
 ENV_RUN_ID = "RLOO_MLFLOW_RUN_ID"  # not MLFLOW_RUN_ID: mlflow consumes and deletes that one
 ENV_TRAIN_DIR = "RLOO_TRAIN_DIR"
 PENDING = "mlflow-pending.jsonl"
+QUICK_FAIL = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 
 
 class TrackingUnavailable(RuntimeError):
@@ -30,12 +31,20 @@ def client(tracking_uri: str):
 
 def check_reachable(tracking_uri: str) -> None:
     """Fail before any compute when the tracking server cannot be used."""
+    saved = {name: os.environ.get(name) for name in QUICK_FAIL}
+    os.environ.update(QUICK_FAIL)  # one quick attempt, not minutes of retries
     try:
         client(tracking_uri).search_experiments(max_results=1)
     except Exception as err:
         raise TrackingUnavailable(f"MLflow at {tracking_uri} is not reachable ({type(err).__name__}: "
                                   f"{str(err)[:200]}). Fix: start it (rloo-pipeline ui starts one on 127.0.0.1) or "
                                   "set tracking.tracking_uri.") from None
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def experiment_id(tracking_uri: str, name: str) -> str:

@@ -41,6 +41,16 @@ STATE_DIR = "rloo_state"
 REFERENCE_FILE = "ref_model.pt"
 
 
+def _to_device(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(item, device) for item in value)
+    return value
+
+
 def _atomic_save(obj, path: str) -> None:
     torch.save(obj, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -580,8 +590,7 @@ class RLOOTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # Check compatibility before any weight is loaded, so a mismatch is a clear error, not a state-dict one.
         path = os.path.join(resume_from_checkpoint, STATE_DIR, f"rank{self.accelerator.process_index}.pt")
-        state = torch.load(path, map_location=self.accelerator.device, weights_only=False) \
-            if os.path.exists(path) else None
+        state = torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
         if state is not None:
             self._check_checkpoint_compatible(resume_from_checkpoint, state)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -591,7 +600,7 @@ class RLOOTrainer(Trainer):
             reference.load_state_dict(torch.load(reference_path, map_location="cpu", weights_only=True))
         if state is not None:
             self._step = state["step"]
-            self._buffered_inputs = state["buffered_inputs"]
+            self._buffered_inputs = _to_device(state["buffered_inputs"], self.accelerator.device)
 
     def _check_checkpoint_compatible(self, checkpoint: str, state: dict) -> None:
         if state["num_generations"] != self.args.num_generations:
@@ -614,6 +623,8 @@ class RLOOTrainer(Trainer):
     # ------------------------------------------------------------------ saving and the Hub (through rloo.hub's Publisher)
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         super()._save(output_dir, state_dict)
+        if not self.args.should_save:  # only the writer rank saved anything
+            return
         # transformers pickles the whole TrainingArguments, hub_token included, into every save (and so into every
         # upload): write it again with the secrets cleared.
         output_dir = output_dir if output_dir is not None else self.args.output_dir

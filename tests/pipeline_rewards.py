@@ -1,0 +1,26 @@
+"""Reward functions for pipeline tests, named by import path ('pipeline_rewards:...')."""
+
+import os
+import time
+
+
+def length_reward(completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def slow_length_reward(completion_ids, **kwargs):
+    """Training slow enough to be interrupted between checkpoints."""
+    time.sleep(float(os.environ.get("RLOO_TEST_REWARD_SLEEP", "0.7")))
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def lookup_reward(completion_ids, trainer_state=None, **kwargs):
+    """Scores with a table file that evaluation needs (evaluation calls reward functions with trainer_state=None);
+    when the file is missing, evaluation fails until someone creates it."""
+    if trainer_state is None:
+        path = os.environ["RLOO_TEST_LOOKUP_FILE"]
+        with open(path) as handle:
+            bonus = float(handle.read().strip() or 0)
+    else:
+        bonus = 0.0
+    return [float(len(ids)) + bonus for ids in completion_ids]

@@ -1,0 +1,55 @@
+"""Real services for pipeline tests: an MLflow tracking server process on 127.0.0.1 (SQLite backend)."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MlflowServer:
+    def __init__(self, root: str, port: int | None = None):
+        self.root = root
+        self.port = port or free_port()
+        self.process = None
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> "MlflowServer":
+        os.makedirs(self.root, exist_ok=True)
+        log = open(os.path.join(self.root, "server.log"), "a")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db", "--artifacts-destination",
+             f"{self.root}/artifacts", "--workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mlflow server exited; see {self.root}/server.log")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"mlflow server on {self.uri} not healthy after {timeout} s")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        # the server's workers are children of the process group leader started above
+        self.process = None

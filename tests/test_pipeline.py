@@ -1,0 +1,196 @@
+"""The pipeline end to end against real services: a Prefect API (prefect_test_harness starts a real server
+process), an MLflow tracking server on 127.0.0.1 (SQLite), submitit's local executor running real torchrun."""
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+
+from infra import stages, tracking
+from infra.launch import JobHandle, TrainingFailed, cancel, job_state
+from infra.runconfig import load_run_config
+from services import MlflowServer
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+SECRET = "hf_pipelineSECRET0987654321"
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    from prefect.testing.utilities import prefect_test_harness
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    server = MlflowServer(str(tmp_path_factory.mktemp("mlflow"))).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def run_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("runs"))
+
+
+def overrides(run_root, mlflow_server, *extra):
+    return [f"run_root={run_root}", f"tracking.tracking_uri={mlflow_server.uri}",
+            f"data.source={ROOT}/data/arithmetic.jsonl", *extra]
+
+
+def run_flow(recipe, assignments):
+    from flows.pipeline import rloo_pipeline
+    return asyncio.run(rloo_pipeline(recipe, assignments, return_state=True))
+
+
+async def _task_states(flow_run_id):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    async with get_client() as client:
+        runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
+
+
+def task_states(state):
+    return asyncio.run(_task_states(state.state_details.flow_run_id))
+
+
+def test_end_to_end_two_processes(prefect_api, mlflow_server, run_root):
+    assignments = overrides(run_root, mlflow_server, "launch.nproc_per_node=2", f"training.hub_token={SECRET}",
+                            "training.log_completions=true")
+    state = run_flow(TINY, assignments)
+    assert state.is_completed(), state
+    summary = state.result()
+    config = load_run_config(TINY, assignments)
+    evaluation = summary["evaluate"]
+    assert evaluation["num_prompts"] == 8 and "reward" in evaluation["base"] and "reward" in evaluation["trained"]
+    report = open(evaluation["report_path"]).read()
+    assert "| metric | base | trained | change |" in report and "reward_curve.png" in report
+    assert os.path.exists(evaluation["plot_path"])
+    assert task_states(state) == {"dataset": "Completed", "model": "Completed", "train": "Completed",
+                                  "evaluate": "Completed"}
+
+    client = tracking.client(mlflow_server.uri)
+    experiment = client.get_experiment_by_name("rloo")
+    runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.`rloo.run_key` = '{config.run_key}'")
+    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = {r.data.tags["rloo.stage"]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    assert len(parent) == 1 and set(children) == {"dataset", "model", "train", "evaluate"}  # no run per rank
+    assert all(r.data.tags["mlflow.parentRunId"] == parent[0].info.run_id for r in children.values())
+    assert parent[0].data.tags["prefect.flow_run_id"] == str(state.state_details.flow_run_id)
+    assert parent[0].data.params["training.learning_rate"] == "0.001"
+    train = children["train"]
+    history = client.get_metric_history(train.info.run_id, "reward")
+    assert [m.step for m in history] == [1, 2, 3]  # global rank 0 only: one value per step
+    artifacts = {a.path for a in client.list_artifacts(train.info.run_id)}
+    assert {"checkpoints", "completions"} <= artifacts
+    datasets = client.get_run(children["dataset"].info.run_id).inputs.dataset_inputs
+    assert {d.dataset.name for d in datasets} == {"tiny-train", "tiny-eval"}
+    assert children["evaluate"].data.metrics["trained_reward"] == pytest.approx(evaluation["trained"]["reward"])
+    for run in [*parent, *children.values()]:  # the token is in the config, and nowhere in MLflow
+        assert SECRET not in json.dumps(client.get_run(run.info.run_id).data.to_dictionary())
+    assert not [p for p in parent[0].data.params if "token" in p]
+
+    from prefect.artifacts import Artifact
+    link = Artifact.get("tiny-mlflow-run")
+    assert link is not None and parent[0].info.run_id in link.data
+
+
+def test_rerun_skips_finished_stages_and_retry_reruns_only_what_failed(prefect_api, mlflow_server, run_root,
+                                                                       tmp_path, monkeypatch):
+    lookup = tmp_path / "lookup.txt"
+    monkeypatch.setenv("RLOO_TEST_LOOKUP_FILE", str(lookup))
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    assignments = overrides(run_root, mlflow_server, "rewards=[pipeline_rewards:lookup_reward]", "reward_weights=null")
+    config = load_run_config(TINY, assignments)
+
+    failed = run_flow(TINY, assignments)  # evaluation needs the lookup file, which is missing
+    assert failed.is_failed()
+    assert task_states(failed)["evaluate"] == "Failed"
+    assert stages.executions(config) == ["dataset", "model", "train", "evaluate"]
+
+    lookup.write_text("0.5")  # fix the cause, run again with the same config
+    retried = run_flow(TINY, assignments)
+    assert retried.is_completed(), retried
+    assert task_states(retried) == {"dataset": "Cached", "model": "Cached", "train": "Cached",
+                                    "evaluate": "Completed"}
+    assert stages.executions(config) == ["dataset", "model", "train", "evaluate", "evaluate"]
+    assert retried.result()["evaluate"]["base"]["reward"] >= 0.5
+
+    from flows.cli import main
+    assert main(["status", "--run-root", run_root]) == 0
+    assert main(["compare", "--run-root", run_root]) == 0  # both runs of this module, from MLflow
+
+
+def test_reattach_then_resume_after_the_job_is_killed(run_root, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(__file__))
+    monkeypatch.setenv("RLOO_TEST_REWARD_SLEEP", "0.7")
+    config = load_run_config(TINY, [f"run_root={run_root}", f"data.source={ROOT}/data/arithmetic.jsonl",
+                                    "rewards=[pipeline_rewards:slow_length_reward]", "reward_weights=null",
+                                    "training.max_steps=6", "training.save_steps=2", "name=killed"])
+    dataset = stages.prepare_dataset(config)
+    model = stages.prepare_model(config, dataset)
+    first = stages.start_or_reattach_training(config, dataset, model, None)
+    again = stages.start_or_reattach_training(config, dataset, model, None)  # e.g. the task retried
+    assert again["reattached"] and again["handle"]["job_id"] == first["handle"]["job_id"]
+    handle = JobHandle.from_dict(first["handle"])
+    output = stages.stage_path(config, "train", "output")
+    deadline = time.time() + 240
+    while stages.latest_checkpoint(output) is None:
+        assert time.time() < deadline and job_state(handle)[0] == "RUNNING", open(handle.log_path).read()[-3000:]
+        time.sleep(0.5)
+    cancel(handle)  # the training processes die (node failure, OOM kill, ...)
+    with pytest.raises(TrainingFailed, match="lost|failed"):
+        asyncio.run(stages.follow_training(config, first))
+    checkpoint = stages.latest_checkpoint(output)
+    resumed = stages.start_or_reattach_training(config, dataset, model, None)
+    assert resumed["resumed_from"] == checkpoint and resumed["attempt"] == 2 and not resumed["reattached"]
+    result = asyncio.run(stages.follow_training(config, resumed))
+    assert result["global_step"] == 6
+    steps = [json.loads(line)["step"] for line in open(result["metrics_path"]) if '"reward"' in line]
+    assert steps[-1] == 6 and int(checkpoint.rsplit("-", 1)[1]) + 1 in steps
+
+
+def test_mlflow_unreachable_at_start_fails_before_any_stage(run_root, capsys):
+    from flows.cli import main
+    from services import free_port
+    assignments = ["--set", f"run_root={run_root}", "--set", f"tracking.tracking_uri=http://127.0.0.1:{free_port()}",
+                   "--set", "name=nomlflow"]
+    assert main(["run", TINY, *assignments]) == 2
+    assert "MLflow at http://127.0.0.1" in capsys.readouterr().err
+    config = load_run_config(TINY, [a for a in assignments if a != "--set"])
+    assert stages.executions(config) == []
+
+
+def test_mlflow_outage_mid_run_loses_nothing(tmp_path, monkeypatch):
+    server = MlflowServer(str(tmp_path / "mlflow")).start()
+    run_id = tracking.start_run(server.uri, "outage", "train", {})
+    train_dir = str(tmp_path / "train")
+    for key, value in tracking.job_environment(server.uri, run_id, train_dir).items():
+        monkeypatch.setenv(key, value)
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    callback = tracking.RunDirTrackingCallback()
+    state = TrainerState()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none")
+    state.global_step = 1
+    callback.on_log(args, state, TrainerControl(), logs={"reward": 0.1, "loss": 0.0})
+    server.stop()  # the tracking server goes away mid-run
+    for step in (2, 3):
+        state.global_step = step
+        callback.on_log(args, state, TrainerControl(), logs={"reward": 0.1 * step, "loss": 0.0})
+    callback.on_completions(args, state, TrainerControl(), rows=[{"step": 3, "prompt": "p", "completion": "c"}])
+    assert tracking.pending_count(train_dir) == 3
+    lines = [json.loads(line) for line in open(os.path.join(train_dir, "metrics.jsonl"))]
+    assert [line["step"] for line in lines] == [1, 2, 3]  # kept in the run directory all along
+    server.start()  # back, same store
+    assert tracking.flush_pending(train_dir, server.uri, run_id)
+    history = tracking.client(server.uri).get_metric_history(run_id, "reward")
+    assert [(m.step, round(m.value, 3)) for m in history] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert tracking.pending_count(train_dir) == 0
+    server.stop()

@@ -1,0 +1,100 @@
+"""Run config (pydantic), overrides, fingerprints; dataset and model stages called directly (no Prefect)."""
+
+import json
+import os
+
+import pytest
+from datasets import Dataset
+
+from infra import stages
+from infra.runconfig import ConfigError, load_run_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+def tiny(tmp_path, *overrides):
+    return load_run_config(TINY, [f"run_root={tmp_path}", f"data.source={ROOT}/data/arithmetic.jsonl", *overrides])
+
+
+def test_shipped_configs_validate(tmp_path):
+    for name in ("tiny.yaml", "quickstart.yaml"):
+        config = load_run_config(os.path.join(ROOT, "configs", name), [f"run_root={tmp_path}"])
+        stages.build_training_args(config, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.peftt=1", r"model.peftt: unknown key"),
+    ("launch.nproc_per_node=two", r"launch.nproc_per_node: Input should be a valid integer"),
+    ("training.num_generation=4", r"training.num_generation is not an RLOOConfig field. Did you mean "
+                                  r"'num_generations'"),
+    ("training.output_dir=x", r"training.output_dir is set by the pipeline"),
+    ("reward_weights=[1.0]", r"reward_weights has 1 entries for 2 rewards"),
+    ("training.num_generations=3", r"not divisible by training.num_generations = 3"),
+    ("name=Bad_Name", r"name: String should match pattern"),
+    ("model.peft.load_in_4bit=true", r"load_in_4bit needs model.peft.enabled"),
+])
+def test_bad_config_names_the_key(tmp_path, override, message):
+    extra = ["model.peft.enabled=false"] if "load_in_4bit" in override else []
+    with pytest.raises(ConfigError, match=message):
+        tiny(tmp_path, *extra, override)
+
+
+def test_overrides_and_fingerprint(tmp_path):
+    base = tiny(tmp_path)
+    changed = tiny(tmp_path, "training.learning_rate=0.01")
+    assert changed.training["learning_rate"] == 0.01 and isinstance(changed.training["learning_rate"], float)
+    assert changed.fingerprint() != base.fingerprint() and changed.run_dir != base.run_dir
+    elsewhere = tiny(tmp_path / "other", "tracking.experiment=x")  # where results go is not what they are
+    assert elsewhere.fingerprint() == base.fingerprint() and elsewhere.run_key == base.run_key
+    assert base.run_dir == os.path.join(str(tmp_path), base.run_key) and base.run_key.startswith("tiny-")
+    with pytest.raises(ConfigError, match="expected key=value"):
+        tiny(tmp_path, "training.max_steps")
+
+
+@pytest.mark.parametrize("suffix", ["json", "jsonl", "csv", "parquet"])
+def test_dataset_stage_reads_files_and_splits(tmp_path, suffix):
+    rows = [{"prompt": f"what is {i} plus one", "solution": str(i + 1)} for i in range(20)]
+    path = tmp_path / f"data.{suffix}"
+    dataset = Dataset.from_list(rows)
+    {"json": lambda: path.write_text(json.dumps(rows)), "jsonl": lambda: dataset.to_json(str(path)),
+     "csv": lambda: dataset.to_csv(str(path)), "parquet": lambda: dataset.to_parquet(str(path))}[suffix]()
+    config = tiny(tmp_path, f"data.source={path}", "data.eval_size=5", "data.max_train_samples=null")
+    result = stages.prepare_dataset(config)
+    assert (result["num_train"], result["num_eval"], result["format"]) == (15, 5, "standard")
+    from datasets import load_from_disk
+    train, held_out = load_from_disk(result["train_path"]), load_from_disk(result["eval_path"])
+    assert not set(train["prompt"]) & set(held_out["prompt"])
+    assert stages.load_stage_result(config, "dataset") == result and stages.executions(config) == ["dataset"]
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"prompt": "ok"}, {"prompt": ""}], r"row 1, column 'prompt': empty prompt"),
+    ([{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": [{"role": "robot", "content": "x"}]}],
+     r"row 1, column 'prompt', message 0: expected \{'role'"),
+    ([{"question": "no prompt column"}], r"no 'prompt' column"),
+    ([{"prompt": "text"}, {"prompt": "more"}, {"prompt": [{"role": "user", "content": "mixed"}]}],
+     r"row 2, column 'prompt' is conversational but earlier rows are standard"),
+])
+def test_dataset_stage_names_the_bad_row(tmp_path, rows, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    with pytest.raises(ValueError, match=message):
+        stages.prepare_dataset(tiny(tmp_path, f"data.source={path}", "data.eval_size=0"))
+
+
+def test_model_stage_checks_before_training(tmp_path):
+    config = tiny(tmp_path)
+    dataset = stages.prepare_dataset(config)
+    result = stages.prepare_model(config, dataset)
+    assert result["peft"]["enabled"] and os.path.exists(os.path.join(result["policy"], "config.json"))
+    with pytest.raises(ValueError, match=r"target_modules \['qkv'\] match no layer.*q_proj"):
+        stages.prepare_model(tiny(tmp_path, "model.peft.target_modules=[qkv]"), dataset)
+    with pytest.raises(ValueError, match="cannot be imported"):
+        stages.prepare_model(tiny(tmp_path, "rewards=[no_such_module:reward]", "reward_weights=null"), dataset)
+    from transformers import AutoTokenizer
+    no_template = AutoTokenizer.from_pretrained(result["tokenizer"])
+    no_template.chat_template = None
+    no_template.save_pretrained(str(tmp_path / "plain-tokenizer"))
+    with pytest.raises(ValueError, match="no chat template"):
+        stages.prepare_model(tiny(tmp_path, f"model.tokenizer={tmp_path}/plain-tokenizer"), dataset)
