@@ -78,7 +78,10 @@ def _replace_dir(staging: str, target: str) -> None:
 # ---------------------------------------------------------------------------------------------- dataset
 def prepare_dataset(config: RunConfig) -> dict:
     """Load, validate every row, hold out `eval_size` prompts, save both splits to the run directory."""
+    import datasets
+
     from rloo.data import load_prompt_dataset, validate_prompt_rows
+    datasets.disable_progress_bars()  # one summary line per stage, not a bar per split
     record_execution(config, "dataset")
     data = config.data
     dataset = load_prompt_dataset(data.source, data.config, data.split)

@@ -194,3 +194,44 @@ def test_mlflow_outage_mid_run_loses_nothing(tmp_path, monkeypatch):
     assert [(m.step, round(m.value, 3)) for m in history] == [(1, 0.1), (2, 0.2), (3, 0.3)]
     assert tracking.pending_count(train_dir) == 0
     server.stop()
+
+
+def test_resume_command_reuses_every_finished_stage(prefect_api, mlflow_server, run_root):
+    from flows.cli import main
+    config = load_run_config(TINY, overrides(run_root, mlflow_server, "launch.nproc_per_node=2",
+                                             f"training.hub_token={SECRET}", "training.log_completions=true"))
+    before = stages.executions(config)
+    assert before  # the end-to-end test's run
+    assert main(["resume", config.run_key, "--run-root", run_root]) == 0
+    assert stages.executions(config) == before  # nothing executed again
+
+
+def test_ui_command_serves_prefect_and_mlflow_on_loopback(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from services import free_port
+    prefect_port, mlflow_port = free_port(), free_port()
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--run-root", str(tmp_path),
+                                "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        healthy = set()
+        deadline = time.time() + 180
+        while len(healthy) < 2 and time.time() < deadline:
+            for name, url in (("prefect", f"http://127.0.0.1:{prefect_port}/api/health"),
+                              ("mlflow", f"http://127.0.0.1:{mlflow_port}/health")):
+                try:
+                    with urllib.request.urlopen(url, timeout=2) as response:
+                        if response.status == 200:
+                            healthy.add(name)
+                except OSError:
+                    pass
+            time.sleep(1)
+        assert healthy == {"prefect", "mlflow"}
+    finally:
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    assert f"http://127.0.0.1:{prefect_port}" in output and process.returncode == 0

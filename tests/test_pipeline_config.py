@@ -98,3 +98,25 @@ def test_model_stage_checks_before_training(tmp_path):
     no_template.save_pretrained(str(tmp_path / "plain-tokenizer"))
     with pytest.raises(ValueError, match="no chat template"):
         stages.prepare_model(tiny(tmp_path, f"model.tokenizer={tmp_path}/plain-tokenizer"), dataset)
+
+
+def test_flow_parameters_make_a_ui_form():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import rloo_pipeline
+    schema = parameter_schema(rloo_pipeline).model_dump()
+    properties = schema["properties"]
+    assert properties["recipe"]["type"] == "string" and properties["recipe"]["default"] == "configs/quickstart.yaml"
+    assert properties["overrides"]["type"] == "array" and properties["overrides"]["items"]["type"] == "string"
+    assert "training.max_steps" in properties["overrides"]["description"]
+
+
+def test_validate_command(tmp_path, capsys):
+    from flows.cli import main
+    assert main(["validate", TINY, "--set", f"run_root={tmp_path}", "--set",
+                 f"data.source={ROOT}/data/arithmetic.jsonl"]) == 0
+    assert "valid:" in capsys.readouterr().out
+    assert main(["validate", TINY, "--set", "training.learnig_rate=1"]) == 2
+    assert "Did you mean 'learning_rate'" in capsys.readouterr().err
+    assert main(["validate", TINY, "--set", "data.source=/nonexistent.jsonl"]) == 2
+    assert not os.path.exists(tmp_path / "tiny")  # validation computes nothing and writes nothing

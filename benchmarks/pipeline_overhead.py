@@ -1,0 +1,62 @@
+"""Pipeline overhead: wall time of `rloo-pipeline run` (ephemeral Prefect API, SQLite MLflow, dataset/model
+stages, submitit + torchrun, no evaluation) over the bare `rloo train` it launches, on the same recipe, same run.
+
+    .venv/bin/python benchmarks/pipeline_overhead.py [--config configs/tiny.yaml] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def timed(command: list[str], env: dict) -> float:
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"failed: {' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--repeats", type=int, default=2)
+    options = parser.parse_args()
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
+    pipeline_times, bare_times = [], []
+    for repeat in range(options.repeats):
+        root = tempfile.mkdtemp(prefix="rloo-overhead-")
+        try:
+            pipeline_times.append(timed([sys.executable, "-m", "flows.cli", "run", options.config, "--set",
+                                         f"run_root={root}", "--set", "evaluation.enabled=false"], env))
+            run_dir = next(os.path.join(root, d) for d in os.listdir(root) if not d.startswith(".")
+                           and os.path.isdir(os.path.join(root, d)))
+            with open(os.path.join(run_dir, "train", "recipe.yaml")) as handle:
+                recipe = yaml.safe_load(handle)
+            recipe.update(output_dir=os.path.join(root, "bare"), callbacks=None)
+            recipe.pop("resume_from_checkpoint", None)
+            bare_recipe = os.path.join(root, "bare.yaml")
+            with open(bare_recipe, "w") as handle:
+                yaml.safe_dump(recipe, handle)
+            bare_times.append(timed([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     "--nproc_per_node", "1", "-m", "rloo", "train", "--config", bare_recipe], env))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print(f"repeat {repeat}: pipeline {pipeline_times[-1]:.1f} s, bare rloo train {bare_times[-1]:.1f} s")
+    pipeline, bare = min(pipeline_times), min(bare_times)
+    print(f"{options.config}: pipeline {pipeline:.1f} s / bare rloo train {bare:.1f} s = {pipeline / bare:.2f}x "
+          f"(+{pipeline - bare:.1f} s; best of {options.repeats})")
+
+
+if __name__ == "__main__":
+    main()
