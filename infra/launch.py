@@ -94,6 +94,9 @@ def _pid_alive(pid: int) -> bool:
 def job_state(handle: JobHandle) -> tuple[str, str | None]:
     """('RUNNING' | 'COMPLETED' | 'FAILED' | 'LOST', error text). LOST = gone without a result (killed)."""
     from submitit.core.utils import JobPaths, pickle_load
+    if handle.executor == "slurm":
+        from infra.slurm import slurm_job_state
+        return slurm_job_state(handle)
     paths = JobPaths(handle.folder, job_id=handle.job_id, task_id=0)
     if paths.result_pickle.exists():
         outcome, value = pickle_load(paths.result_pickle)
@@ -127,7 +130,9 @@ def descendants(pid: int) -> list[int]:
 def cancel(handle: JobHandle) -> None:
     """Stop a local job and every process it started (torchrun and its ranks)."""
     import signal
-    if handle.executor != "local":
+    if handle.executor == "slurm":
+        from infra.slurm import scancel
+        scancel(handle.job_id)
         return
     pid = int(handle.job_id)
     for target in [*reversed(descendants(pid)), pid]:

@@ -49,12 +49,43 @@ class DataSettings(Strict):
     seed: int = 0
 
 
+DEFAULT_GENERATION_COMMAND = ["env", "VLLM_SERVER_DEV_MODE=1", "vllm", "serve", "{model}", "--port", "{port}",
+                              "--weight-transfer-config", '{{"backend": "nccl"}}', "--logprobs-mode",
+                              "processed_logprobs", "--max-logprobs", "-1"]
+
+
+class SlurmSettings(Strict):
+    """One SLURM allocation: `trainer_nodes` run torchrun (c10d rendezvous on the first), the last
+    `generation_nodes` run the generation server."""
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    trainer_nodes: int = Field(4, ge=1)
+    generation_nodes: int = Field(1, ge=0, le=1)
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_task: int | None = Field(None, ge=1)
+    constraint: str | None = Field(None, description="Default with features: [trainer*N&generation*1].")
+    use_node_features: bool = Field(True, description="Place roles with the Features 'trainer' / 'generation'.")
+    extra_sbatch: dict[str, str] = Field(default_factory=dict, description="Forced #SBATCH flags.")
+    setup: list[str] = Field(default_factory=list, description="Shell lines before the job (modules, venv).")
+    signal_delay_s: int = Field(90, ge=1, description="Pre-termination signal this long before the time limit.")
+    max_num_timeout: int = Field(3, ge=0, description="Requeues after a time-out.")
+    rendezvous_port: int = Field(29500, ge=1024, le=65535)
+    generation_port: int = Field(8000, ge=1024, le=65535)
+    generation_command: list[str] = Field(default_factory=lambda: list(DEFAULT_GENERATION_COMMAND), description=
+                                          "Command of the generation role ({model}, {port}, {host} substituted).")
+    generation_health_path: str = "/health"
+    generation_timeout_s: float = Field(240.0, gt=0, description="Wait for the server's health (vllm_server_timeout).")
+    collective_timeout_s: int = Field(600, ge=10, description="A crashed rank fails the job after this at most.")
+
+
 class LaunchSettings(Strict):
     """Where training runs: 'local' (submitit local executor + torchrun) or 'slurm'."""
     executor: Literal["local", "slurm"] = "local"
     nproc_per_node: int = Field(1, ge=1)
     timeout_min: int = Field(120, ge=1)
     poll_seconds: float = Field(2.0, gt=0)
+    slurm: SlurmSettings = SlurmSettings()
 
 
 class EvalSettings(Strict):
@@ -103,10 +134,11 @@ class RunConfig(Strict):
         if self.model.peft.load_in_4bit and not self.model.peft.enabled:
             raise ValueError("model.peft.load_in_4bit needs model.peft.enabled: true (QLoRA trains an adapter).")
         generations = self.training.get("num_generations", 2)
-        batch = self.training.get("per_device_train_batch_size", 8) * self.launch.nproc_per_node
+        nodes = self.launch.slurm.trainer_nodes if self.launch.executor == "slurm" else 1
+        batch = self.training.get("per_device_train_batch_size", 8) * self.launch.nproc_per_node * nodes
         if batch % generations:
-            raise ValueError(f"training.per_device_train_batch_size x launch.nproc_per_node = {batch} is not "
-                             f"divisible by training.num_generations = {generations}.")
+            raise ValueError(f"training.per_device_train_batch_size x launch.nproc_per_node x trainer nodes = {batch} "
+                             f"is not divisible by training.num_generations = {generations}.")
         return self
 
     # ------------------------------------------------------------------ identity

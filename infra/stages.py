@@ -163,9 +163,15 @@ def check_lora_targets(model_source: str, targets, trust_remote_code: bool) -> i
 
 
 def build_training_args(config: RunConfig, output_dir: str):
+    """The RLOOConfig the job will build, checked here in one process: the batch arithmetic is done for the
+    launch's world size (trainer nodes x processes per node) by scaling the per-device batch sizes."""
     from rloo.config import RLOOConfig
     settings = dict(config.training)
     settings.update(output_dir=output_dir, report_to="none")
+    world = config.launch.nproc_per_node * (config.launch.slurm.trainer_nodes
+                                            if config.launch.executor == "slurm" else 1)
+    for key, default in (("per_device_train_batch_size", 8), ("per_device_eval_batch_size", 8)):
+        settings[key] = settings.get(key, default) * world
     if config.reward_weights is not None:
         settings["reward_weights"] = config.reward_weights
     return RLOOConfig(**settings)
@@ -244,8 +250,6 @@ def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_re
         state, _ = job_state(JobHandle.from_dict(previous["handle"]))
         if state == "RUNNING":
             return {**previous, "reattached": True}
-    if config.launch.executor != "local":
-        raise NotImplementedError("launch.executor='slurm' is delivered with the multi-node issue; use 'local'.")
     record_execution(config, "train")
     output_dir = stage_path(config, "train", "output")
     checkpoint = latest_checkpoint(output_dir)
@@ -254,8 +258,16 @@ def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_re
     env = job_environment(config.tracking_uri, run_id, train_dir(config)) if run_id else \
         {"RLOO_TRAIN_DIR": train_dir(config)}
     workdir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    job = TrainJob(recipe, config.launch.nproc_per_node, env, stage_path(config, "train", "job.log"), workdir)
-    handle = submit_local(job, stage_path(config, "train", "submitit"), config.launch.timeout_min)
+    if config.launch.executor == "slurm":
+        from infra.slurm import MultiNodeJob, executor_parameters, submit_slurm
+        settings = config.launch.slurm
+        job = MultiNodeJob(recipe, settings.model_dump(), config.launch.nproc_per_node, env,
+                           stage_path(config, "train"), workdir, model_result["policy"])
+        handle = submit_slurm(job, stage_path(config, "train", "submitit"),
+                              executor_parameters(settings, config.launch.timeout_min, config.run_key))
+    else:
+        job = TrainJob(recipe, config.launch.nproc_per_node, env, stage_path(config, "train", "job.log"), workdir)
+        handle = submit_local(job, stage_path(config, "train", "submitit"), config.launch.timeout_min)
     record = {"handle": handle.to_dict(), "mlflow_run_id": run_id, "resumed_from": checkpoint,
               "attempt": (previous or {}).get("attempt", 0) + 1, "reattached": False}
     write_json(job_file, record)

@@ -24,3 +24,11 @@ def lookup_reward(completion_ids, trainer_state=None, **kwargs):
     else:
         bonus = 0.0
     return [float(len(ids)) + bonus for ids in completion_ids]
+
+
+def crash_on_rank_reward(completion_ids, trainer_state=None, **kwargs):
+    """Raises on the global rank named by RLOO_TEST_CRASH_RANK once training has made a step."""
+    crash_rank = os.environ.get("RLOO_TEST_CRASH_RANK")
+    if trainer_state is not None and trainer_state.global_step >= 1 and os.environ.get("RANK") == crash_rank:
+        raise RuntimeError(f"boom on rank {crash_rank}")
+    return [float(len(ids)) for ids in completion_ids]

@@ -1,0 +1,234 @@
+"""The multi-node launch: one SLURM allocation through submitit, trainer nodes running torchrun (c10d
+rendezvous on the first trainer) and, on the last node, the generation server.
+
+Roles are a pure function of the node index. Trainers wait for the server's health before training and the
+first trainer writes a sentinel when training ends, which stops the server, so the job completes; either side
+failing fails the job with its log."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+from infra.launch import TrainingFailed, tail
+
+
+def role_of(node: int, num_nodes: int, generation_nodes: int) -> str:
+    return "generation" if node >= num_nodes - generation_nodes else "trainer"
+
+
+def default_constraint(trainer_nodes: int, generation_nodes: int) -> str:
+    if not generation_nodes:
+        return f"[trainer*{trainer_nodes}]"
+    return f"[trainer*{trainer_nodes}&generation*{generation_nodes}]"
+
+
+def executor_parameters(settings, timeout_min: int, job_name: str) -> dict:
+    """submitit SlurmExecutor parameters (slurm_* names) from the run config's cluster section."""
+    nodes = settings.trainer_nodes + settings.generation_nodes
+    params = {"slurm_job_name": job_name, "nodes": nodes, "tasks_per_node": 1, "timeout_min": timeout_min,
+              "slurm_signal_delay_s": settings.signal_delay_s, "slurm_max_num_timeout": settings.max_num_timeout,
+              # one failed node (a crashed trainer, a dead server) ends the whole step at once
+              "slurm_srun_args": ["--kill-on-bad-exit=1"]}
+    if settings.partition:
+        params["slurm_partition"] = settings.partition
+    if settings.account:
+        params["slurm_account"] = settings.account
+    if settings.qos:
+        params["slurm_qos"] = settings.qos
+    if settings.gpus_per_node:
+        params["gpus_per_node"] = settings.gpus_per_node
+    if settings.cpus_per_task:
+        params["cpus_per_task"] = settings.cpus_per_task
+    constraint = settings.constraint or (default_constraint(settings.trainer_nodes, settings.generation_nodes)
+                                         if settings.use_node_features else None)
+    if constraint:
+        params["slurm_constraint"] = constraint
+    if settings.setup:
+        params["slurm_setup"] = list(settings.setup)
+    if settings.extra_sbatch:
+        params["slurm_additional_parameters"] = dict(settings.extra_sbatch)
+    return params
+
+
+def wait_for_health(url: str, timeout_s: float, alive=lambda: True) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if not alive():
+            raise TrainingFailed(f"the generation server exited before {url} became healthy")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TrainingFailed(f"the generation server at {url} did not become healthy within {timeout_s:.0f} s "
+                         "(vllm_server_timeout)")
+
+
+class MultiNodeJob:
+    """The callable submitit runs once per node (tasks_per_node=1). Requeued on preemption/time-out: training
+    then resumes from the newest checkpoint in output_dir."""
+
+    def __init__(self, recipe_path: str, settings: dict, nproc_per_node: int, env: dict[str, str], log_dir: str,
+                 workdir: str, model: str):
+        self.recipe_path = recipe_path
+        self.settings = settings
+        self.nproc_per_node = nproc_per_node
+        self.env = env
+        self.log_dir = log_dir
+        self.workdir = workdir
+        self.model = model
+
+    def _environment(self) -> dict:
+        env = dict(os.environ, **self.env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [self.workdir, env.get("PYTHONPATH", "")] if p)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+        return env
+
+    def __call__(self) -> dict:
+        import submitit
+        job = submitit.JobEnvironment()
+        generation_nodes = self.settings["generation_nodes"]
+        role = role_of(job.node, job.num_nodes, generation_nodes)
+        sentinel = os.path.join(self.log_dir, f"training-finished-{job.job_id}")
+        host = job.hostnames[-1]
+        url = f"http://{host}:{self.settings['generation_port']}"
+        if role == "generation":
+            return self._serve(job, sentinel, url)
+        return self._train(job, sentinel, url if generation_nodes else None)
+
+    def _serve(self, job, sentinel: str, url: str) -> dict:
+        log_path = os.path.join(self.log_dir, f"generation-{job.job_id}.log")
+        command = [part.format(model=self.model, port=self.settings["generation_port"], host=job.hostnames[-1])
+                   for part in self.settings["generation_command"]]
+        with open(log_path, "a") as log:
+            server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._environment(),
+                                      cwd=self.workdir)
+            try:
+                while not os.path.exists(sentinel):
+                    if server.poll() is not None:
+                        raise TrainingFailed(f"the generation server ({' '.join(command)}) exited with code "
+                                             f"{server.returncode}; last lines of {log_path}:\n{tail(log_path)}")
+                    time.sleep(0.5)
+            finally:
+                if server.poll() is None:
+                    server.terminate()
+                    try:
+                        server.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        server.kill()
+        return {"role": "generation", "stopped": True}
+
+    def _train(self, job, sentinel: str, url: str | None) -> dict:
+        trainers = job.num_nodes - self.settings["generation_nodes"]
+        log_path = os.path.join(self.log_dir, f"trainer-{job.job_id}-node{job.node}.log")
+        if url is not None:
+            wait_for_health(url + self.settings["generation_health_path"], self.settings["generation_timeout_s"])
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(trainers), "--nproc_per_node",
+                   str(self.nproc_per_node), "--node_rank", str(job.node), "--rdzv_backend", "c10d",
+                   "--rdzv_endpoint", f"{job.hostnames[0]}:{self.settings['rendezvous_port']}",
+                   "--rdzv_id", str(job.job_id), "-m", "rloo", "train", "--config", self.recipe_path,
+                   "--resume_from_checkpoint", "latest", "--ddp_timeout", str(self.settings["collective_timeout_s"])]
+        if url is not None:
+            command += ["--vllm_server_base_url", url]
+        start = time.time()
+        with open(log_path, "a") as log:
+            log.write(f"$ {' '.join(command)}\n")
+            log.flush()
+            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=self._environment(),
+                                   cwd=self.workdir)
+        if job.node == 0:
+            with open(sentinel, "w") as handle:
+                handle.write(str(code))
+        if code != 0:
+            raise TrainingFailed(f"trainer node {job.node} ({job.hostnames[job.node]}) exited with code {code}; "
+                                 f"last lines of {log_path}:\n{tail(log_path)}")
+        return {"role": "trainer", "node": job.node, "seconds": time.time() - start}
+
+    def checkpoint(self, *args, **kwargs):
+        """Preemption / time-out: requeue the same job; trainers resume from the newest checkpoint."""
+        import submitit
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+def submit_slurm(job: MultiNodeJob, folder: str, parameters: dict):
+    import submitit
+
+    from infra.launch import JobHandle
+    os.makedirs(folder, exist_ok=True)
+    parameters = dict(parameters)
+    executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
+                                     slurm_max_num_timeout=parameters.pop("slurm_max_num_timeout", 3))
+    executor.update_parameters(**parameters)
+    try:
+        submitted = executor.submit(job)
+    except Exception as err:  # submitit raises FailedJobError with sbatch's message
+        raise TrainingFailed(f"SLURM refused the job: {str(err).strip()}") from None
+    return JobHandle("slurm", str(submitted.job_id), folder, os.path.join(job.log_dir, "trainer-*.log"), time.time())
+
+
+def slurm_state(job_id: str) -> str:
+    """The job's state from scontrol (works without accounting), e.g. RUNNING, COMPLETED, FAILED, CANCELLED."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    for item in out.split():
+        if item.startswith("JobState="):
+            return item.split("=", 1)[1]
+    return "UNKNOWN"
+
+
+ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING",
+                 "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT"}
+
+
+def slurm_job_state(handle) -> tuple[str, str | None]:
+    """Map SLURM's state and submitit's per-task results onto RUNNING / COMPLETED / FAILED / LOST."""
+    import glob
+
+    from submitit.core.utils import pickle_load
+    state = slurm_state(handle.job_id)
+    if state in ACTIVE_STATES:
+        return "RUNNING", None
+    errors = []
+    for path in sorted(glob.glob(os.path.join(handle.folder, f"{handle.job_id}_*_result.pkl"))):
+        outcome, value = pickle_load(path)
+        if outcome != "success":
+            errors.append(str(value))
+    if state == "COMPLETED" and not errors:
+        return "COMPLETED", None
+    log_paths = sorted(glob.glob(handle.log_path))
+    logs = "\n".join(f"--- {path}\n{tail(path, 30)}" for path in log_paths[:4])
+    detail = errors[0] if errors else logs or "(no logs)"
+    causes = [cause for cause in (root_cause(path) for path in log_paths) if cause]
+    if causes:  # the rank that crashed, not the ranks that lost their peer afterwards
+        detail = f"root cause: {causes[0]}\n{detail}"
+    if state == "UNKNOWN":
+        return "LOST", f"SLURM no longer knows job {handle.job_id}; {detail}"
+    return "FAILED", f"SLURM job {handle.job_id} ended {state}: {detail}"
+
+
+def scancel(job_id: str) -> None:
+    subprocess.run(["scancel", job_id], capture_output=True)
+
+
+CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "SignalException", "ChildFailedError",
+                "got signal", "Broken pipe", "DistNetworkError")
+
+
+def root_cause(log_path: str) -> str | None:
+    """The last exception a rank raised in this log, unless it only reports another rank's failure."""
+    import re
+    pattern = re.compile(r"^(?:\[rank(\d+)\]: )?([A-Za-z_.]*(?:Error|Exception)): (.+)$")
+    found = None
+    with open(log_path, errors="replace") as handle:
+        for line in handle:
+            match = pattern.match(line.strip())
+            if match and not any(marker in line for marker in CONSEQUENCES):
+                rank = f"rank {match.group(1)}: " if match.group(1) else ""
+                found = f"{os.path.basename(log_path)}: {rank}{match.group(2)}: {match.group(3)[:300]}"
+    return found

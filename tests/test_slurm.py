@@ -1,0 +1,147 @@
+"""Multi-node launch on a real SLURM cluster started on this machine (infra/cluster/start.sh): submitit's SLURM
+executor, 4 trainer nodes running torchrun with a c10d rendezvous, the generation role on node 5 (a health-checked
+stand-in server here; the real vLLM server comes with the vLLM issue)."""
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from infra import stages
+from infra.launch import JobHandle, TrainingFailed, cancel, job_state
+from infra.runconfig import load_run_config
+from infra.slurm import default_constraint, executor_parameters, role_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+def test_roles_and_sbatch_parameters():
+    assert [role_of(n, 5, 1) for n in range(5)] == ["trainer"] * 4 + ["generation"]
+    assert [role_of(n, 4, 0) for n in range(4)] == ["trainer"] * 4
+    assert default_constraint(4, 1) == "[trainer*4&generation*1]"
+    config = load_run_config(TINY, ["launch.executor=slurm", "launch.slurm.partition=gpu", "launch.slurm.qos=high",
+                                    "launch.slurm.gpus_per_node=8", "training.per_device_train_batch_size=4",
+                                    "launch.slurm.extra_sbatch={exclusive: ''}"])
+    params = executor_parameters(config.launch.slurm, 60, "run")
+    assert params["nodes"] == 5 and params["tasks_per_node"] == 1 and params["gpus_per_node"] == 8
+    assert params["slurm_partition"] == "gpu" and params["slurm_qos"] == "high"
+    assert params["slurm_constraint"] == "[trainer*4&generation*1]"
+    assert params["slurm_srun_args"] == ["--kill-on-bad-exit=1"] and params["slurm_signal_delay_s"] == 90
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.fail("the local SLURM cluster needs root (daemons, /etc/hosts lines)")
+    state = str(tmp_path_factory.mktemp("slurm"))
+    env = dict(os.environ, RLOO_SLURM_PORT_BASE="17200")
+    result = subprocess.run(["bash", os.path.join(ROOT, "infra", "cluster", "start.sh"), state], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    saved = {name: os.environ.get(name) for name in ("SLURM_CONF", "PATH")}
+    os.environ["SLURM_CONF"] = os.path.join(state, "slurm.conf")
+    os.environ["PATH"] = os.path.join(ROOT, "infra", "cluster", "bin") + os.pathsep + os.environ["PATH"]
+    yield state
+    subprocess.run(["bash", os.path.join(ROOT, "infra", "cluster", "stop.sh"), state, "--purge"], timeout=120)
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def slurm_config(run_root, *extra):
+    server = [sys.executable, os.path.join(TESTS, "standin_server.py"), "--host", "{host}", "--port", "{port}"]
+    import json
+    return load_run_config(TINY, [f"run_root={run_root}", f"data.source={ROOT}/data/arithmetic.jsonl",
+                                  "launch.executor=slurm", "launch.poll_seconds=1",
+                                  "training.per_device_train_batch_size=2", "training.num_generations=4",
+                                  "launch.slurm.generation_port=18431", "launch.slurm.rendezvous_port=29631",
+                                  f"launch.slurm.generation_command={json.dumps(server)}",
+                                  "launch.slurm.generation_timeout_s=60", *extra])
+
+
+def prepared(config):
+    dataset = stages.prepare_dataset(config)
+    return dataset, stages.prepare_model(config, dataset)
+
+
+@pytest.mark.slow
+def test_four_trainer_nodes_and_a_generation_node(cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    config = slurm_config(tmp_path)
+    dataset, model = prepared(config)
+    start = time.time()
+    record = stages.start_or_reattach_training(config, dataset, model, None)
+    assert record["handle"]["executor"] == "slurm"
+    result = asyncio.run(stages.follow_training(config, record))
+    elapsed = time.time() - start
+    assert result["global_step"] == 3
+    train_dir = stages.train_dir(config)
+    job_id = record["handle"]["job_id"]
+    logs = sorted(f for f in os.listdir(train_dir) if f.startswith(f"trainer-{job_id}-node"))
+    assert logs == [f"trainer-{job_id}-node{n}.log" for n in range(4)]
+    node0 = open(os.path.join(train_dir, logs[0])).read()
+    assert "--nnodes 4" in node0 and "--rdzv_endpoint node1:29631" in node0
+    assert open(os.path.join(train_dir, f"training-finished-{job_id}")).read() == "0"  # server told to stop
+    assert os.path.exists(os.path.join(train_dir, f"generation-{job_id}.log"))
+    print(f"4+1 SLURM tiny training: {elapsed:.1f} s")
+
+
+def test_impossible_request_fails_at_submission(cluster, tmp_path):
+    config = slurm_config(tmp_path, "launch.slurm.trainer_nodes=10")
+    dataset, model = prepared(config)
+    with pytest.raises(TrainingFailed, match="SLURM refused the job: sbatch: error: Batch job submission failed: "):
+        stages.start_or_reattach_training(config, dataset, model, None)
+
+
+@pytest.mark.slow
+def test_generation_server_never_healthy_fails_naming_the_url(cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    config = slurm_config(tmp_path, "launch.slurm.generation_command=[sleep, '600']",
+                          "launch.slurm.generation_timeout_s=5")
+    dataset, model = prepared(config)
+    record = stages.start_or_reattach_training(config, dataset, model, None)
+    with pytest.raises(TrainingFailed, match=r"http://node5:18431/health did not become healthy within 5 s"):
+        asyncio.run(stages.follow_training(config, record))
+
+
+@pytest.mark.slow
+def test_scancel_fails_the_stage_and_a_retry_resumes(cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    monkeypatch.setenv("RLOO_TEST_REWARD_SLEEP", "1.0")
+    config = slurm_config(tmp_path, "rewards=[pipeline_rewards:slow_length_reward]", "reward_weights=null",
+                          "training.max_steps=5", "training.save_steps=2")
+    dataset, model = prepared(config)
+    record = stages.start_or_reattach_training(config, dataset, model, None)
+    handle = JobHandle.from_dict(record["handle"])
+    output = stages.stage_path(config, "train", "output")
+    deadline = time.time() + 300
+    while stages.latest_checkpoint(output) is None:
+        assert time.time() < deadline and job_state(handle)[0] == "RUNNING", job_state(handle)
+        time.sleep(1)
+    cancel(handle)  # scancel from outside
+    with pytest.raises(TrainingFailed, match="CANCELLED"):
+        asyncio.run(stages.follow_training(config, record))
+    resumed = stages.start_or_reattach_training(config, dataset, model, None)
+    assert resumed["resumed_from"] == stages.latest_checkpoint(output)
+    assert asyncio.run(stages.follow_training(config, resumed))["global_step"] == 5
+
+
+@pytest.mark.slow
+def test_a_crashed_trainer_rank_fails_the_job_promptly(cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    monkeypatch.setenv("RLOO_TEST_CRASH_RANK", "2")
+    config = slurm_config(tmp_path, "rewards=[pipeline_rewards:crash_on_rank_reward]", "reward_weights=null",
+                          "training.max_steps=50", "launch.slurm.collective_timeout_s=60")
+    dataset, model = prepared(config)
+    record = stages.start_or_reattach_training(config, dataset, model, None)
+    start = time.time()
+    with pytest.raises(TrainingFailed, match=r"(?s)ended FAILED.*boom on rank 2"):
+        asyncio.run(stages.follow_training(config, record))
+    assert time.time() - start < 120  # not the collective timeout of the other ranks, let alone a hang
