@@ -54,6 +54,11 @@ def executor_parameters(settings, timeout_min: int, job_name: str) -> dict:
     return params
 
 
+def _ignore_usr2() -> None:
+    import signal
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
 def wait_for_health(url: str, timeout_s: float, alive=lambda: True) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -109,7 +114,7 @@ class MultiNodeJob:
                    for part in self.settings["generation_command"]]
         with open(log_path, "a") as log:
             server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._environment(),
-                                      cwd=self.workdir)
+                                      cwd=self.workdir, preexec_fn=_ignore_usr2)  # preemption: keep serving
             try:
                 while not os.path.exists(sentinel):
                     if server.poll() is not None:
@@ -141,8 +146,11 @@ class MultiNodeJob:
         with open(log_path, "a") as log:
             log.write(f"$ {' '.join(command)}\n")
             log.flush()
-            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=self._environment(),
-                                   cwd=self.workdir)
+            # torchrun's agent would die of SLURM's SIGUSR2; ignored here (inherited across exec), the training
+            # processes install their own handler (rloo.callbacks.PreemptionCallback) and save before stopping.
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._environment(),
+                                             cwd=self.workdir, preexec_fn=_ignore_usr2)
+            code = self._process.wait()
         if job.node == 0:
             with open(sentinel, "w") as handle:
                 handle.write(str(code))
@@ -152,9 +160,22 @@ class MultiNodeJob:
         return {"role": "trainer", "node": job.node, "seconds": time.time() - start}
 
     def checkpoint(self, *args, **kwargs):
-        """Preemption / time-out: requeue the same job; trainers resume from the newest checkpoint."""
+        """Preemption / time-out (submitit calls this on global rank 0): let the trainers save their checkpoint
+        and stop (they got the same signal), then requeue the same job; they resume from that checkpoint."""
         import submitit
+        process = getattr(self, "_process", None)
+        if process is not None:
+            try:
+                process.wait(timeout=max(10, self.settings["signal_delay_s"] - 10))
+            except subprocess.TimeoutExpired:
+                pass
+        self._process = None  # not picklable; the requeued job starts a new one
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_process", None)
+        return state
 
 
 def submit_slurm(job: MultiNodeJob, folder: str, parameters: dict):

@@ -172,6 +172,16 @@ def build_training_args(config: RunConfig, output_dir: str):
                                             if config.launch.executor == "slurm" else 1)
     for key, default in (("per_device_train_batch_size", 8), ("per_device_eval_batch_size", 8)):
         settings[key] = settings.get(key, default) * world
+    if config.launch.executor == "slurm" and config.launch.slurm.gpus_per_node:
+        # The cluster's GPUs, not this machine's, decide bf16 and DeepSpeed: check the files, not the hardware.
+        settings["use_cpu"] = True
+        deepspeed = settings.pop("deepspeed", None)
+        if isinstance(deepspeed, str):
+            if not os.path.isfile(deepspeed):
+                raise FileNotFoundError(f"training.deepspeed={deepspeed!r}: no such file.")
+            with open(deepspeed) as handle:
+                if "zero_optimization" not in json.load(handle):
+                    raise ValueError(f"training.deepspeed={deepspeed!r} has no zero_optimization section.")
     if config.reward_weights is not None:
         settings["reward_weights"] = config.reward_weights
     return RLOOConfig(**settings)

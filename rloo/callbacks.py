@@ -1,6 +1,9 @@
-"""Trainer callbacks: TR-DPO reference-model synchronisation."""
+"""Trainer callbacks: TR-DPO reference-model synchronisation, checkpoint-and-stop on preemption."""
 
 from __future__ import annotations
+
+import signal
+import threading
 
 import torch
 from torch import nn
@@ -38,3 +41,33 @@ class SyncRefModelCallback(TrainerCallback):
                     mix_into_reference(reference, policy, args.ref_model_mixup_alpha)
         else:
             mix_into_reference(reference, policy, args.ref_model_mixup_alpha)
+
+
+class PreemptionCallback(TrainerCallback):
+    """SLURM sends a pre-termination signal (SIGUSR2 through submitit) before a preemption or the time limit:
+    finish the current optimizer step, save a checkpoint and stop. Ranks agree with an all-reduce at every step
+    end, so they all save the same step even when the signal reaches them at different moments."""
+
+    def __init__(self, signals=(signal.SIGUSR2,)):
+        self.signals = signals
+        self.requested = False
+        self.stopped_at: int | None = None
+
+    def _handler(self, signum, frame) -> None:
+        self.requested = True
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                signal.signal(signum, self._handler)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        requested = self.requested
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = torch.tensor([1 if requested else 0], device=args.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            requested = bool(flag.item())
+        if requested:
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_at = state.global_step

@@ -176,7 +176,8 @@ def build_trainer(argv: list[str]):
     if script_args.tokenizer_name_or_path:
         from rloo.models import load_tokenizer
         processing_class = load_tokenizer(script_args.tokenizer_name_or_path, config.trust_remote_code)
-    callbacks = [resolve_callable(path)() for path in script_args.callbacks or []]
+    from rloo.callbacks import PreemptionCallback
+    callbacks = [resolve_callable(path)() for path in script_args.callbacks or []] + [PreemptionCallback()]
     trainer = RLOOTrainer(model=script_args.model_name_or_path, reward_funcs=reward_funcs, args=config,
                           train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                           callbacks=callbacks, peft_config=peft_config, quantization_config=quantization)
@@ -204,6 +205,10 @@ def train(argv: list[str]) -> int:
         from transformers.trainer_utils import get_last_checkpoint
         resume = get_last_checkpoint(config.output_dir) if os.path.isdir(config.output_dir) else None
     trainer.train(resume_from_checkpoint=resume)
+    preemption = next(c for c in trainer.callback_handler.callbacks if type(c).__name__ == "PreemptionCallback")
+    if preemption.stopped_at is not None:  # not the final model: the requeued job resumes from the checkpoint
+        print(f"rloo train: pre-termination signal; checkpoint saved at step {preemption.stopped_at}, stopping.")
+        return 0
     trainer.save_model(config.output_dir)
     if config.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)

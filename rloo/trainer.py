@@ -104,6 +104,7 @@ class RLOOTrainer(Trainer):
         # PEFT: the reference policy is the network with the adapter disabled (new adapter) or a frozen copy of the
         # adapter it arrived with (a PeftModel passed in, e.g. after SFT).
         self._trainable_adapter = None
+        set_seed(args.seed)  # new adapter weights are drawn here: the same seed must give the same adapter
         if peft_config is not None:
             quantized = bool(getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False))
             model = wrap_with_peft(model, peft_config, args.gradient_checkpointing, quantized)

@@ -153,3 +153,15 @@ def test_gradient_checkpointing_on_and_off_give_the_same_update(tmp_path, tokeni
         results[checkpointing] = snapshot(model)
     for name, value in results[True].items():
         assert torch.allclose(value, results[False][name], atol=1e-6), name
+
+
+def test_same_seed_gives_the_same_lora_initialisation(tmp_path, tokenizer):
+    import torch as t
+    adapters = []
+    for index in range(2):
+        t.manual_seed(index)  # whatever the global RNG went through before, the seed decides
+        trainer = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=length_reward,
+                              args=make_args(tmp_path, seed=7), train_dataset=conversational(),
+                              processing_class=tokenizer, peft_config=LoraConfig(**LORA))
+        adapters.append({n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_A" in n})
+    assert adapters[0] and all(t.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])

@@ -120,3 +120,14 @@ def test_validate_command(tmp_path, capsys):
     assert "Did you mean 'learning_rate'" in capsys.readouterr().err
     assert main(["validate", TINY, "--set", "data.source=/nonexistent.jsonl"]) == 2
     assert not os.path.exists(tmp_path / "tiny")  # validation computes nothing and writes nothing
+
+
+def test_72b_multinode_recipe_validates_here(capsys):
+    from flows.cli import main
+    assert main(["validate", os.path.join(ROOT, "configs", "qwen72b_multinode.yaml")]) == 0
+    config = load_run_config(os.path.join(ROOT, "configs", "qwen72b_multinode.yaml"))
+    from infra.slurm import executor_parameters
+    params = executor_parameters(config.launch.slurm, config.launch.timeout_min, config.run_key)
+    assert params["nodes"] == 5 and params["gpus_per_node"] == 8 and params["slurm_partition"] == "gpu"
+    assert main(["validate", os.path.join(ROOT, "configs", "qwen72b_multinode.yaml"), "--set",
+                 "training.deepspeed=configs/deepspeed/missing.json"]) == 2

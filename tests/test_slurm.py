@@ -145,3 +145,36 @@ def test_a_crashed_trainer_rank_fails_the_job_promptly(cluster, tmp_path, monkey
     with pytest.raises(TrainingFailed, match=r"(?s)ended FAILED.*boom on rank 2"):
         asyncio.run(stages.follow_training(config, record))
     assert time.time() - start < 120  # not the collective timeout of the other ranks, let alone a hang
+
+
+@pytest.mark.slow
+def test_preempted_job_is_requeued_and_ends_with_the_same_weights(cluster, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    monkeypatch.setenv("RLOO_TEST_REWARD_SLEEP", "1.0")
+    settings = ["rewards=[pipeline_rewards:slow_length_reward]", "reward_weights=null", "training.max_steps=4",
+                "training.save_steps=1", "launch.slurm.signal_delay_s=60"]
+    weights = {}
+    for name in ("uninterrupted", "preempted"):
+        config = slurm_config(tmp_path / name, *settings)
+        dataset, model = prepared(config)
+        record = stages.start_or_reattach_training(config, dataset, model, None)
+        job_id = record["handle"]["job_id"]
+        if name == "preempted":
+            deadline = time.time() + 300
+            while stages.training_progress(config)[0] < 1:
+                assert time.time() < deadline
+                time.sleep(0.5)
+            subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # SLURM's pre-termination signal
+        result = asyncio.run(stages.follow_training(config, record))
+        assert result["global_step"] == 4
+        show = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+        restarts = int(show.split("Restarts=")[1].split()[0])
+        assert restarts == (1 if name == "preempted" else 0), show
+        weights[name] = load_file(os.path.join(result["output_dir"], "adapter_model.safetensors"))
+    node0 = open(os.path.join(stages.train_dir(slurm_config(tmp_path / "preempted", *settings)),
+                              f"trainer-{job_id}-node0.log")).read()
+    assert "pre-termination signal; checkpoint saved" in node0
+    assert node0.count("-m torch.distributed.run") == 2  # launched again by the requeued job, resumed
+    for key, value in weights["uninterrupted"].items():
+        assert (value - weights["preempted"][key]).abs().max().item() < 1e-5, key
