@@ -47,10 +47,21 @@ def check_reachable(tracking_uri: str) -> None:
                 os.environ[name] = value
 
 
+def artifact_location(tracking_uri: str) -> str | None:
+    """A local SQLite store keeps its artifacts beside the database (MLflow's default is ./mlruns in the current
+    directory, i.e. wherever the command was started); a server decides for itself."""
+    if tracking_uri.startswith("sqlite:///"):
+        database = tracking_uri[len("sqlite:///"):]
+        return "file://" + os.path.join(os.path.dirname(os.path.abspath(database)), "mlartifacts")
+    return None
+
+
 def experiment_id(tracking_uri: str, name: str) -> str:
     mlflow_client = client(tracking_uri)
     experiment = mlflow_client.get_experiment_by_name(name)
-    return experiment.experiment_id if experiment else mlflow_client.create_experiment(name)
+    if experiment:
+        return experiment.experiment_id
+    return mlflow_client.create_experiment(name, artifact_location=artifact_location(tracking_uri))
 
 
 def flatten(values: dict, prefix: str = "") -> dict[str, Any]:

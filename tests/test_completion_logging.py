@@ -46,6 +46,7 @@ def test_sample_size_and_unique_prompts(tmp_path, tokenizer, model, capsys):
 
 def test_completion_table_logged_to_mlflow(tmp_path, tokenizer, model, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
+    monkeypatch.chdir(tmp_path)  # MLflow's default artifact root is ./mlruns
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "completions-test")
     monkeypatch.delenv("DISABLE_MLFLOW_INTEGRATION", raising=False)

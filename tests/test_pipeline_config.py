@@ -131,3 +131,10 @@ def test_72b_multinode_recipe_validates_here(capsys):
     assert params["nodes"] == 5 and params["gpus_per_node"] == 8 and params["slurm_partition"] == "gpu"
     assert main(["validate", os.path.join(ROOT, "configs", "qwen72b_multinode.yaml"), "--set",
                  "training.deepspeed=configs/deepspeed/missing.json"]) == 2
+
+
+def test_sqlite_store_keeps_artifacts_beside_the_database(tmp_path):
+    from infra import tracking
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    experiment = tracking.client(uri).get_experiment(tracking.experiment_id(uri, "rloo"))
+    assert experiment.artifact_location == f"file://{tmp_path}/mlartifacts"
