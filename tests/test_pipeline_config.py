@@ -138,3 +138,16 @@ def test_sqlite_store_keeps_artifacts_beside_the_database(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     experiment = tracking.client(uri).get_experiment(tracking.experiment_id(uri, "rloo"))
     assert experiment.artifact_location == f"file://{tmp_path}/mlartifacts"
+
+
+def test_prefect_deployments_point_at_the_flow_and_valid_recipes():
+    import importlib
+
+    import yaml
+    with open(os.path.join(ROOT, "prefect.yaml")) as handle:
+        deployments = yaml.safe_load(handle)["deployments"]
+    for deployment in deployments:
+        path, name = deployment["entrypoint"].split(":")
+        module = importlib.import_module(path[:-3].replace("/", "."))
+        assert getattr(module, name).name == "rloo-pipeline"
+        load_run_config(os.path.join(ROOT, deployment["parameters"]["recipe"]))
