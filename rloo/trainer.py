@@ -177,6 +177,9 @@ class RLOOTrainer(Trainer):
             raise TypeError(f"train_dataset must be a datasets.Dataset or IterableDataset, got "
                             f"{type(train_dataset).__name__}. Fix: datasets.Dataset.from_list(rows).")
         check_prompt_dataset(train_dataset, "train_dataset")
+        if peft_config is not None and is_peft_model(model):
+            raise ValueError("model is already a PeftModel and peft_config is also given: pass one of them (the "
+                             "PeftModel keeps its adapter; peft_config adds a new one to a plain model).")
         quantized = quantization_config is not None or "quantization_config" in (args.model_init_kwargs or {})
         if quantized and peft_config is None:
             raise ValueError("quantization_config is set without peft_config: a 4/8-bit base model cannot be "

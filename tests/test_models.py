@@ -59,6 +59,13 @@ def test_peft_model_passed_in_keeps_its_adapter_as_reference(tmp_path, tokenizer
     assert trainable and all(".default." in n for n in trainable)
 
 
+def test_peft_model_and_peft_config_together_is_an_error(tmp_path, tokenizer, model):
+    with pytest.raises(ValueError, match="already a PeftModel and peft_config is also given"):
+        RLOOTrainer(model=get_peft_model(model, LoraConfig(**LORA)), reward_funcs=length_reward,
+                    args=make_args(tmp_path), train_dataset=conversational(), processing_class=tokenizer,
+                    peft_config=LoraConfig(**LORA))
+
+
 def test_peft_targets_matching_nothing(tmp_path, tokenizer, model):
     with pytest.raises(ValueError, match=r"target_modules=.*nope.*matches no layer.*q_proj"):
         RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path),

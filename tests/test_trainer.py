@@ -12,6 +12,7 @@ from rloo.testing import save_tiny, tiny_causal_lm, tiny_reward_model, tiny_toke
 
 from helpers import conversational, length_reward, make_args, standard
 
+
 def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
     cat = tokenizer.convert_tokens_to_ids("cat")
 
