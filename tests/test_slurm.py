@@ -178,3 +178,25 @@ def test_preempted_job_is_requeued_and_ends_with_the_same_weights(cluster, tmp_p
     assert node0.count("-m torch.distributed.run") == 2  # launched again by the requeued job, resumed
     for key, value in weights["uninterrupted"].items():
         assert (value - weights["preempted"][key]).abs().max().item() < 1e-5, key
+
+
+@pytest.mark.slow
+def test_the_flow_trains_on_slurm_when_the_recipe_says_so(cluster, tmp_path, monkeypatch):
+    """The pipeline's flow, unchanged, with launch.executor=slurm: the train stage runs the 4+1 job."""
+    import json
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pipeline import rloo_pipeline
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    server = [sys.executable, os.path.join(TESTS, "standin_server.py"), "--host", "{host}", "--port", "{port}"]
+    assignments = [f"run_root={tmp_path}", f"data.source={ROOT}/data/arithmetic.jsonl", "launch.executor=slurm",
+                   "launch.poll_seconds=1", "training.per_device_train_batch_size=2",
+                   "launch.slurm.generation_port=18432", "launch.slurm.rendezvous_port=29632",
+                   f"launch.slurm.generation_command={json.dumps(server)}", "evaluation.enabled=false"]
+    with prefect_test_harness(server_startup_timeout=180):
+        state = asyncio.run(rloo_pipeline(TINY, assignments, return_state=True))
+    assert state.is_completed(), state
+    summary = state.result()
+    record = json.load(open(os.path.join(summary["run_dir"], "train", "job.json")))
+    assert record["handle"]["executor"] == "slurm" and summary["train"]["global_step"] == 3
