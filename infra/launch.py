@@ -40,6 +40,14 @@ def tail(path: str, lines: int = 40) -> str:
         return "".join(handle.readlines()[-lines:])
 
 
+def job_environment(extra: dict[str, str], workdir: str) -> dict[str, str]:
+    """The environment a training or serving process gets: ours, the recipe's extras, the project on PYTHONPATH."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [workdir, env.get("PYTHONPATH", "")] if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
 class TrainJob:
     """What submitit runs: torchrun on this node, output to a log file; raises with the log's tail on failure."""
 
@@ -56,9 +64,7 @@ class TrainJob:
                 str(self.nproc_per_node), "-m", "rloo", "train", "--config", self.recipe_path]
 
     def __call__(self) -> dict:
-        env = dict(os.environ, **self.env)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in [self.workdir, env.get("PYTHONPATH", "")] if p)
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        env = job_environment(self.env, self.workdir)
         start = time.time()
         with open(self.log_path, "a") as log:
             log.write(f"$ {' '.join(self.command())}\n")

@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.request
 
-from infra.launch import TrainingFailed, tail
+from infra.launch import TrainingFailed, job_environment, tail
 
 
 def role_of(node: int, num_nodes: int, generation_nodes: int) -> str:
@@ -90,9 +90,7 @@ class MultiNodeJob:
         self.model = model
 
     def _environment(self) -> dict:
-        env = dict(os.environ, **self.env)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in [self.workdir, env.get("PYTHONPATH", "")] if p)
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        env = job_environment(self.env, self.workdir)
         env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
         return env
 

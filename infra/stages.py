@@ -390,7 +390,7 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
 
     from rloo.cli import resolve_reward
     from rloo.generation import TransformersGenerator
-    from rloo.models import eos_token_ids, load_reward_model, load_tokenizer, prepare_tokenizer
+    from rloo.models import eos_token_ids, load_reward_model, load_tokenizer, prepare_tokenizer, reward_tokenizers
     from rloo.rewards import RewardRunner
     record_execution(config, "evaluate")
     rows = list(load_from_disk(dataset_result["eval_path"]))
@@ -399,9 +399,8 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
     trust = bool(config.training.get("trust_remote_code", False))
     reward_funcs = [resolve_reward(entry) for entry in config.rewards]
     reward_funcs = [load_reward_model(f, {}, trust) if isinstance(f, str) else f for f in reward_funcs]
-    tokenizers = [load_tokenizer(f.config._name_or_path, trust) if not callable(f) or hasattr(f, "config") else None
-                  for f in reward_funcs]
-    runner = RewardRunner(reward_funcs, tokenizers, config.training.get("chat_template_kwargs"))
+    runner = RewardRunner(reward_funcs, reward_tokenizers(reward_funcs, None, trust),
+                          config.training.get("chat_template_kwargs"))
     tokenizer = prepare_tokenizer(load_tokenizer(model_result["tokenizer"] or model_result["policy"], trust))
     base, trained = _load_policies(config, model_result, train_result)
     eos = eos_token_ids(tokenizer, base)
@@ -457,7 +456,7 @@ def plot_reward_curve(metrics_path: str, target: str) -> str | None:
     return target
 
 
-def _fmt(value) -> str:
+def format_number(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
@@ -468,7 +467,7 @@ def render_report(config, dataset_result, base, trained, rows, results, plot) ->
              "", "| metric | base | trained | change |", "| --- | --- | --- | --- |"]
     for key in base:
         change = None if base[key] is None or trained.get(key) is None else trained[key] - base[key]
-        lines.append(f"| {key} | {_fmt(base[key])} | {_fmt(trained.get(key))} | "
+        lines.append(f"| {key} | {format_number(base[key])} | {format_number(trained.get(key))} | "
                      f"{'-' if change is None else f'{change:+.3f}'} |")
     if plot:
         lines += ["", f"![training reward]({os.path.basename(plot)})"]

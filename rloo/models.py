@@ -73,6 +73,33 @@ def load_tokenizer(name: str, trust_remote_code: bool) -> PreTrainedTokenizerBas
                             trust_remote_code=trust_remote_code)
 
 
+def reward_tokenizers(reward_funcs: list, classes, trust_remote_code: bool) -> list:
+    """One tokenizer per reward function: None for plain functions; for a reward model the one given at its
+    position or its own (loaded from its path), with a pad token set and copied into its config."""
+    if classes is None:
+        classes = [None] * len(reward_funcs)
+    elif not isinstance(classes, (list, tuple)):
+        classes = [classes]
+    classes = list(classes)
+    for index, (func, tokenizer) in enumerate(zip(reward_funcs, classes)):
+        if not isinstance(func, PreTrainedModel):
+            continue
+        if tokenizer is None:
+            source = getattr(func.config, "_name_or_path", "")
+            if not source:
+                raise ValueError(f"reward_funcs[{index}] is a reward model object built in memory, so its tokenizer "
+                                 "cannot be loaded from a path. Fix: pass reward_processing_classes with its "
+                                 "tokenizer at that position (None for function entries).")
+            tokenizer = load_tokenizer(source, trust_remote_code)
+        if tokenizer.pad_token_id is None:
+            if tokenizer.eos_token is None:
+                raise ValueError(f"reward_processing_classes[{index}] has neither pad nor EOS token; set one.")
+            tokenizer.pad_token = tokenizer.eos_token
+        func.config.pad_token_id = tokenizer.pad_token_id
+        classes[index] = tokenizer
+    return classes
+
+
 def prepare_tokenizer(tokenizer: Any, where: str = "processing_class") -> Any:
     """Left padding, pad defaults to eos; a tokenizer with neither cannot batch prompts."""
     text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)

@@ -28,7 +28,7 @@ from rloo.hub import get_publisher, is_secret, render_model_card
 from rloo.generation import ContinuousBatchingGenerator, TransformersGenerator
 from rloo.generation.transformers_backend import build_generation_config
 from rloo.metrics import MetricBuffer, nanmean, nanstd_value, tensor_stats
-from rloo.models import (add_reference_adapter, create_reference_model, disable_dropout, eos_token_ids, is_peft_model,
+from rloo.models import (add_reference_adapter, reward_tokenizers, create_reference_model, disable_dropout, eos_token_ids, is_peft_model,
                          load_causal_lm, load_reward_model, load_tokenizer, model_identity, per_token_logps,
                          prepare_tokenizer, reference_adapter, resolve_router_aux_loss_coef, text_tokenizer_of,
                          check_quantization_supported, wrap_with_peft)
@@ -119,7 +119,7 @@ class RLOOTrainer(Trainer):
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         reward_funcs = [load_reward_model(f, args.model_init_kwargs, args.trust_remote_code) if isinstance(f, str)
                         else f for f in reward_funcs]
-        reward_processing_classes = self._reward_processing_classes(reward_funcs, reward_processing_classes, args)
+        reward_processing_classes = reward_tokenizers(reward_funcs, reward_processing_classes, args.trust_remote_code)
         self.reward_funcs = reward_funcs
         self.reward_runner = RewardRunner(reward_funcs, reward_processing_classes, args.chat_template_kwargs)
         self.reward_func_names = self.reward_runner.names
@@ -249,31 +249,6 @@ class RLOOTrainer(Trainer):
         finally:
             for name, value in saved.items():
                 setattr(self.args, name, value)
-
-    @staticmethod
-    def _reward_processing_classes(reward_funcs, classes, args) -> list:
-        if classes is None:
-            classes = [None] * len(reward_funcs)
-        elif not isinstance(classes, (list, tuple)):
-            classes = [classes]
-        classes = list(classes)
-        for index, (func, tokenizer) in enumerate(zip(reward_funcs, classes)):
-            if not isinstance(func, PreTrainedModel):
-                continue
-            if tokenizer is None:
-                source = getattr(func.config, "_name_or_path", "")
-                if not source:
-                    raise ValueError(f"reward_funcs[{index}] is a reward model object built in memory, so its tokenizer "
-                                     "cannot be loaded from a path. Fix: pass reward_processing_classes with its "
-                                     "tokenizer at that position (None for function entries).")
-                tokenizer = load_tokenizer(source, args.trust_remote_code)
-            if tokenizer.pad_token_id is None:
-                if tokenizer.eos_token is None:
-                    raise ValueError(f"reward_processing_classes[{index}] has neither pad nor EOS token; set one.")
-                tokenizer.pad_token = tokenizer.eos_token
-            func.config.pad_token_id = tokenizer.pad_token_id
-            classes[index] = tokenizer
-        return classes
 
     def _preflight_reward_functions(self, dataset: Dataset, args: RLOOConfig) -> None:
         """Call every synchronous reward function once on a few real rows with empty completions, so a

@@ -36,7 +36,7 @@ def evaluate_task(config: RunConfig, dataset_result: dict, model_result: dict, t
     create_table_artifact([{"metric": key, "base": result["base"][key], "trained": result["trained"].get(key)}
                            for key in result["base"]], key=f"{config.name}-evaluation-table")
     gain = result["reward_gain"]
-    say("evaluate", f"held-out reward {stages._fmt(result['base']['reward'])} (base) -> "
-                    f"{stages._fmt(result['trained']['reward'])} (trained), gain "
+    say("evaluate", f"held-out reward {stages.format_number(result['base']['reward'])} (base) -> "
+                    f"{stages.format_number(result['trained']['reward'])} (trained), gain "
                     f"{'-' if gain is None else f'{gain:+.3f}'}; report: {result['report_path']}")
     return result
