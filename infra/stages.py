@@ -184,7 +184,13 @@ def build_training_args(config: RunConfig, output_dir: str):
                     raise ValueError(f"training.deepspeed={deepspeed!r} has no zero_optimization section.")
     if config.reward_weights is not None:
         settings["reward_weights"] = config.reward_weights
-    return RLOOConfig(**settings)
+    args = RLOOConfig(**settings)
+    if args.deepspeed:
+        # RLOOConfig switched transformers' process-wide ZeRO-3 flag on; models this (orchestration) process
+        # loads later must not be built under zero.Init.
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+        unset_hf_deepspeed_config()
+    return args
 
 
 def prepare_model(config: RunConfig, dataset_result: dict) -> dict:

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from rloo.zero import zero_stage
+
 
 @torch.no_grad()
 def mix_into_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
@@ -33,7 +35,7 @@ class SyncRefModelCallback(TrainerCallback):
         trainer = self.trainer
         reference = trainer.accelerator.unwrap_model(trainer.ref_model)
         policy = trainer.accelerator.unwrap_model(trainer.model)
-        if trainer.is_deepspeed_enabled and getattr(trainer.accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3:
+        if zero_stage(trainer.accelerator) == 3:
             import deepspeed
             params = list(reference.parameters()) + list(policy.parameters())
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0):

@@ -199,6 +199,17 @@ def train(argv: list[str]) -> int:
     except (ValueError, TypeError, FileNotFoundError, ImportError, RuntimeError) as err:
         print(f"rloo train: error: {err}", file=sys.stderr)
         return 2
+    try:
+        return _run(trainer, script_args)
+    finally:
+        # Leave the process group before the interpreter exits: with DeepSpeed on CPU a live group's threads
+        # abort the process at exit ("terminate called without an active exception", exit -6).
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(trainer, script_args) -> int:
     config = trainer.args
     resume = resume_target(config.resume_from_checkpoint)
     if resume is True:

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,6 +158,10 @@ class RLOOConfig(TrainingArguments):
 
     def __post_init__(self):
         self._check_rloo_fields()
+        if self.deepspeed and self.use_cpu:
+            raise ValueError(f"deepspeed={self.deepspeed!r} together with use_cpu=True: DeepSpeed chooses the device "
+                             "itself (the CPU over gloo when there is no accelerator) and use_cpu=True would bypass "
+                             "it, each process then training alone. Fix: use_cpu=False (the default).")
         bf16_defaulted = self.bf16 is None
         if bf16_defaulted:
             self.bf16 = not self.fp16
@@ -183,6 +188,12 @@ class RLOOConfig(TrainingArguments):
                              "prompt groups. Fix: set per_device_train_batch_size yourself.")
         super().__post_init__()
         self._resolve_batch_sizes()
+        zero3 = self.deepspeed and self.hf_deepspeed_config.is_zero3()
+        if zero3 and self.use_transformers_continuous_batching and not self.ds3_gather_for_generation:
+            raise ValueError("use_transformers_continuous_batching=True with ZeRO-3 needs ds3_gather_for_generation"
+                             "=True: the paged generation loop runs a different number of forward passes on each "
+                             "rank, and sharded layers gather collectively. Fix: ds3_gather_for_generation=True or "
+                             "use_transformers_continuous_batching=False.")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
 
@@ -212,6 +223,18 @@ class RLOOConfig(TrainingArguments):
             self.reward_clip_range = (float(self.reward_clip_range[0]), float(self.reward_clip_range[1]))
         if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
             raise ValueError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must lie in [0, 1].")
+
+    @functools.cached_property
+    def _setup_devices(self) -> torch.device:
+        # transformers hands DeepSpeed to accelerate without a backend, and accelerate only knows device backends
+        # (nccl, ...): on a machine without an accelerator every process then believes it is alone (world size
+        # 1) and ZeRO's batch check fails. DeepSpeed itself runs on CPU over gloo, so start that state here and let
+        # transformers use it instead of resetting it.
+        if self.deepspeed and not self.use_cpu and not torch.accelerator.is_available() \
+                and "LOCAL_RANK" in os.environ:
+            start_deepspeed_on_cpu(self.ddp_timeout)
+            self.accelerator_config.use_configured_state = True  # read (and removed) by the parent
+        return TrainingArguments._setup_devices.func(self)
 
     def _resolve_batch_sizes(self) -> None:
         num_processes = self.world_size
@@ -261,6 +284,20 @@ def _parse_pad_to_multiple_of(value: int | str | None) -> int | None:
     if text.isdigit() and int(text) > 0:
         return int(text)
     raise ValueError(f"pad_to_multiple_of={value!r} must be a positive integer, 'auto' or None.")
+
+
+def start_deepspeed_on_cpu(timeout_s: int) -> None:
+    """The process group and accelerate state for DeepSpeed over gloo (CPU), as a DeepSpeed launch on GPUs has."""
+    from datetime import timedelta
+
+    from accelerate import PartialState
+    if PartialState._shared_state:
+        return
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        PartialState(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
 
 
 def _neuron_available() -> bool:

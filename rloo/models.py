@@ -209,7 +209,8 @@ def eval_mode(model: nn.Module):
 def model_identity(model: nn.Module) -> dict:
     """What a checkpoint must share with the run resuming it: the base model's name, class and weight shapes."""
     base = model.get_base_model() if is_peft_model(model) else model
-    shapes = sorted((name, tuple(p.shape)) for name, p in base.named_parameters() if "lora_" not in name)
+    shapes = sorted((name, tuple(getattr(p, "ds_shape", p.shape)))  # ZeRO-3 shards: their full shape
+                    for name, p in base.named_parameters() if "lora_" not in name)
     import hashlib
     digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
     return {"name_or_path": str(getattr(base.config, "_name_or_path", "")), "class": type(base).__name__,

@@ -18,6 +18,7 @@ from accelerate.utils import gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from torch import nn
 from transformers import PreTrainedModel, Trainer
+from transformers.trainer_utils import get_last_checkpoint
 
 from rloo import algorithm
 from rloo.callbacks import SyncRefModelCallback
@@ -28,12 +29,13 @@ from rloo.hub import get_publisher, is_secret, render_model_card
 from rloo.generation import ContinuousBatchingGenerator, TransformersGenerator
 from rloo.generation.transformers_backend import build_generation_config
 from rloo.metrics import MetricBuffer, nanmean, nanstd_value, tensor_stats
-from rloo.models import (add_reference_adapter, reward_tokenizers, create_reference_model, disable_dropout, eos_token_ids, is_peft_model,
+from rloo.models import (add_reference_adapter, create_reference_model, disable_dropout, eos_token_ids, is_peft_model,
                          load_causal_lm, load_reward_model, load_tokenizer, model_identity, per_token_logps,
-                         prepare_tokenizer, reference_adapter, resolve_router_aux_loss_coef, text_tokenizer_of,
-                         check_quantization_supported, wrap_with_peft)
+                         prepare_tokenizer, reference_adapter, resolve_router_aux_loss_coef, reward_tokenizers,
+                         text_tokenizer_of, check_quantization_supported, wrap_with_peft)
 from rloo.rewards.runner import RewardFunctionError, RewardRunner, is_async_reward
 from rloo.sampling import RepeatSampler, repeat_iterable, shuffle_rows, split_rows
+from rloo.zero import gathered_parameters, is_partitioned, prepare_frozen, zero_stage
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +81,9 @@ class RLOOTrainer(Trainer):
                                           model, quantization_config, peft_config)
 
         # Policy.
+        self._model_source = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
+        init_kwargs = dict(args.model_init_kwargs or {})
         if isinstance(model, str):
-            init_kwargs = dict(args.model_init_kwargs or {})
             if quantization_config is not None:
                 if "quantization_config" in init_kwargs:
                     raise ValueError("quantization_config is given both as an argument and in model_init_kwargs; "
@@ -137,16 +140,33 @@ class RLOOTrainer(Trainer):
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
 
-        # Reference model: only needed when the KL penalty is on.
+        # Reference model: only needed when the KL penalty is on. Under ZeRO-3 it is sharded like the policy.
+        self._zero3 = zero_stage(self.accelerator) == 3
+        self._frozen_engines = []
+        if self._zero3:
+            gathered = "full weights gathered" if args.ds3_gather_for_generation else "layer by layer, ranks synced"
+            self.accelerator.print(f"rloo: DeepSpeed ZeRO-3 sharding on {self.accelerator.num_processes} ranks "
+                                   f"(policy, reference and reward models); generation: {gathered}.")
         self.ref_model = None
         if args.beta != 0.0 and not self._is_peft:
-            self.ref_model = self.accelerator.prepare_model(create_reference_model(self.model), evaluation_mode=True)
+            if self._zero3:
+                reference = self._zero3_reference(init_kwargs)
+                if args.disable_dropout:
+                    disable_dropout(reference)
+                self.ref_model = prepare_frozen(reference, self.accelerator, args.per_device_train_batch_size)
+            else:
+                self.ref_model = self.accelerator.prepare_model(create_reference_model(self.model),
+                                                                evaluation_mode=True)
         if args.sync_ref_model:
             self.add_callback(SyncRefModelCallback(self))
         for index, func in enumerate(self.reward_funcs):
             if isinstance(func, PreTrainedModel):
                 func.eval()
-                self.reward_funcs[index] = self.accelerator.prepare_model(func, evaluation_mode=True)
+                if self._zero3:  # sharded; the engine's hooks live on the module, which the runner calls
+                    self._frozen_engines.append(prepare_frozen(func, self.accelerator,
+                                                               args.per_device_train_batch_size))
+                else:
+                    self.reward_funcs[index] = self.accelerator.prepare_model(func, evaluation_mode=True)
 
         generation_config = build_generation_config(args, self.pad_token_id, tokenizer.bos_token_id, self.eos_token_ids)
         if args.use_transformers_continuous_batching:
@@ -166,6 +186,19 @@ class RLOOTrainer(Trainer):
         # Old log-probs differ from the live ones only when a generation batch outlives an optimiser step.
         self._needs_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
         set_seed(args.seed, device_specific=True)  # duplicated prompts on different ranks sample differently
+
+    def _zero3_reference(self, init_kwargs: dict) -> PreTrainedModel:
+        """The initial policy as a separate model for ZeRO-3. A policy already sharded at load time (zero.Init)
+        cannot be copied, so the reference is loaded again from the same source on every rank."""
+        if not is_partitioned(self.model):
+            return create_reference_model(self.model)
+        if not self._model_source:
+            raise ValueError("ZeRO-3 with beta > 0 needs a reference copy of the policy, but the model object given "
+                             "was sharded at creation and has no config._name_or_path to load it from again. Fix: "
+                             "pass the model by name/path, or create it outside the DeepSpeed context.")
+        reference = load_causal_lm(self._model_source, init_kwargs, self.args.trust_remote_code)
+        reference.requires_grad_(False)
+        return reference
 
     # ------------------------------------------------------------------ validation before any compute
     @staticmethod
@@ -366,7 +399,8 @@ class RLOOTrainer(Trainer):
         conversational = is_conversational(prompts[0])
         prompt_id_lists = tokenize_prompts(self.processing_class, prompts, args.chat_template_kwargs)
         unwrapped = self.accelerator.unwrap_model(self.model)
-        completion_id_lists = self.generator.generate(unwrapped, prompt_id_lists)
+        with gathered_parameters(unwrapped, self._zero3 and args.ds3_gather_for_generation):
+            completion_id_lists = self.generator.generate(unwrapped, prompt_id_lists)
 
         prompt_ids, prompt_mask = pad_rows(prompt_id_lists, self.pad_token_id, "left", args.pad_to_multiple_of)
         completion_ids, completion_mask = pad_rows(completion_id_lists, self.pad_token_id, "right",
@@ -562,21 +596,46 @@ class RLOOTrainer(Trainer):
                  "generation_batch_size": self.args.generation_batch_size, "model": self._model_identity}
         path = os.path.join(state_dir, f"rank{self.accelerator.process_index}.pt")
         _atomic_save(state, path)
-        if self.args.sync_ref_model and self.accelerator.is_main_process:  # TR-DPO moves the reference: keep it
+        if self.args.sync_ref_model:  # TR-DPO moves the reference: keep it (ZeRO-3: gathered on every rank)
             reference = self.accelerator.unwrap_model(self.ref_model)
-            _atomic_save(reference.state_dict(), os.path.join(state_dir, REFERENCE_FILE))
+            with gathered_parameters(reference, self._zero3):
+                if self.accelerator.is_main_process:
+                    weights = {name: value.detach().clone() for name, value in reference.state_dict().items()}
+                    _atomic_save(weights, os.path.join(state_dir, REFERENCE_FILE))
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # Check compatibility before any weight is loaded, so a mismatch is a clear error, not a state-dict one.
-        path = os.path.join(resume_from_checkpoint, STATE_DIR, f"rank{self.accelerator.process_index}.pt")
-        state = torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
-        if state is not None:
-            self._check_checkpoint_compatible(resume_from_checkpoint, state)
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-        reference_path = os.path.join(resume_from_checkpoint, STATE_DIR, REFERENCE_FILE)
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
+              **kwargs):
+        # Check the checkpoint against this run before any weight is loaded (the DeepSpeed and plain paths load
+        # at different moments), so a mismatch is a clear error, not a state-dict one.
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) \
+                if os.path.isdir(self.args.output_dir) else None
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no checkpoint-N "
+                                 "folder. Fix: start without resume_from_checkpoint, or point it at a checkpoint.")
+        if resume_from_checkpoint:
+            state = self._read_rloo_state(resume_from_checkpoint)
+            if state is not None:
+                self._check_checkpoint_compatible(resume_from_checkpoint, state)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+
+    def _read_rloo_state(self, checkpoint: str) -> dict | None:
+        path = os.path.join(checkpoint, STATE_DIR, f"rank{self.accelerator.process_index}.pt")
+        return torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # Called on every resume path (plain, DeepSpeed), after the weights: restore our own state beside the RNGs.
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        reference_path = os.path.join(checkpoint, STATE_DIR, REFERENCE_FILE)
         if self.args.sync_ref_model and os.path.exists(reference_path):
             reference = self.accelerator.unwrap_model(self.ref_model)
-            reference.load_state_dict(torch.load(reference_path, map_location="cpu", weights_only=True))
+            with gathered_parameters(reference, self._zero3, modifier_rank=0):
+                if self.accelerator.is_main_process or not self._zero3:
+                    reference.load_state_dict(torch.load(reference_path, map_location="cpu", weights_only=True))
+        state = self._read_rloo_state(checkpoint)
         if state is not None:
             self._step = state["step"]
             self._buffered_inputs = _to_device(state["buffered_inputs"], self.accelerator.device)

@@ -55,6 +55,9 @@ def cluster(tmp_path_factory):
             os.environ[name] = value
 
 
+ZERO3 = [f"training.deepspeed={ROOT}/configs/deepspeed/zero3.json", "training.use_cpu=false"]
+
+
 def slurm_config(run_root, *extra):
     server = [sys.executable, os.path.join(TESTS, "standin_server.py"), "--host", "{host}", "--port", "{port}"]
     import json
@@ -74,7 +77,7 @@ def prepared(config):
 @pytest.mark.slow
 def test_four_trainer_nodes_and_a_generation_node(cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", TESTS)
-    config = slurm_config(tmp_path)
+    config = slurm_config(tmp_path, *ZERO3)
     dataset, model = prepared(config)
     start = time.time()
     record = stages.start_or_reattach_training(config, dataset, model, None)
@@ -88,6 +91,11 @@ def test_four_trainer_nodes_and_a_generation_node(cluster, tmp_path, monkeypatch
     assert logs == [f"trainer-{job_id}-node{n}.log" for n in range(4)]
     node0 = open(os.path.join(train_dir, logs[0])).read()
     assert "--nnodes 4" in node0 and "--rdzv_endpoint node1:29631" in node0
+    assert "ZeRO-3 sharding on 4 ranks" in node0  # DeepSpeed over gloo across the 4 trainer nodes
+    checkpoint = os.path.join(stages.stage_path(config, "train", "output"), "checkpoint-2")
+    assert sorted(os.listdir(os.path.join(checkpoint, "global_step2"))) == sorted(
+        [f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" for rank in range(4)]
+        + [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in range(4)]), "one shard per rank"
     assert open(os.path.join(train_dir, f"training-finished-{job_id}")).read() == "0"  # server told to stop
     assert os.path.exists(os.path.join(train_dir, f"generation-{job_id}.log"))
     print(f"4+1 SLURM tiny training: {elapsed:.1f} s")
@@ -153,7 +161,7 @@ def test_preempted_job_is_requeued_and_ends_with_the_same_weights(cluster, tmp_p
     monkeypatch.setenv("PYTHONPATH", TESTS)
     monkeypatch.setenv("RLOO_TEST_REWARD_SLEEP", "1.0")
     settings = ["rewards=[pipeline_rewards:slow_length_reward]", "reward_weights=null", "training.max_steps=4",
-                "training.save_steps=1", "launch.slurm.signal_delay_s=60"]
+                "training.save_steps=1", "launch.slurm.signal_delay_s=60", *ZERO3]
     weights = {}
     for name in ("uninterrupted", "preempted"):
         config = slurm_config(tmp_path / name, *settings)
