@@ -123,8 +123,9 @@ def test_generation_server_never_healthy_fails_naming_the_url(cluster, tmp_path,
 def test_scancel_fails_the_stage_and_a_retry_resumes(cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", TESTS)
     monkeypatch.setenv("RLOO_TEST_REWARD_SLEEP", "1.0")
+    # generation_nodes=0 (trainer-side generation, 4 nodes, no server) exercised here for real.
     config = slurm_config(tmp_path, "rewards=[pipeline_rewards:slow_length_reward]", "reward_weights=null",
-                          "training.max_steps=5", "training.save_steps=2")
+                          "training.max_steps=5", "training.save_steps=2", "launch.slurm.generation_nodes=0")
     dataset, model = prepared(config)
     record = stages.start_or_reattach_training(config, dataset, model, None)
     handle = JobHandle.from_dict(record["handle"])
@@ -139,6 +140,9 @@ def test_scancel_fails_the_stage_and_a_retry_resumes(cluster, tmp_path, monkeypa
     resumed = stages.start_or_reattach_training(config, dataset, model, None)
     assert resumed["resumed_from"] == stages.latest_checkpoint(output)
     assert asyncio.run(stages.follow_training(config, resumed))["global_step"] == 5
+    logs = os.listdir(stages.train_dir(config))
+    assert not [f for f in logs if f.startswith("generation-")]
+    assert len([f for f in logs if f.startswith(f"trainer-{resumed['handle']['job_id']}-node")]) == 4
 
 
 @pytest.mark.slow
