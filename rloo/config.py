@@ -119,6 +119,14 @@ class RLOOConfig(TrainingArguments):
     vllm_server_timeout: float = field(
         default=240.0, metadata={"help": "Seconds to wait for the vLLM server before a ConnectionError."})
     vllm_group_port: int = field(default=51216, metadata={"help": "Port of the weight-update process group."})
+    vllm_sync_verify_samples: int = field(
+        default=2, metadata={"help": "Server mode: after each weight sync, score this many sampled completions on "
+                                     "the server and compare with the trainer's log-probs (0: no check)."})
+    vllm_sync_tolerance: float | None = field(
+        default=None, metadata={"help": "Largest accepted |server - trainer| log-prob difference after a sync; "
+                                        "None: 1e-3 for a float32 policy, 0.3 for bf16/fp16."})
+    vllm_sync_on_mismatch: str = field(
+        default="error", metadata={"help": "'error' stops training when a sync check fails, 'warn' logs it."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocate: GPU memory share for vLLM."})
     vllm_max_model_length: int | None = field(default=None, metadata={"help": "Colocate: vLLM context window."})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Colocate: vLLM tensor parallel size."})
@@ -207,6 +215,10 @@ class RLOOConfig(TrainingArguments):
             raise ValueError(f"max_completion_length={self.max_completion_length} must be a positive number of tokens.")
         if self.vllm_mode not in VLLM_MODES:
             raise ValueError(f"vllm_mode={self.vllm_mode!r} is not supported. Fix: vllm_mode='server' or 'colocate'.")
+        if self.vllm_sync_on_mismatch not in ("error", "warn"):
+            raise ValueError(f"vllm_sync_on_mismatch={self.vllm_sync_on_mismatch!r}: use 'error' or 'warn'.")
+        if self.vllm_sync_verify_samples < 0:
+            raise ValueError(f"vllm_sync_verify_samples={self.vllm_sync_verify_samples} must be >= 0.")
         if self.vllm_model_impl not in ("vllm", "transformers"):
             raise ValueError(f"vllm_model_impl={self.vllm_model_impl!r}: use 'vllm' or 'transformers'.")
         if self.num_iterations < 1:

