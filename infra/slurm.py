@@ -146,7 +146,10 @@ class MultiNodeJob:
             log.flush()
             # torchrun's agent would die of SLURM's SIGUSR2; ignored here (inherited across exec), the training
             # processes install their own handler (rloo.callbacks.PreemptionCallback) and save before stopping.
-            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._environment(),
+            env = self._environment()
+            if url is not None:  # a failing server call then quotes the server's own last lines
+                env["RLOO_VLLM_SERVER_LOG"] = os.path.join(self.log_dir, f"generation-{job.job_id}.log")
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                              cwd=self.workdir, preexec_fn=_ignore_usr2)
             code = self._process.wait()
         if job.node == 0:

@@ -125,6 +125,10 @@ class RLOOConfig(TrainingArguments):
     vllm_sync_tolerance: float | None = field(
         default=None, metadata={"help": "Largest accepted |server - trainer| log-prob difference after a sync; "
                                         "None: 1e-3 for a float32 policy, 0.3 for bf16/fp16."})
+    vllm_peft_sync: str = field(
+        default="auto", metadata={"help": "Server mode with PEFT: 'adapter' loads only the LoRA adapter into the "
+                                          "server (it must run with --enable-lora), 'merged' pushes merged full "
+                                          "weights, 'auto' picks 'adapter' when the server has LoRA enabled."})
     vllm_sync_on_mismatch: str = field(
         default="error", metadata={"help": "'error' stops training when a sync check fails, 'warn' logs it."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocate: GPU memory share for vLLM."})
@@ -215,6 +219,8 @@ class RLOOConfig(TrainingArguments):
             raise ValueError(f"max_completion_length={self.max_completion_length} must be a positive number of tokens.")
         if self.vllm_mode not in VLLM_MODES:
             raise ValueError(f"vllm_mode={self.vllm_mode!r} is not supported. Fix: vllm_mode='server' or 'colocate'.")
+        if self.vllm_peft_sync not in ("auto", "adapter", "merged"):
+            raise ValueError(f"vllm_peft_sync={self.vllm_peft_sync!r}: use 'auto', 'adapter' or 'merged'.")
         if self.vllm_sync_on_mismatch not in ("error", "warn"):
             raise ValueError(f"vllm_sync_on_mismatch={self.vllm_sync_on_mismatch!r}: use 'error' or 'warn'.")
         if self.vllm_sync_verify_samples < 0:

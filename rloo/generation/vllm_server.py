@@ -19,6 +19,17 @@ import torch.distributed as dist
 from rloo_vllm.wire import CHUNK_BYTES, pack, plan_chunks
 
 
+def server_log_tail(lines: int = 20) -> str:
+    """The server's last log lines when its log is readable from here (RLOO_VLLM_SERVER_LOG, set by the SLURM
+    launcher), for the error of a failed call."""
+    import os
+    path = os.environ.get("RLOO_VLLM_SERVER_LOG")
+    if not path or not os.path.isfile(path):
+        return ""
+    with open(path, errors="replace") as handle:
+        return f"\nlast lines of the server's log {path}:\n" + "".join(handle.readlines()[-lines:])
+
+
 class VLLMServerError(RuntimeError):
     """The server answered a route with an error (the message names the route and quotes the answer)."""
 
@@ -39,10 +50,16 @@ class VLLMServerClient:
         try:
             response = self.session.request(method, url, json=payload, timeout=timeout or self.request_timeout_s)
         except requests.RequestException as err:
-            raise VLLMServerError(f"{method} {url} failed: {err}") from err
+            raise VLLMServerError(f"{method} {url} failed: {err}{server_log_tail()}") from err
         if response.status_code != 200:
-            raise VLLMServerError(f"{method} {url} answered {response.status_code}: {response.text[:1000]}")
-        return response.json() if response.content else None
+            raise VLLMServerError(f"{method} {url} answered {response.status_code}: {response.text[:1000]}"
+                                  f"{server_log_tail()}")
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:  # some routes answer plain text ("Success: LoRA adapter ... loaded")
+            return response.text
 
     def wait_until_healthy(self) -> None:
         deadline = time.monotonic() + self.connect_timeout_s
@@ -212,6 +229,9 @@ def sync_weights_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_parameters())
 
 
+ADAPTER_NAME = "rloo-policy"
+
+
 def check_same_model(served: str, model: torch.nn.Module) -> None:
     """Refuse a server that serves another architecture (a checkpoint folder we can read)."""
     import json
@@ -244,12 +264,24 @@ class VLLMServerGenerator:
         self.last_synced_step = -1
         self.metrics: dict[str, float] = {}
         self.requests = 0
+        self.adapter_mode = False
+        from rloo.models import is_peft_model
         if accelerator.is_main_process:
             self.client = VLLMServerClient(self.url, args.vllm_server_timeout)
             self.client.wait_until_healthy()
             self.model_id = self.client.model_info()["id"]
             check_same_model(self.model_id, model)
-            self.client.init_weight_transfer(local_address_towards(self.url), args.vllm_group_port)
+            lora_enabled = self.client.server_config().get("lora_config") is not None
+            if is_peft_model(model) and args.vllm_peft_sync == "adapter" and not lora_enabled:
+                raise ValueError("vllm_peft_sync='adapter' but the vLLM server runs without LoRA support. Fix: "
+                                 "start it with --enable-lora (and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), or "
+                                 "vllm_peft_sync='merged'.")
+            self.adapter_mode = is_peft_model(model) and args.vllm_peft_sync != "merged" and lora_enabled
+            if not self.adapter_mode:
+                self.client.init_weight_transfer(local_address_towards(self.url), args.vllm_group_port)
+        from accelerate.utils import broadcast_object_list
+        self.adapter_mode = broadcast_object_list([self.adapter_mode], from_process=0)[0]
+        self.adapter_versions: list[str] = []
         dtype = next(model.parameters()).dtype
         self.tolerance = args.vllm_sync_tolerance if args.vllm_sync_tolerance is not None else \
             (1e-3 if dtype == torch.float32 else 0.3)
@@ -264,9 +296,12 @@ class VLLMServerGenerator:
         sampling.update(args.generation_kwargs or {})
         return sampling
 
-    def sync(self, model: torch.nn.Module, zero3: bool) -> None:
+    def sync(self, model: torch.nn.Module, zero3: bool, step: int) -> None:
         from rloo.models import is_peft_model
         from rloo.zero import gathered_parameters
+        if self.adapter_mode:
+            self._sync_adapter(model, zero3, step)
+            return
         with gathered_parameters(model, zero3):
             if is_peft_model(model):
                 model.merge_adapter()
@@ -284,7 +319,7 @@ class VLLMServerGenerator:
         from accelerate.utils import broadcast_object_list, gather_object
         synced = step != self.last_synced_step
         if synced:
-            self.sync(model, zero3)
+            self.sync(model, zero3, step)
             self.last_synced_step = step
         everyone = gather_object([list(p) for p in prompt_ids])
         result = [None]
@@ -305,6 +340,27 @@ class VLLMServerGenerator:
         local = len(prompt_ids)
         start = self.accelerator.process_index * local
         return result["rows"][start:start + local]
+
+    def _sync_adapter(self, model: torch.nn.Module, zero3: bool, step: int) -> None:
+        """Only the LoRA adapter: written to a new folder per version (vLLM caches by path) and loaded in place
+        under one name, which generation requests then use as their model."""
+        import os
+        import shutil
+
+        from rloo.zero import gathered_parameters
+        path = os.path.join(self.args.output_dir, "vllm-adapters", f"step-{step:07d}")
+        adapter_params = [p for name, p in model.named_parameters() if "lora_" in name]
+        with gathered_parameters(torch.nn.ParameterList(adapter_params), zero3):
+            if self.client is not None:
+                start = time.perf_counter()
+                model.save_pretrained(path, selected_adapters=["default"], safe_serialization=True)
+                self.client.load_lora_adapter(ADAPTER_NAME, path)
+                self.model_id = ADAPTER_NAME
+                size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+                self.metrics.update({"vllm/sync_seconds": time.perf_counter() - start, "vllm/sync_bytes": size})
+                self.adapter_versions.append(path)
+                while len(self.adapter_versions) > 2:  # the server has loaded the newer ones
+                    shutil.rmtree(self.adapter_versions.pop(0), ignore_errors=True)
 
     def _cut(self, ids: list[int]) -> list[int]:
         for position, token in enumerate(ids):
