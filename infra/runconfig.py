@@ -52,7 +52,7 @@ class DataSettings(Strict):
 # The spec's server line, with the weight-transfer backend the trainer speaks (gloo: rloo_vllm.engine, found on
 # the job's PYTHONPATH) instead of NCCL.
 DEFAULT_GENERATION_COMMAND = ["env", "VLLM_SERVER_DEV_MODE=1", "vllm", "serve", "{model}", "--port", "{port}",
-                              "--weight-transfer-config", '{{"backend": "gloo"}}', "--worker-extension-cls",
+                              "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
                               "rloo_vllm.engine.WorkerExtension", "--logprobs-mode", "processed_logprobs",
                               "--max-logprobs", "-1"]
 

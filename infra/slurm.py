@@ -75,6 +75,16 @@ def wait_for_health(url: str, timeout_s: float, alive=lambda: True) -> None:
                          "(vllm_server_timeout)")
 
 
+def fill_placeholders(command: list[str], **values) -> list[str]:
+    """{model}, {port} and {host} replaced; any other brace (a JSON argument) left as written."""
+    filled = []
+    for part in command:
+        for name, value in values.items():
+            part = part.replace("{" + name + "}", str(value))
+        filled.append(part)
+    return filled
+
+
 class MultiNodeJob:
     """The callable submitit runs once per node (tasks_per_node=1). Requeued on preemption/time-out: training
     then resumes from the newest checkpoint in output_dir."""
@@ -108,8 +118,8 @@ class MultiNodeJob:
 
     def _serve(self, job, sentinel: str, url: str) -> dict:
         log_path = os.path.join(self.log_dir, f"generation-{job.job_id}.log")
-        command = [part.format(model=self.model, port=self.settings["generation_port"], host=job.hostnames[-1])
-                   for part in self.settings["generation_command"]]
+        command = fill_placeholders(self.settings["generation_command"], model=self.model,
+                                    port=self.settings["generation_port"], host=job.hostnames[-1])
         with open(log_path, "a") as log:
             server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._environment(),
                                       cwd=self.workdir, preexec_fn=_ignore_usr2)  # preemption: keep serving

@@ -32,6 +32,11 @@ def test_roles_and_sbatch_parameters():
     assert params["slurm_partition"] == "gpu" and params["slurm_qos"] == "high"
     assert params["slurm_constraint"] == "[trainer*4&generation*1]"
     assert params["slurm_srun_args"] == ["--kill-on-bad-exit=1"] and params["slurm_signal_delay_s"] == 90
+    from infra.slurm import fill_placeholders
+    assert fill_placeholders(config.launch.slurm.generation_command, model="/m", port=8001, host="node5") == [
+        "env", "VLLM_SERVER_DEV_MODE=1", "vllm", "serve", "/m", "--port", "8001", "--weight-transfer-config",
+        '{"backend": "gloo"}', "--worker-extension-cls", "rloo_vllm.engine.WorkerExtension", "--logprobs-mode",
+        "processed_logprobs", "--max-logprobs", "-1"]
 
 
 @pytest.fixture(scope="module")
