@@ -50,7 +50,8 @@ def server(tmp_path_factory):
     except ConnectionError:
         process.kill()
         pytest.fail("the vLLM server did not start:\n" + (root / "server.log").read_text()[-4000:])
-    yield {"url": f"http://127.0.0.1:{PORT}", "model_dir": model_dir, "root": root, "client": client}
+    yield {"url": f"http://127.0.0.1:{PORT}", "model_dir": model_dir, "root": root, "client": client,
+           "process": process}
     process.terminate()
     try:
         process.wait(timeout=30)
@@ -213,3 +214,23 @@ def test_lora_training_syncs_the_adapter_or_merged_weights(server, tmp_path, mod
         assert len(os.listdir(args_dir / "peft" / "vllm-adapters")) <= 2  # older versions removed
     else:
         assert all(log["vllm/sync_bytes"] == full_bytes for log in logs)
+
+
+@pytest.mark.slow
+def test_server_dying_mid_run_fails_the_step_with_its_log_and_leaves_a_checkpoint(server, tmp_path, monkeypatch):
+    """Runs last: it stops the module's server."""
+    from transformers import TrainerCallback
+    process = server["process"]
+
+    class KillServerAfterFirstStep(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 1 and process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+
+    monkeypatch.setenv("RLOO_VLLM_SERVER_LOG", str(server["root"] / "server.log"))
+    trainer = _trainer(server, tmp_path, max_steps=3, save_strategy="steps", save_steps=1, vllm_group_port=18548)
+    trainer.add_callback(KillServerAfterFirstStep())
+    with pytest.raises(Exception, match=r"(?s)127.0.0.1:18540/.* failed.*last lines of the server's log"):
+        trainer.train()
+    assert os.path.exists(tmp_path / "out" / "checkpoint-1" / "rloo_state")  # resumable from step 1
