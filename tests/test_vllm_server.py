@@ -216,6 +216,32 @@ def test_lora_training_syncs_the_adapter_or_merged_weights(server, tmp_path, mod
         assert all(log["vllm/sync_bytes"] == full_bytes for log in logs)
 
 
+def test_server_address_from_the_config(tmp_path):
+    def config(**kw):
+        return RLOOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **kw)
+    assert vllm_server.server_url(config()) == "http://127.0.0.1:8000"  # host 0.0.0.0 (TRL's default): local
+    assert vllm_server.server_url(config(vllm_server_host="node5", vllm_server_port=9000)) == "http://node5:9000"
+    assert vllm_server.server_url(config(vllm_server_base_url="http://h:1/", vllm_server_host="x")) == "http://h:1"
+    assert vllm_server.local_address_towards("http://127.0.0.15:8000") == "127.0.0.1"
+
+
+def test_sampling_parameters_reach_the_server(server, tmp_path):
+    trainer = _trainer(server, tmp_path, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                       vllm_structured_outputs_regex="(dog|cat) (dog|cat)", generation_kwargs={"min_tokens": 1},
+                       vllm_group_port=18549)
+    sampling = trainer.generator.sampling()
+    assert sampling == {"max_tokens": 6, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
+                        "repetition_penalty": 1.1, "structured_outputs": {"regex": "(dog|cat) (dog|cat)"},
+                        "min_tokens": 1}
+    # The regex itself is not sent here: xgrammar rejects this hand-built word-level tokenizer (it kills the
+    # engine); the same request is exercised on SmolLM2 in benchmarks/vllm_server.py.
+    sampling.pop("structured_outputs")
+    tokenizer = tiny_tokenizer()
+    prompt = tokenizer("the big")["input_ids"]
+    rows = trainer.generator.client.complete(trainer.generator.model_id, [prompt], 4, dict(sampling, seed=0))[0]
+    assert len(rows) == 4 and all(1 <= len(row["ids"]) <= 6 for row in rows)
+
+
 @pytest.mark.slow
 def test_server_dying_mid_run_fails_the_step_with_its_log_and_leaves_a_checkpoint(server, tmp_path, monkeypatch):
     """Runs last: it stops the module's server."""
