@@ -174,7 +174,8 @@ class RLOOTrainer(Trainer):
         if args.use_vllm and args.vllm_mode == "colocate":
             check_colocate_possible()
         if self._vllm_server:
-            self.generator = VLLMServerGenerator(args, self.accelerator, self.model, self.eos_token_ids)
+            self.generator = VLLMServerGenerator(args, self.accelerator, self.model, self.eos_token_ids,
+                                                 zero3=self._zero3)
         elif args.use_transformers_continuous_batching:
             self.generator = ContinuousBatchingGenerator(generation_config, self.eos_token_ids,
                                                          args.transformers_continuous_batching_config)
@@ -405,14 +406,13 @@ class RLOOTrainer(Trainer):
         conversational = is_conversational(prompts[0])
         prompt_id_lists = tokenize_prompts(self.processing_class, prompts, args.chat_template_kwargs)
         unwrapped = self.accelerator.unwrap_model(self.model)
-        if self._vllm_server:
+        # In-process backends generate from the live (under ZeRO-3: gathered) weights; a server gets its own copy.
+        gather = self._zero3 and args.ds3_gather_for_generation and not self._vllm_server
+        with gathered_parameters(unwrapped, gather):
             completion_id_lists = self.generator.generate(unwrapped, prompt_id_lists, self._num_generations(mode),
-                                                          self.state.global_step, self._zero3)
-            for name, value in self.generator.pop_metrics().items():
-                self._metrics.add(mode, name, value)
-        else:
-            with gathered_parameters(unwrapped, self._zero3 and args.ds3_gather_for_generation):
-                completion_id_lists = self.generator.generate(unwrapped, prompt_id_lists)
+                                                          self.state.global_step)
+        for name, value in self.generator.pop_metrics().items():
+            self._metrics.add(mode, name, value)
 
         prompt_ids, prompt_mask = pad_rows(prompt_id_lists, self.pad_token_id, "left", args.pad_to_multiple_of)
         completion_ids, completion_mask = pad_rows(completion_id_lists, self.pad_token_id, "right",

@@ -1,6 +1,7 @@
-"""Generation backends: each turns prompt token ids into completion token ids."""
+"""Generation backends: each turns prompt token ids into completion token ids (rloo.generation.base)."""
 
+from rloo.generation.base import GenerationBackend
 from rloo.generation.continuous_batching import ContinuousBatchingGenerator
 from rloo.generation.transformers_backend import TransformersGenerator
 
-__all__ = ["ContinuousBatchingGenerator", "TransformersGenerator"]
+__all__ = ["ContinuousBatchingGenerator", "GenerationBackend", "TransformersGenerator"]

@@ -8,12 +8,13 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from rloo.algorithm import completion_mask_after_eos
+from rloo.generation.base import GenerationBackend
 from rloo.models import eval_mode
 
 SIZING_KEYS = ("num_blocks", "max_memory_percent", "max_batch_tokens")
 
 
-class ContinuousBatchingGenerator:
+class ContinuousBatchingGenerator(GenerationBackend):
     """`use_transformers_continuous_batching=True`: every prompt is a request; the scheduler batches them at the
     token level. `transformers_continuous_batching_config` is passed to ContinuousBatchingConfig. When it does not
     size the paged cache, it is sized to this batch (prompts + max_new_tokens each) instead of transformers'
@@ -36,7 +37,8 @@ class ContinuousBatchingGenerator:
         return ContinuousBatchingConfig(**settings)
 
     @torch.no_grad()
-    def generate(self, model: PreTrainedModel, prompt_ids: list[list[int]]) -> list[list[int]]:
+    def generate(self, model: PreTrainedModel, prompt_ids: list[list[int]], num_generations: int = 1,
+                 step: int = 0) -> list[list[int]]:
         with eval_mode(model):
             outputs = model.generate_batch([list(ids) for ids in prompt_ids], generation_config=self.generation_config,
                                            continuous_batching_config=self._engine_config(prompt_ids),

@@ -7,6 +7,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from rloo.algorithm import completion_mask_after_eos
 from rloo.data import pad_rows
+from rloo.generation.base import GenerationBackend
 from rloo.models import eval_mode
 
 
@@ -22,7 +23,7 @@ def build_generation_config(args, pad_token_id: int, bos_token_id: int | None, e
     return GenerationConfig(**settings)
 
 
-class TransformersGenerator:
+class TransformersGenerator(GenerationBackend):
     """Left-pads prompts, samples, and cuts each completion after its first EOS (EOS included)."""
 
     def __init__(self, generation_config: GenerationConfig, pad_token_id: int, eos_ids: list[int],
@@ -33,7 +34,8 @@ class TransformersGenerator:
         self.pad_to_multiple_of = pad_to_multiple_of
 
     @torch.no_grad()
-    def generate(self, model: PreTrainedModel, prompt_ids: list[list[int]]) -> list[list[int]]:
+    def generate(self, model: PreTrainedModel, prompt_ids: list[list[int]], num_generations: int = 1,
+                 step: int = 0) -> list[list[int]]:
         device = next(model.parameters()).device
         input_ids, attention_mask = pad_rows(prompt_ids, self.pad_token_id, "left", self.pad_to_multiple_of)
         with eval_mode(model):

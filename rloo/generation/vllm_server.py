@@ -16,6 +16,7 @@ import requests
 import torch
 import torch.distributed as dist
 
+from rloo.generation.base import GenerationBackend
 from rloo_vllm.wire import CHUNK_BYTES, pack, plan_chunks
 
 
@@ -249,13 +250,14 @@ def check_same_model(served: str, model: torch.nn.Module) -> None:
                              "the policy's model.")
 
 
-class VLLMServerGenerator:
+class VLLMServerGenerator(GenerationBackend):
     """Generation in server mode for every rank: prompts are gathered, the main process pushes the weights when
     the optimizer step changed, asks for `n = num_generations` completions per unique prompt, checks the sync on a
     few samples, and each rank gets its own rows back."""
 
-    def __init__(self, args, accelerator, model: torch.nn.Module, eos_ids: list[int]):
+    def __init__(self, args, accelerator, model: torch.nn.Module, eos_ids: list[int], zero3: bool = False):
         self.args = args
+        self.zero3 = zero3  # weights are gathered from ZeRO-3 shards (every rank takes part) before a push
         self.accelerator = accelerator
         self.eos_ids = set(eos_ids)
         self.url = server_url(args)
@@ -296,9 +298,10 @@ class VLLMServerGenerator:
         sampling.update(args.generation_kwargs or {})
         return sampling
 
-    def sync(self, model: torch.nn.Module, zero3: bool, step: int) -> None:
+    def sync_weights(self, model: torch.nn.Module, step: int) -> None:
         from rloo.models import is_peft_model
         from rloo.zero import gathered_parameters
+        zero3 = self.zero3
         if self.adapter_mode:
             self._sync_adapter(model, zero3, step)
             return
@@ -314,12 +317,13 @@ class VLLMServerGenerator:
                     model.unmerge_adapter()
 
     @torch.no_grad()
-    def generate(self, model: torch.nn.Module, prompt_ids: list[list[int]], num_generations: int, step: int,
-                 zero3: bool = False) -> list[list[int]]:
+    def generate(self, model: torch.nn.Module, prompt_ids: list[list[int]], num_generations: int, step: int
+                 ) -> list[list[int]]:
         from accelerate.utils import broadcast_object_list, gather_object
+        zero3 = self.zero3
         synced = step != self.last_synced_step
         if synced:
-            self.sync(model, zero3, step)
+            self.sync_weights(model, step)
             self.last_synced_step = step
         everyone = gather_object([list(p) for p in prompt_ids])
         result = [None]
