@@ -41,7 +41,15 @@ def workdir(tmp_path_factory):
     return root
 
 
-def _train(workdir, name: str, *flags: str, port: int) -> dict:
+def _free_port() -> int:
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _train(workdir, name: str, *flags: str, port: int | None = None) -> dict:
+    port = port or _free_port()  # a fixed rendezvous port can collide with a process still shutting down
     out = workdir / name
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
@@ -54,7 +62,7 @@ def _train(workdir, name: str, *flags: str, port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def zero3_run(workdir):
-    return _train(workdir, "zero3", port=29581)
+    return _train(workdir, "zero3")
 
 
 def _max_difference(a: dict, b: dict) -> float:
@@ -65,7 +73,7 @@ def _max_difference(a: dict, b: dict) -> float:
 @pytest.mark.slow
 def test_zero3_trains_the_same_update_as_ddp(workdir, zero3_run):
     # SGD: the update is linear in the gradient, so only reduction order may differ (Adam would amplify it).
-    ddp = _train(workdir, "ddp", "--deepspeed", "", "--use_cpu", "true", "--ddp_backend", "gloo", port=29582)
+    ddp = _train(workdir, "ddp", "--deepspeed", "", "--use_cpu", "true", "--ddp_backend", "gloo")
     initial = load_file(os.path.join(workdir, "tiny", "model", "model.safetensors"))
     assert _max_difference(ddp["weights"], initial) > 1e-2  # training moved the weights
     assert _max_difference(zero3_run["weights"], ddp["weights"]) < 1e-6
@@ -83,7 +91,7 @@ def test_zero3_trains_the_same_update_as_ddp(workdir, zero3_run):
 @pytest.mark.slow
 def test_zero3_without_gathering_for_generation_samples_the_same(workdir, zero3_run):
     # Layer-by-layer gathering (synced ranks) instead of one full gather: same tokens, same update.
-    sharded = _train(workdir, "zero3-nogather", "--ds3_gather_for_generation", "false", port=29583)
+    sharded = _train(workdir, "zero3-nogather", "--ds3_gather_for_generation", "false")
     assert _max_difference(sharded["weights"], zero3_run["weights"]) == 0.0
     assert [log["reward"] for log in sharded["logs"]] == [log["reward"] for log in zero3_run["logs"]]
 
@@ -93,7 +101,7 @@ def test_zero3_resume_ends_with_the_uninterrupted_weights(workdir, zero3_run):
     resumed_dir = workdir / "zero3-resumed"
     resumed_dir.mkdir()
     shutil.copytree(zero3_run["out"] / "checkpoint-2", resumed_dir / "checkpoint-2")
-    resumed = _train(workdir, "zero3-resumed", "--resume_from_checkpoint", "latest", port=29584)
+    resumed = _train(workdir, "zero3-resumed", "--resume_from_checkpoint", "latest")
     assert len(resumed["logs"]) == 1  # only step 3 ran
     assert resumed["logs"][0]["reward"] == zero3_run["logs"][2]["reward"]
     assert _max_difference(resumed["weights"], zero3_run["weights"]) == 0.0
@@ -135,8 +143,7 @@ def test_zero3_reward_model_is_sharded_and_scores_as_under_ddp(workdir):
     tiny_reward_model(tokenizer).save_pretrained(str(reward_dir))
     tokenizer.save_pretrained(str(reward_dir))
     flags = ("--reward_funcs", str(reward_dir), "--max_steps", "1", "--save_strategy", "no")
-    zero3 = _train(workdir, "zero3-rm", *flags, port=29585)
-    ddp = _train(workdir, "ddp-rm", *flags, "--deepspeed", "", "--use_cpu", "true", "--ddp_backend", "gloo",
-                 port=29586)
+    zero3 = _train(workdir, "zero3-rm", *flags)
+    ddp = _train(workdir, "ddp-rm", *flags, "--deepspeed", "", "--use_cpu", "true", "--ddp_backend", "gloo")
     assert zero3["logs"][0]["reward"] == ddp["logs"][0]["reward"]
     assert _max_difference(zero3["weights"], ddp["weights"]) < 1e-6
