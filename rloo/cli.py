@@ -200,13 +200,28 @@ def train(argv: list[str]) -> int:
         print(f"rloo train: error: {err}", file=sys.stderr)
         return 2
     try:
-        return _run(trainer, script_args)
-    finally:
-        # Leave the process group before the interpreter exits: with DeepSpeed on CPU a live group's threads
-        # abort the process at exit ("terminate called without an active exception", exit -6).
+        code = _run(trainer, script_args)
+    finally:  # an exception still propagates (its traceback printed) after this
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+    from rloo.config import DEEPSPEED_ON_CPU
+    if DEEPSPEED_ON_CPU["started"]:
+        _exit_before_native_teardown(code)
+    return code
+
+
+def _exit_before_native_teardown(code: int) -> None:
+    """DeepSpeed on CPU leaves native threads behind that abort the interpreter's final teardown now and then
+    ("terminate called without an active exception", exit -6, after everything was saved: seen once in CI on
+    one of 4 ranks, which failed the whole job). Run Python's exit handlers, flush, and leave without it."""
+    import atexit
+    import logging
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run(trainer, script_args) -> int:

@@ -304,6 +304,9 @@ def _parse_pad_to_multiple_of(value: int | str | None) -> int | None:
     raise ValueError(f"pad_to_multiple_of={value!r} must be a positive integer, 'auto' or None.")
 
 
+DEEPSPEED_ON_CPU = {"started": False}
+
+
 def start_deepspeed_on_cpu(timeout_s: int) -> None:
     """The process group and accelerate state for DeepSpeed over gloo (CPU), as a DeepSpeed launch on GPUs has."""
     from datetime import timedelta
@@ -311,6 +314,7 @@ def start_deepspeed_on_cpu(timeout_s: int) -> None:
     from accelerate import PartialState
     if PartialState._shared_state:
         return
+    DEEPSPEED_ON_CPU["started"] = True
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     try:
         PartialState(backend="gloo", timeout=timedelta(seconds=timeout_s))
