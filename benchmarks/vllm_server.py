@@ -33,13 +33,11 @@ NEW_TOKENS = 64
 def start_server(model_dir: str, log_path: str) -> subprocess.Popen:
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="2", PYTHONPATH=ROOT,
                VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
-    command = [os.path.join(ROOT, ".venv-vllm", "bin", "python"), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", model_dir, "--host", "127.0.0.1", "--port", str(PORT), "--dtype", "float32",
-               *([] if os.environ.get("RLOO_BENCH_COMPILED") == "1" else ["--enforce-eager"]),
-               "--max-model-len", "1024", "--gpu-memory-utilization", "0.2",
-               "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--enable-lora", "--max-lora-rank",
-               "16", "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
-               "rloo_vllm.engine.WorkerExtension"]
+    from services import vllm_cpu_server_command
+    extra = ["--enable-lora", "--max-lora-rank", "16"]
+    command = vllm_cpu_server_command(model_dir, "127.0.0.1", PORT, *extra, max_model_len=1024)
+    if os.environ.get("RLOO_BENCH_COMPILED") == "1":
+        command.remove("--enforce-eager")
     return subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
 
 

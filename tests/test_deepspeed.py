@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from rloo import RLOOConfig
 from rloo.testing import save_tiny, tiny_causal_lm, tiny_tokenizer
 from rloo.zero import frozen_engine_config
+from services import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -41,15 +42,8 @@ def workdir(tmp_path_factory):
     return root
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _train(workdir, name: str, *flags: str, port: int | None = None) -> dict:
-    port = port or _free_port()  # a fixed rendezvous port can collide with a process still shutting down
+    port = port or free_port()  # a fixed rendezvous port can collide with a process still shutting down
     out = workdir / name
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",

@@ -226,16 +226,13 @@ def test_four_trainer_nodes_and_a_real_vllm_server_on_node_five(cluster, tmp_pat
     import json
 
     from rloo.testing import save_servable, tiny_servable_causal_lm, tiny_tokenizer
-    vllm_python = os.path.join(ROOT, ".venv-vllm", "bin", "python")
-    assert os.path.exists(vllm_python), "run `bash scripts/setup.sh --with-vllm`"
+    from services import VLLM_PYTHON, vllm_cpu_server_command
+    assert os.path.exists(VLLM_PYTHON), "run `bash scripts/setup.sh --with-vllm`"
     monkeypatch.setenv("PYTHONPATH", TESTS)
     tokenizer = tiny_tokenizer()
     model_dir = save_servable(str(tmp_path / "servable"), tiny_servable_causal_lm(tokenizer), tokenizer)
-    server = ["env", "VLLM_SERVER_DEV_MODE=1", "VLLM_CPU_KVCACHE_SPACE=1", vllm_python, "-m",
-              "vllm.entrypoints.openai.api_server", "--model", "{model}", "--host", "{host}", "--port", "{port}",
-              "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--gpu-memory-utilization", "0.2",
-              "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
-              "rloo_vllm.engine.WorkerExtension", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
+    server = ["env", "VLLM_SERVER_DEV_MODE=1", "VLLM_CPU_KVCACHE_SPACE=1",
+              *vllm_cpu_server_command("{model}", "{host}", "{port}")]
     config = slurm_config(tmp_path, *ZERO3, f"model.name_or_path={model_dir}", "model.peft.enabled=true",
                           "rewards=[cli_rewards:first_token_reward]", "reward_weights=null",
                           "training.use_vllm=true", "training.vllm_mode=server", "training.vllm_group_port=18435",

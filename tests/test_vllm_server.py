@@ -18,19 +18,11 @@ from rloo.generation import vllm_server
 from rloo.generation.vllm_server import VLLMServerClient, check_same_model
 from rloo.models import per_token_logps
 from rloo.testing import save_servable, tiny_causal_lm, tiny_servable_causal_lm, tiny_tokenizer
+from services import VLLM_PYTHON, vllm_cpu_server_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
-VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 PORT = 18540
-
-
-def server_command(model_dir: str, port: int) -> list[str]:
-    return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-            "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--gpu-memory-utilization", "0.2",
-            "--weight-transfer-config", '{"backend": "gloo"}',
-            "--worker-extension-cls", "rloo_vllm.engine.WorkerExtension", "--enable-lora", "--max-lora-rank", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +35,8 @@ def server(tmp_path_factory):
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=ROOT,
                VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
     log = open(root / "server.log", "w")
-    process = subprocess.Popen(server_command(model_dir, PORT), stdout=log, stderr=subprocess.STDOUT, env=env)
+    command = vllm_cpu_server_command(model_dir, "127.0.0.1", PORT, "--enable-lora", "--max-lora-rank", "16")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     client = VLLMServerClient(f"http://127.0.0.1:{PORT}", connect_timeout_s=400)
     try:
         client.wait_until_healthy()
