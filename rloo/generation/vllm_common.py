@@ -1,0 +1,77 @@
+"""What both vLLM backends (server and colocate) share: the sampling parameters taken from RLOOConfig, the policy's
+weights under checkpoint names, the EOS cut, and the verified-sync check (vLLM's log-probs of a few sampled
+completions against the trainer's)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+def sampling_of(args) -> dict:
+    """vLLM sampling parameters (the names of vllm.SamplingParams and of /v1/completions) from RLOOConfig."""
+    sampling = {"max_tokens": args.max_completion_length, "temperature": args.temperature, "top_p": args.top_p,
+                "top_k": args.top_k if args.top_k else -1, "min_p": args.min_p or 0.0,
+                "repetition_penalty": args.repetition_penalty}
+    if args.vllm_structured_outputs_regex:
+        sampling["structured_outputs"] = {"regex": args.vllm_structured_outputs_regex}
+    sampling.update(args.generation_kwargs or {})
+    return sampling
+
+
+def sync_weights_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The policy's weights under the names of its checkpoint (what vLLM's load_weights expects). A PeftModel
+    must have its adapter merged by the caller: base-layer names are mapped back, LoRA tensors left out."""
+    from rloo.models import is_peft_model
+    if is_peft_model(model):
+        named = []
+        for name, param in model.base_model.model.named_parameters():
+            if "lora_" in name or ".original_module." in name:
+                continue
+            name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+            named.append((name, param))
+        return named
+    return list(model.named_parameters())
+
+
+def cut_at_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
+    for position, token in enumerate(ids):
+        if token in eos_ids:
+            return ids[:position + 1]
+    return ids
+
+
+def sync_tolerance(args, model: torch.nn.Module) -> float:
+    """vllm_sync_tolerance, or its default for the policy's dtype (float32: exact up to kernel order; bf16: loose)."""
+    if args.vllm_sync_tolerance is not None:
+        return args.vllm_sync_tolerance
+    return 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.3
+
+
+@torch.no_grad()
+def max_logprob_diff(model: torch.nn.Module, samples: list[dict]) -> float:
+    """The largest |trainer - vLLM| log-prob over the completion tokens of `samples` ({"prompt", "completion",
+    "vllm"}). Every rank of a ZeRO-3 run must call it with the same number of samples (the forwards gather)."""
+    from rloo.models import eval_mode, per_token_logps
+    device = next(model.parameters()).device
+    worst = 0.0
+    with eval_mode(model):
+        for sample in samples:
+            ids = torch.tensor([sample["prompt"] + sample["completion"]], device=device)
+            mine = per_token_logps(model, ids, torch.ones_like(ids), len(sample["completion"]), 1.0).logps[0]
+            worst = max(worst, (mine.float().cpu() - torch.tensor(sample["vllm"])).abs().max().item())
+    return worst
+
+
+def judge_sync(worst: float, tolerance: float, on_mismatch: str, samples: int, step: int, engine: str) -> None:
+    """Stop training (or warn) when the engine generates from other weights than the policy's."""
+    if worst <= tolerance:
+        return
+    message = (f"weight sync check failed: the {engine}'s log-probs differ from the trainer's by {worst:.3g} "
+               f"(> vllm_sync_tolerance {tolerance:g}) on {samples} sampled completions after the sync at step "
+               f"{step}: it is generating from other weights than the policy's. Check that it serves the same model "
+               "and dtype (float32 for exact checks).")
+    if on_mismatch == "error":
+        raise RuntimeError(message)
+    warnings.warn(message)
