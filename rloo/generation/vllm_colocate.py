@@ -127,6 +127,12 @@ def check_colocate_possible(args) -> None:
     if args.vllm_enable_sleep_mode and not current_platform.is_sleep_mode_available():
         raise ValueError(f"vllm_enable_sleep_mode=True: vLLM's sleep mode is not available on this platform "
                          f"({device}). Fix: vllm_enable_sleep_mode=False.")
+    if args.vllm_model_impl == "transformers":
+        raise ValueError("vllm_model_impl='transformers' cannot run in colocate mode: vLLM's transformers backend "
+                         "decorates transformers' own model classes in place (its torch.compile wrapper on e.g. "
+                         "LlamaModel), and the trainer's models of the same class in the same process then fail "
+                         "('LlamaModel' object has no attribute 'do_not_compile'). Fix: vllm_model_impl='vllm', or "
+                         "vllm_mode='server' with --model-impl transformers on the server.")
     if args.vllm_peft_sync == "adapter":
         raise ValueError("vllm_peft_sync='adapter' is a server-mode option (the adapter is loaded from files); "
                          "colocate loads the merged weights in place. Fix: vllm_peft_sync='auto' or 'merged'.")
@@ -145,7 +151,7 @@ def engine_folder(model: torch.nn.Module, tokenizer, need_tokenizer: bool) -> st
     with open(os.path.join(folder, "config.json"), "w") as handle:
         json.dump(config, handle)
     if need_tokenizer and tokenizer is not None:
-        tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
+        tokenizer.save_pretrained(folder)  # beside the config, as in a checkpoint (vLLM reads both from there)
     return folder
 
 
@@ -164,9 +170,7 @@ def start_engine(args, model: torch.nn.Module, tokenizer, rank: int, world_size:
                   max_num_seqs=args.per_device_train_batch_size * tp * args.steps_per_generation,
                   logprobs_mode="processed_logprobs", seed=args.seed + rank // tp, generation_config="vllm",
                   trust_remote_code=args.trust_remote_code)
-    if need_tokenizer:
-        kwargs["tokenizer"] = os.path.join(folder, "tokenizer")
-    else:
+    if not need_tokenizer:
         kwargs["skip_tokenizer_init"] = True  # prompts and completions are token ids
     if world_size > 1:
         # Every rank is its own vLLM "launcher"; vLLM reads the torchrun environment for its TP groups.
