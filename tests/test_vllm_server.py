@@ -231,6 +231,39 @@ def test_sampling_parameters_reach_the_server(server, tmp_path):
     assert len(rows) == 4 and all(1 <= len(row["ids"]) <= 6 for row in rows)
 
 
+def test_nccl_server_backend_needs_a_gpu_here_and_vllms_trainer_engine_fits_our_client(server, monkeypatch):
+    # A server started with vLLM's NCCL backend: the trainer side is vLLM's own NCCL engine, driven through our
+    # client's routes. Without a GPU in the training process: refused, naming the fix.
+    client = VLLMServerClient(server["url"], 30)
+    monkeypatch.setattr(client, "server_config", lambda: {"weight_transfer_config": {"backend": "nccl"}})
+    with pytest.raises(vllm_server.VLLMServerError, match="backend is 'nccl', which sends from a GPU of this process"):
+        client.init_weight_transfer("127.0.0.1", 18550)
+    # The parts that run without a GPU, against vLLM's own classes (in .venv-vllm): our client satisfies vLLM's
+    # trainer-side client protocol, and our weight source passes the check vLLM's NCCL engine runs before it
+    # broadcasts (same names, dtypes and shapes in metadata and iteration; contiguous tensors).
+    code = """
+import torch
+from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
+from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine, NCCLWeightTransferUpdateInfo
+from rloo.generation.vllm_server import VLLMServerClient, named_tensor_source
+from rloo.testing import tiny_servable_causal_lm
+assert isinstance(VLLMServerClient("http://127.0.0.1:1"), VLLMWeightSyncClient)
+source = named_tensor_source()
+source.named = [(n, p.detach()) for n, p in tiny_servable_causal_lm().named_parameters()]
+source.named.append(("transposed", torch.zeros(3, 4).t()))
+meta = source.metadata()
+NCCLWeightTransferUpdateInfo(names=[m.name for m in meta], dtype_names=[str(m.dtype).split(".")[-1] for m in meta],
+                             shapes=[list(m.shape) for m in meta])
+pairs = list(NCCLTrainerWeightTransferEngine._checked_iter(source, meta))
+assert [n for n, _ in pairs] == [n for n, _ in source.named] and all(t.is_contiguous() for _, t in pairs)
+print("contract ok", len(pairs))
+"""
+    result = subprocess.run([VLLM_PYTHON, "-c", code], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "contract ok" in result.stdout
+
+
 @pytest.mark.slow
 def test_server_dying_mid_run_fails_the_step_with_its_log_and_leaves_a_checkpoint(server, tmp_path, monkeypatch):
     """Runs last: it stops the module's server."""
@@ -249,3 +282,4 @@ def test_server_dying_mid_run_fails_the_step_with_its_log_and_leaves_a_checkpoin
     with pytest.raises(Exception, match=r"(?s)127.0.0.1:18540/.* failed.*last lines of the server's log"):
         trainer.train()
     assert os.path.exists(tmp_path / "out" / "checkpoint-1" / "rloo_state")  # resumable from step 1
+

@@ -46,6 +46,8 @@ class VLLMServerClient:
         self.group = None
         self._store = None
         self.chunk_bytes = CHUNK_BYTES
+        self.nccl = None  # vLLM's NCCL trainer engine when the server runs the "nccl" backend
+        self.source = None
 
     # ------------------------------------------------------------------ HTTP
     def _call(self, method: str, route: str, payload: dict | None = None, timeout: float | None = None):
@@ -90,19 +92,25 @@ class VLLMServerClient:
 
     # ------------------------------------------------------------------ weights
     def init_weight_transfer(self, host: str, port: int, timeout_s: float = 300.0) -> None:
-        """Open a gloo group: this process (rank 0) hosts the store, the server's workers join."""
+        """Open the weight-transfer group with the server's workers, over the backend the server runs: "gloo" (ours,
+        CPU or GPU servers; this process hosts the store as rank 0) or "nccl" (GPU to GPU, through vLLM's own
+        trainer-side engine)."""
         try:
             config = self.server_config()
         except VLLMServerError as err:
             raise VLLMServerError(f"{err}. The weight-update routes exist only when the server runs with "
                                   "VLLM_SERVER_DEV_MODE=1.") from err
         backend = (config.get("weight_transfer_config") or {}).get("backend")
-        if backend != "gloo":
+        if backend not in ("gloo", "nccl"):
             raise VLLMServerError(f"the server's weight transfer backend is {backend!r}; this trainer pushes weights "
-                                  "over 'gloo'. Restart the server with --weight-transfer-config "
-                                  "'{\"backend\": \"gloo\"}' --worker-extension-cls rloo_vllm.engine.WorkerExtension.")
+                                  "over 'gloo' (any device) or 'nccl' (GPUs). Restart the server with "
+                                  "--weight-transfer-config '{\"backend\": \"gloo\"}' --worker-extension-cls "
+                                  "rloo_vllm.engine.WorkerExtension.")
         workers = int(self._call("GET", "/get_world_size", timeout=30)["world_size"])
         world = workers + 1
+        if backend == "nccl":
+            self._init_nccl(host, port, world)
+            return
         timeout = timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
         info = {"master_address": host, "master_port": port, "world_size": world, "rank_offset": 1,
@@ -111,17 +119,56 @@ class VLLMServerClient:
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("rloo-weights", self._store), 0, world, timeout)
         errors.join_and_raise()
 
+    def _init_nccl(self, host: str, port: int, world: int) -> None:
+        """The server runs vLLM's NCCL backend: vLLM's trainer-side engine drives the same routes through this
+        client (init_weight_transfer_engine / start / update / finish below) and broadcasts from this GPU."""
+        if not torch.cuda.is_available():
+            raise VLLMServerError("the server's weight transfer backend is 'nccl', which sends from a GPU of this "
+                                  "process, and this process has none. Fix: restart the server with "
+                                  "--weight-transfer-config '{\"backend\": \"gloo\"}' --worker-extension-cls "
+                                  "rloo_vllm.engine.WorkerExtension (works with GPU servers too, through host memory).")
+        try:
+            from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
+                                                                      NCCLTrainerWeightTransferEngine)
+        except ImportError as err:
+            raise ImportError("the server's weight transfer backend is 'nccl': the trainer side needs vLLM in the "
+                              "training environment (pip install vllm), or restart the server with the 'gloo' "
+                              "backend (--weight-transfer-config '{\"backend\": \"gloo\"}').") from err
+        self.source = named_tensor_source()
+        info = NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=world, rank=0)
+        self.nccl = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self, source=self.source)
+
+    # vLLM's trainer-side client protocol (VLLMWeightSyncClient): its NCCL engine calls these.
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("POST", "/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._call("POST", "/start_weight_update", {})
+
+    def update_weights(self, update_info: dict) -> None:
+        self._call("POST", "/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        payload = {} if weight_version is None else {"weight_version": weight_version}
+        self._call("POST", "/finish_weight_update", payload)
+
     def push_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
         """One update: start, /update_weights while the chunks are broadcast, finish, reset the prefix cache
         (cached KV of old weights would otherwise score long prompts). Returns seconds and bytes."""
+        start = time.perf_counter()
+        if self.nccl is not None:
+            self.source.named = [(name, tensor.detach()) for name, tensor in named_tensors]
+            self.nccl.send_weights()
+            self._call("POST", "/reset_prefix_cache", {})
+            return {"seconds": time.perf_counter() - start,
+                    "bytes": sum(t.numel() * t.element_size() for _, t in self.source.named)}
         if self.group is None:
             raise RuntimeError("init_weight_transfer() must run before push_weights()")
-        start = time.perf_counter()
         names = [name for name, _ in named_tensors]
         tensors = [tensor.detach().cpu() for _, tensor in named_tensors]
         dtype_names = [str(t.dtype).removeprefix("torch.") for t in tensors]
         shapes = [list(t.shape) for t in tensors]
-        self._call("POST", "/start_weight_update", {})
+        self.start_weight_update()
         errors = self._in_thread("POST", "/update_weights",
                                  {"update_info": {"names": names, "dtype_names": dtype_names, "shapes": shapes}})
         sent = 0
@@ -132,7 +179,7 @@ class VLLMServerClient:
                 sent += buffer.numel() * buffer.element_size()
         finally:
             errors.join_and_raise()
-        self._call("POST", "/finish_weight_update", {})
+        self.finish_weight_update()
         self._call("POST", "/reset_prefix_cache", {})
         return {"seconds": time.perf_counter() - start, "bytes": sent}
 
@@ -165,6 +212,9 @@ class VLLMServerClient:
 
     def close(self) -> None:
         self.group = None
+        if self.nccl is not None:
+            self.nccl.shutdown()
+            self.nccl = None
         self._store = None
         self.session.close()
 
@@ -198,6 +248,24 @@ class _Call(threading.Thread):
 
 
 # ---------------------------------------------------------------------------------------------------- the trainer
+def named_tensor_source():
+    """A vLLM WeightSource over the (name, tensor) list of the current push (vLLM is imported only here: the NCCL
+    path needs it in the training environment)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class NamedTensors(WeightSource):
+        def __init__(self):
+            self.named: list[tuple[str, torch.Tensor]] = []
+
+        def metadata(self):
+            return [ParamMeta(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self.named]
+
+        def __iter__(self):
+            return ((name, tensor.contiguous()) for name, tensor in self.named)
+
+    return NamedTensors()
+
+
 def server_url(args) -> str:
     if args.vllm_server_base_url:
         return args.vllm_server_base_url.rstrip("/")
