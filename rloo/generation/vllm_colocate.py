@@ -270,9 +270,10 @@ class VLLMColocateGenerator(GenerationBackend):
         start = time.perf_counter()
         requests = []
         for index, (prompt, n) in enumerate(run_lengths(rows)):
-            # the same on every rank of a TP group (they run one engine); different across groups and calls
+            # the same on every rank of a TP group (they run one engine); different across groups, steps (a resumed
+            # run does not replay the first seeds) and calls within a step (evaluation)
             seed = (self.args.seed * 1_000_003 + (self.accelerator.process_index // self.tp) * 10_007
-                    + self.calls * 101 + index) % (2 ** 31)
+                    + step * 7_919 + self.calls * 101 + index) % (2 ** 31)
             requests.append((prompt, n, seed))
         self.calls += 1
         completions = [cut_at_eos(ids, self.eos_ids)
