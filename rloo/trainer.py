@@ -467,6 +467,11 @@ class RLOOTrainer(Trainer):
         local_advantages = advantages[start:start + local]
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                  "completion_mask": completion_mask, "advantages": local_advantages}
+        sampler_logprobs = getattr(completion_id_lists, "logprobs", None)
+        if sampler_logprobs is not None:  # vLLM's own log-probs of the tokens it sampled, compared in compute_loss
+            batch["sampler_logps"] = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
+            for row, values in enumerate(sampler_logprobs):
+                batch["sampler_logps"][row, :len(values)] = torch.tensor(values, dtype=torch.float32)
         if self._needs_old_logps:  # otherwise compute_loss uses the live log-probs, detached (ratio exactly 1)
             batch["old_logps"] = (old_per_token * completion_mask).sum(dim=1)
         return batch
@@ -500,6 +505,14 @@ class RLOOTrainer(Trainer):
         loss, clipped = algorithm.clipped_surrogate_loss(token_logps, old_logps, inputs["advantages"], completion_mask,
                                                          self.args.epsilon, self.args.epsilon_high)
         gather = self.accelerator.gather
+        if "sampler_logps" in inputs:
+            # The sampler (vLLM, its own copy of the weights) vs the trainer on the same tokens: numerical mismatch
+            # plus, when a generation outlives an optimizer step, the policy's drift since it was sampled.
+            difference = (token_logps.detach().float() - inputs["sampler_logps"]).abs() * completion_mask
+            total, count = gather(difference.sum().reshape(1)), gather(completion_mask.sum().reshape(1).float())
+            self._metrics.add(mode, "vllm/logprob_diff_mean", total.sum() / count.sum().clamp(min=1.0))
+            worst = difference.max() if difference.numel() else difference.new_zeros(())
+            self._metrics.add(mode, "vllm/logprob_diff_max", gather(worst.reshape(1)).max())
         entropy_sum = gather((entropy * completion_mask).sum().reshape(1))
         token_count = gather(completion_mask.sum().reshape(1).float())
         self._metrics.add(mode, "entropy", entropy_sum.sum() / token_count.sum().clamp(min=1.0))

@@ -20,7 +20,7 @@ engine = generator.engine
 def engine_vs_trainer(prompt: list[int]) -> float:
     from rloo.generation.vllm_common import max_logprob_diff
     sampling = {"max_tokens": 8, "temperature": 1.0}
-    completions = engine.generate([(prompt, 3, 11)], sampling)[0]
+    completions = [sample["ids"] for sample in engine.generate([(prompt, 3, 11)], sampling)[0]]
     samples = [{"prompt": prompt, "completion": ids, "vllm": engine.score(prompt, ids)} for ids in completions if ids]
     return max_logprob_diff(model, samples)
 

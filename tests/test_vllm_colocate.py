@@ -60,6 +60,9 @@ def test_colocate_trains_with_verified_in_place_syncs_and_noise_reaches_the_engi
     check = json.loads(out.read_text())
     syncs = _syncs(check["log_history"])
     assert len(syncs) == 3 and max(syncs) < 1e-4  # one verified sync per optimizer step, weights moving
+    # Every step, every sampled token: vLLM's log-prob when it sampled it vs the trainer's in the loss.
+    diffs = [row["vllm/logprob_diff_max"] for row in check["log_history"] if "vllm/logprob_diff_max" in row]
+    assert len(diffs) == 3 and max(diffs) < 1e-4
     rewards = [row["reward"] for row in check["log_history"] if "reward" in row]
     assert len(rewards) == 3
     assert check["tied"]
@@ -92,8 +95,10 @@ def test_two_processes_each_with_an_engine_or_sharing_one(tmp_path, tensor_paral
     recipe = _recipe(tmp_path, per_device_train_batch_size=2, vllm_tensor_parallel_size=tensor_parallel, **extra)
     result = _torchrun(recipe, free_port())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    syncs = _syncs(_logged(result))
+    logged = _logged(result)
+    syncs = _syncs(logged)
     assert len(syncs) == 3 and max(syncs) < 1e-4
+    assert max(float(row["vllm/logprob_diff_max"]) for row in logged) < 1e-4
     assert os.path.isfile(tmp_path / "out" / "model.safetensors")
     if zero3:
         assert "DeepSpeed ZeRO-3 sharding on 2 ranks" in result.stdout + result.stderr
@@ -181,7 +186,7 @@ class StandInEngine(ColocateEngine):
         live = {name: p.detach() for name, p in self.policy.named_parameters()}
         assert all(torch.equal(self.weights[name], live[name]) for name in live), "generated from stale weights"
         self.calls.append(("generate", [n for _, n, _ in requests], [seed for _, _, seed in requests]))
-        return [[[7, 8, 2, 9]] * n for _, n, _ in requests]
+        return [[{"ids": [7, 8, 2, 9], "logprobs": [-1.0, -2.0, -3.0, -4.0]}] * n for _, n, _ in requests]
 
     def score(self, prompt, completion):
         from rloo.models import per_token_logps
@@ -229,6 +234,7 @@ def test_sleep_mode_pushes_the_weights_again_after_every_wake_up(tmp_path):
     prompts = [[5, 6], [5, 6], [9, 10], [9, 10]]
     completions = generator.generate(policy, prompts, 2, step=0)
     assert completions == [[7, 8, 2]] * 4  # cut after EOS
+    assert completions.logprobs == [[-1.0, -2.0, -3.0]] * 4  # the sampled tokens' log-probs, cut the same way
     assert engine.calls[1:] == [("wake", ("weights",)), ("load",), ("reset",), ("wake", ("kv_cache",)),
                                 ("generate", [2, 2], engine.calls[5][2]), ("sleep",)]
     assert generator.pop_metrics()["vllm/sync_max_logprob_diff"] == 0.0
@@ -260,3 +266,14 @@ def test_without_sleep_mode_weights_go_only_when_the_step_changed(tmp_path):
 
 def test_consecutive_identical_prompts_become_one_request():
     assert run_lengths([[1], [1], [2], [2], [2], [1]]) == [([1], 2), ([2], 3), ([1], 1)]
+
+
+def test_warped_sampling_returns_no_sampler_logprobs(tmp_path):
+    # top-k renormalises vLLM's processed log-probs: they are not the trainer's, so none are handed over.
+    tokenizer = tiny_tokenizer()
+    policy = tiny_servable_causal_lm(tokenizer).eval()
+    args = RLOOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", use_vllm=True,
+                      num_generations=2, max_completion_length=4, per_device_train_batch_size=4, top_k=5)
+    generator = VLLMColocateGenerator(args, OneProcess(), policy, [2], engine=StandInEngine(policy))
+    completions = generator.generate(policy, [[5, 6], [5, 6]], 2, step=0)
+    assert completions == [[7, 8, 2]] * 2 and completions.logprobs is None

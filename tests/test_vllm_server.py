@@ -121,6 +121,8 @@ def test_training_under_torchrun_with_verified_syncs(server, tmp_path):
     for log in logs:
         assert float(log["vllm/sync_max_logprob_diff"]) < 1e-4
         assert float(log["vllm/sync_bytes"]) > 0 and float(log["vllm/sync_seconds"]) > 0
+        # every sampled token: the server's log-prob when it sampled it vs the trainer's in the loss
+        assert float(log["vllm/logprob_diff_max"]) < 1e-4
     assert os.path.exists(tmp_path / "out" / "model.safetensors")
 
 

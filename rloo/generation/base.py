@@ -5,6 +5,17 @@ from __future__ import annotations
 from torch import nn
 
 
+class Completions(list):
+    """Completion token ids, one list per row (it is a list: callers index it as one), plus `logprobs`: the sampler's
+    log-probs of those same tokens, one list per row, from backends that sample with their own copy of the weights
+    (vLLM), when sampling is not warped (no top-k/top-p/min-p, repetition penalty or structured outputs, which
+    renormalise or mask the distribution); else None. The trainer compares them with its own log-probs every step."""
+
+    def __init__(self, ids: list[list[int]], logprobs: list[list[float]] | None = None):
+        super().__init__(ids)
+        self.logprobs = logprobs
+
+
 class GenerationBackend:
     """Turns prompt token ids into completion token ids (EOS included, nothing after it).
 
@@ -15,6 +26,7 @@ class GenerationBackend:
 
     def generate(self, model: nn.Module, prompt_ids: list[list[int]], num_generations: int, step: int
                  ) -> list[list[int]]:
+        """Completion ids per row; vLLM backends return `Completions` with the sampled tokens' log-probs."""
         raise NotImplementedError
 
     def sync_weights(self, model: nn.Module, step: int) -> None:

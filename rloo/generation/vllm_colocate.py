@@ -25,9 +25,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from rloo.generation.base import GenerationBackend
+from rloo.generation.base import Completions, GenerationBackend
 from rloo.generation.vllm_common import (cut_at_eos, judge_sync, max_logprob_diff, sampling_of, sync_tolerance,
-                                         sync_weights_of)
+                                         sync_weights_of, unwarped)
 
 
 class ColocateEngine:
@@ -35,8 +35,9 @@ class ColocateEngine:
 
     sleep_available = False
 
-    def generate(self, requests: list[tuple[list[int], int, int]], sampling: dict) -> list[list[list[int]]]:
-        """For each (prompt ids, n, seed): n sampled completions (token ids)."""
+    def generate(self, requests: list[tuple[list[int], int, int]], sampling: dict) -> list[list[dict]]:
+        """For each (prompt ids, n, seed): n sampled completions, {"ids": token ids, "logprobs": the sampler's
+        (processed) log-prob of each of them}."""
         raise NotImplementedError
 
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:
@@ -84,10 +85,12 @@ class VLLMEngine(ColocateEngine):
         sampling = dict(sampling)
         if "structured_outputs" in sampling:
             sampling["structured_outputs"] = StructuredOutputsParams(**sampling["structured_outputs"])
-        params = [SamplingParams(n=n, seed=seed, **sampling) for _, n, seed in requests]
+        params = [SamplingParams(n=n, seed=seed, logprobs=0, **sampling) for _, n, seed in requests]
         prompts = [{"prompt_token_ids": list(prompt)} for prompt, _, _ in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[list(sample.token_ids) for sample in output.outputs] for output in outputs]
+        return [[{"ids": list(sample.token_ids),
+                  "logprobs": [float(entry[token].logprob) for token, entry in zip(sample.token_ids, sample.logprobs)]}
+                 for sample in output.outputs] for output in outputs]
 
     def score(self, prompt, completion):
         from vllm import SamplingParams
@@ -276,8 +279,10 @@ class VLLMColocateGenerator(GenerationBackend):
                     + step * 7_919 + self.calls * 101 + index) % (2 ** 31)
             requests.append((prompt, n, seed))
         self.calls += 1
-        completions = [cut_at_eos(ids, self.eos_ids)
-                       for group in self.engine.generate(requests, sampling_of(self.args)) for ids in group]
+        samples = [sample for group in self.engine.generate(requests, sampling_of(self.args)) for sample in group]
+        completions = [cut_at_eos(sample["ids"], self.eos_ids) for sample in samples]
+        logprobs = [sample["logprobs"][:len(ids)] for sample, ids in zip(samples, completions)] \
+            if unwarped(self.args) else None
         self.metrics["vllm/generation_seconds"] = time.perf_counter() - start
         if synced:
             self._verify(model, rows, completions)
@@ -285,7 +290,8 @@ class VLLMColocateGenerator(GenerationBackend):
             self.engine.sleep(level=2)
             self.weights_asleep = True
         local = len(prompt_ids)
-        return completions[self.tp_rank * local:(self.tp_rank + 1) * local]
+        mine = slice(self.tp_rank * local, (self.tp_rank + 1) * local)
+        return Completions(completions[mine], None if logprobs is None else logprobs[mine])
 
     def _verify(self, model: torch.nn.Module, rows: list[list[int]], completions: list[list[int]]) -> None:
         """A few of this group's samples scored by the engine and by the trainer. Under ZeRO-3 every rank scores the

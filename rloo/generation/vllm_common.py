@@ -42,6 +42,13 @@ def cut_at_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
     return ids
 
 
+def unwarped(args) -> bool:
+    """Whether the sampler's log-probs are those of the plain (temperature-scaled) distribution, which the trainer
+    computes too: no top-k/top-p/min-p, repetition penalty, structured outputs or extra generation_kwargs."""
+    return (args.top_k in (0, -1, None) and args.top_p == 1.0 and not args.min_p and args.repetition_penalty == 1.0
+            and not args.vllm_structured_outputs_regex and not args.generation_kwargs)
+
+
 def sync_tolerance(args, model: torch.nn.Module) -> float:
     """vllm_sync_tolerance, or its default for the policy's dtype (float32: exact up to kernel order; bf16: loose)."""
     if args.vllm_sync_tolerance is not None:

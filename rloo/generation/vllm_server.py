@@ -16,9 +16,9 @@ import requests
 import torch
 import torch.distributed as dist
 
-from rloo.generation.base import GenerationBackend
+from rloo.generation.base import Completions, GenerationBackend
 from rloo.generation.vllm_common import (cut_at_eos, judge_sync, max_logprob_diff, sampling_of, sync_tolerance,
-                                         sync_weights_of)
+                                         sync_weights_of, unwarped)
 from rloo_vllm.wire import CHUNK_BYTES, pack, plan_chunks
 
 
@@ -374,18 +374,24 @@ class VLLMServerGenerator(GenerationBackend):
             grouped = all(everyone[i] == everyone[i - i % num_generations] for i in range(len(everyone))) \
                 and len(everyone) % num_generations == 0
             unique, n = (everyone[::num_generations], num_generations) if grouped else (everyone, 1)
-            sampling = dict(sampling_of(self.args), seed=self.args.seed * 1_000_003 + self.requests)
+            # a seed per request: different across steps (a resumed run does not replay them) and calls
+            sampling = dict(sampling_of(self.args),
+                            seed=(self.args.seed * 1_000_003 + step * 7_919 + self.requests) % (2 ** 31))
             self.requests += 1
             rows = [row for group in self.client.complete(self.model_id, unique, n, sampling) for row in group]
             self.metrics["vllm/generation_seconds"] = time.perf_counter() - start
-            result = [{"rows": [cut_at_eos(row["ids"], self.eos_ids) for row in rows],
+            ids = [cut_at_eos(row["ids"], self.eos_ids) for row in rows]
+            logprobs = [row["logprobs"][:len(cut)] for row, cut in zip(rows, ids)] if unwarped(self.args) else None
+            result = [{"rows": ids, "logprobs": logprobs,
                        "check": self._check_sample(everyone, rows) if synced else None}]
         result = broadcast_object_list(result, from_process=0)[0]
         if result["check"] is not None:
             self._verify(model, result["check"])
         local = len(prompt_ids)
         start = self.accelerator.process_index * local
-        return result["rows"][start:start + local]
+        logprobs = result["logprobs"]
+        return Completions(result["rows"][start:start + local],
+                           None if logprobs is None else logprobs[start:start + local])
 
     def _sync_adapter(self, model: torch.nn.Module, zero3: bool, step: int) -> None:
         """Only the LoRA adapter: written to a new folder per version (vLLM caches by path) and loaded in place
