@@ -179,8 +179,19 @@ def test_a_server_with_another_model_is_refused(server, tmp_path):
 @pytest.mark.parametrize("mode", ["adapter", "merged"])
 def test_lora_training_syncs_the_adapter_or_merged_weights(server, tmp_path, mode):
     from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
     args_dir = tmp_path / mode
     from datasets import Dataset
+    # The server's base weights first become other weights (as after an earlier run's full pushes): adapter mode
+    # must push the policy's base once, or every adapter would apply to the wrong base.
+    other = AutoModelForCausalLM.from_pretrained(server["model_dir"], dtype=torch.float32)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    client = VLLMServerClient(server["url"], 30)
+    client.init_weight_transfer("127.0.0.1", 18548)
+    client.push_weights(list(other.named_parameters()))
+    client.close()
     sys.path.insert(0, TESTS)
     from cli_rewards import first_token_reward
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "one two"] * 6])

@@ -322,22 +322,28 @@ class VLLMServerGenerator(GenerationBackend):
         self.metrics: dict[str, float] = {}
         self.requests = 0
         self.adapter_mode = False
+        self.base_pending = False
         from rloo.models import is_peft_model
         if accelerator.is_main_process:
             self.client = VLLMServerClient(self.url, args.vllm_server_timeout)
             self.client.wait_until_healthy()
             self.model_id = self.client.model_info()["id"]
             check_same_model(self.model_id, model)
-            lora_enabled = self.client.server_config().get("lora_config") is not None
+            config = self.client.server_config()
+            lora_enabled = config.get("lora_config") is not None
             if is_peft_model(model) and args.vllm_peft_sync == "adapter" and not lora_enabled:
                 raise ValueError("vllm_peft_sync='adapter' but the vLLM server runs without LoRA support. Fix: "
                                  "start it with --enable-lora (and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), or "
                                  "vllm_peft_sync='merged'.")
             self.adapter_mode = is_peft_model(model) and args.vllm_peft_sync != "merged" and lora_enabled
-            if not self.adapter_mode:
+            # Adapter mode assumes the server's base weights are the policy's base; a server that an earlier run
+            # pushed weights into is not. Where the server can take weights, the base is pushed once first.
+            self.base_pending = self.adapter_mode and bool((config.get("weight_transfer_config") or {}).get("backend"))
+            if not self.adapter_mode or self.base_pending:
                 self.client.init_weight_transfer(local_address_towards(self.url), args.vllm_group_port)
         from accelerate.utils import broadcast_object_list
-        self.adapter_mode = broadcast_object_list([self.adapter_mode], from_process=0)[0]
+        self.adapter_mode, self.base_pending = broadcast_object_list([self.adapter_mode, self.base_pending],
+                                                                     from_process=0)
         self.adapter_versions: list[str] = []
         self.tolerance = sync_tolerance(args, model)
 
@@ -400,6 +406,11 @@ class VLLMServerGenerator(GenerationBackend):
         import shutil
 
         from rloo.zero import gathered_parameters
+        if self.base_pending:  # once: the base weights (adapter not merged), so server base == policy base
+            with gathered_parameters(model, zero3):
+                if self.client is not None:
+                    self.client.push_weights(sync_weights_of(model))
+            self.base_pending = False
         path = os.path.join(self.args.output_dir, "vllm-adapters", f"step-{step:07d}")
         adapter_params = [p for name, p in model.named_parameters() if "lora_" in name]
         with gathered_parameters(torch.nn.ParameterList(adapter_params), zero3):
