@@ -203,6 +203,7 @@ def train(argv: list[str]) -> int:
         code = _run(trainer, script_args)
     finally:  # an exception still propagates (its traceback printed) after this
         import torch.distributed as dist
+        trainer.generator.close()  # an in-process vLLM engine goes before the process group it uses
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     from rloo.config import DEEPSPEED_ON_CPU

@@ -38,6 +38,10 @@ class GenerationBackend:
     def wake_up(self) -> None:
         """Undo `sleep`."""
 
+    def close(self) -> None:
+        """Release what the backend holds (an in-process engine, a weight-transfer group) before the process group
+        goes away."""
+
     def pop_metrics(self) -> dict[str, float]:
         """Backend metrics since the last call (sync seconds and bytes, ...), logged with the step."""
         return {}

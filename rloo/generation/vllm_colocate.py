@@ -57,6 +57,9 @@ class ColocateEngine:
     def wake_up(self, tags: list[str]) -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Shut the engine down (its distributed state included)."""
+
 
 def _load_in_worker(worker, named: list[tuple[str, torch.Tensor]]) -> int:
     """Runs inside vLLM's worker (same process): vLLM's layerwise reload around the model's own load_weights (fused
@@ -110,6 +113,11 @@ class VLLMEngine(ColocateEngine):
 
     def wake_up(self, tags):
         self.llm.wake_up(tags=tags)
+
+    def close(self):
+        # Before the trainer destroys its process group: vLLM's own exit handler would otherwise tear down groups
+        # that no longer exist ("Invalid process group specified" at exit).
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 def check_colocate_possible(args) -> None:
@@ -310,6 +318,9 @@ class VLLMColocateGenerator(GenerationBackend):
         self.metrics["vllm/sync_max_logprob_diff"] = worst
         judge_sync(worst, self.tolerance, self.args.vllm_sync_on_mismatch, count, self.last_synced_step,
                    "in-process vLLM engine")
+
+    def close(self) -> None:
+        self.engine.close()
 
     def pop_metrics(self) -> dict[str, float]:
         metrics, self.metrics = self.metrics, {}

@@ -440,6 +440,10 @@ class VLLMServerGenerator(GenerationBackend):
         judge_sync(worst, self.tolerance, self.args.vllm_sync_on_mismatch, len(samples), self.last_synced_step,
                    "vLLM server")
 
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
     def pop_metrics(self) -> dict[str, float]:
         metrics, self.metrics = self.metrics, {}
         return metrics
