@@ -230,8 +230,12 @@ def test_ui_command_serves_prefect_and_mlflow_on_loopback(tmp_path):
                 except OSError:
                     pass
             time.sleep(1)
-        assert healthy == {"prefect", "mlflow"}
     finally:
         process.send_signal(signal.SIGINT)
-        output, _ = process.communicate(timeout=60)
-    assert f"http://127.0.0.1:{prefect_port}" in output and process.returncode == 0
+        try:
+            output, _ = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # report what it printed rather than the timeout
+            process.kill()
+            output, _ = process.communicate()
+    assert healthy == {"prefect", "mlflow"}, output[-3000:]
+    assert f"http://127.0.0.1:{prefect_port}" in output and process.returncode == 0, output[-3000:]
