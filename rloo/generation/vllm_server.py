@@ -157,7 +157,8 @@ class VLLMServerClient:
         (cached KV of old weights would otherwise score long prompts). Returns seconds and bytes."""
         start = time.perf_counter()
         if self.nccl is not None:
-            self.source.named = [(name, tensor.detach()) for name, tensor in named_tensors]
+            device = torch.device("cuda", torch.cuda.current_device())  # NCCL sends from this process's GPU
+            self.source.named = [(name, tensor.detach().to(device)) for name, tensor in named_tensors]
             self.nccl.send_weights()
             self._call("POST", "/reset_prefix_cache", {})
             return {"seconds": time.perf_counter() - start,
