@@ -40,7 +40,8 @@ def start_server(model_dir: str, log_path: str) -> subprocess.Popen:
     command = vllm_cpu_server_command(model_dir, "127.0.0.1", PORT, *extra, max_model_len=1024)
     if os.environ.get("RLOO_BENCH_COMPILED") == "1":
         command.remove("--enforce-eager")
-    return subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)  # stopped as a group: its engine processes too
 
 
 def transformers_tokens_per_second(model, tokenizer) -> float:
@@ -191,8 +192,8 @@ def main() -> None:
         for label, mode in (("trainer-side generate", "transformers"), ("server mode", "server")):
             print_steps(label, train_steps(model_dir, os.path.join(work, mode), mode))
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        from infra.launch import stop_process_groups
+        stop_process_groups([server], timeout_s=60)
     # Colocate: the engine inside the training process, measured with the server gone (2 cores).
     from services import VLLM_PYTHON
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]), VLLM_CPU_KVCACHE_SPACE="2")

@@ -189,24 +189,24 @@ def cmd_sync(options) -> int:
 def cmd_ui(options) -> int:
     _prefect_environment(options.run_root)
     db = os.path.abspath(os.path.join(options.run_root, "mlflow.db"))
+    # Each server in its own process group: stopping the group stops its workers too (mlflow ui and prefect server
+    # start both spawn children that outlived a plain terminate of their parent).
     processes = [
         subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                          str(options.prefect_port)]),
+                          str(options.prefect_port)], start_new_session=True),
         subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{db}", "--host",
-                          "127.0.0.1", "--port", str(options.mlflow_port)]),
+                          "127.0.0.1", "--port", str(options.mlflow_port)], start_new_session=True),
     ]
     print(f"Prefect UI: http://127.0.0.1:{options.prefect_port}   MLflow UI: http://127.0.0.1:{options.mlflow_port}"
-          "   (Ctrl-C stops both)")
+          "   (Ctrl-C stops both)", flush=True)
     try:
         while all(p.poll() is None for p in processes):
             time.sleep(1)
     except KeyboardInterrupt:
         pass
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=30)
+        from infra.launch import stop_process_groups
+        stop_process_groups(processes)
     return 0
 
 

@@ -146,3 +146,27 @@ def cancel(handle: JobHandle) -> None:
             os.kill(target, signal.SIGTERM)
         except ProcessLookupError:
             pass
+
+
+def stop_process_groups(processes: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
+    """Stop processes started with start_new_session=True and everything they spawned: SIGTERM to each group, a
+    wait, then SIGKILL to whatever of the groups is left (servers whose workers outlive their parent's SIGTERM)."""
+    import signal
+
+    def signal_group(process, signum):
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for process in processes:
+        signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for process in processes:
+        signal_group(process, signal.SIGKILL)
+        process.wait()

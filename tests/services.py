@@ -46,7 +46,8 @@ class MlflowServer:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
              "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db", "--artifacts-destination",
-             f"{self.root}/artifacts", "--workers", "1"], stdout=log, stderr=subprocess.STDOUT)
+             f"{self.root}/artifacts", "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)  # its own group: stop() ends its uvicorn and job-runner children too
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.process.poll() is not None:
@@ -60,12 +61,7 @@ class MlflowServer:
         raise TimeoutError(f"mlflow server on {self.uri} not healthy after {timeout} s")
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        # the server's workers are children of the process group leader started above
+        from infra.launch import stop_process_groups
+        if self.process is not None:
+            stop_process_groups([self.process], timeout_s=20)
         self.process = None

@@ -232,10 +232,16 @@ def test_ui_command_serves_prefect_and_mlflow_on_loopback(tmp_path):
             time.sleep(1)
     finally:
         process.send_signal(signal.SIGINT)
-        try:
-            output, _ = process.communicate(timeout=60)
-        except subprocess.TimeoutExpired:  # report what it printed rather than the timeout
+        try:  # the output pipe closes only when the command and every server it started are gone
+            output, _ = process.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
             process.kill()
-            output, _ = process.communicate()
+            process.stdout.close()
+            output = "`rloo-pipeline ui` or a server it started was still running 90 s after Ctrl-C"
     assert healthy == {"prefect", "mlflow"}, output[-3000:]
     assert f"http://127.0.0.1:{prefect_port}" in output and process.returncode == 0, output[-3000:]
+    # Ctrl-C stops both servers and everything they spawned: nothing answers on either port afterwards.
+    import socket
+    for port in (prefect_port, mlflow_port):
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"a server still listens on {port}"

@@ -5,6 +5,7 @@ dying mid-run)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+from infra.launch import stop_process_groups
 from rloo import RLOOConfig, RLOOTrainer
 from rloo.generation import vllm_server
 from rloo.generation.vllm_common import sampling_of
@@ -37,20 +39,17 @@ def server(tmp_path_factory):
                VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
     log = open(root / "server.log", "w")
     command = vllm_cpu_server_command(model_dir, "127.0.0.1", PORT, "--enable-lora", "--max-lora-rank", "16")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # its own process group: stopping it also stops vLLM's engine-core and worker processes
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     client = VLLMServerClient(f"http://127.0.0.1:{PORT}", connect_timeout_s=400)
     try:
         client.wait_until_healthy()
     except ConnectionError:
-        process.kill()
+        stop_process_groups([process], timeout_s=5)
         pytest.fail("the vLLM server did not start:\n" + (root / "server.log").read_text()[-4000:])
     yield {"url": f"http://127.0.0.1:{PORT}", "model_dir": model_dir, "root": root, "client": client,
            "process": process}
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    stop_process_groups([process])
     log.close()
 
 
@@ -286,7 +285,7 @@ def test_server_dying_mid_run_fails_the_step_with_its_log_and_leaves_a_checkpoin
     class KillServerAfterFirstStep(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
             if state.global_step == 1 and process.poll() is None:
-                process.kill()
+                os.killpg(process.pid, signal.SIGKILL)  # the server and its engine processes, at once
                 process.wait(timeout=30)
 
     monkeypatch.setenv("RLOO_VLLM_SERVER_LOG", str(server["root"] / "server.log"))
