@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -199,6 +200,14 @@ def cmd_ui(options) -> int:
     ]
     print(f"Prefect UI: http://127.0.0.1:{options.prefect_port}   MLflow UI: http://127.0.0.1:{options.mlflow_port}"
           "   (Ctrl-C stops both)", flush=True)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    # Ctrl-C and `kill` both stop the servers, also when started from a background job of a non-interactive shell,
+    # which starts it with SIGINT ignored (Python then never raises KeyboardInterrupt).
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     try:
         while all(p.poll() is None for p in processes):
             time.sleep(1)
