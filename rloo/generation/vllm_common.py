@@ -5,6 +5,7 @@ completions against the trainer's)."""
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -33,6 +34,22 @@ def sync_weights_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             named.append((name, param))
         return named
     return list(model.named_parameters())
+
+
+@contextmanager
+def full_weights(model: torch.nn.Module, zero3: bool):
+    """The policy's full weights under checkpoint names, for a push: gathered from ZeRO-3 shards (every rank takes
+    part) and, for a PeftModel, with the adapter merged (unmerged again afterwards)."""
+    from rloo.models import is_peft_model
+    from rloo.zero import gathered_parameters
+    with gathered_parameters(model, zero3):
+        if is_peft_model(model):
+            model.merge_adapter()
+        try:
+            yield sync_weights_of(model)
+        finally:
+            if is_peft_model(model):
+                model.unmerge_adapter()
 
 
 def cut_at_eos(ids: list[int], eos_ids: set[int]) -> list[int]:

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from rloo.generation.base import Completions, GenerationBackend
-from rloo.generation.vllm_common import (cut_at_eos, judge_sync, max_logprob_diff, sampling_of, sync_tolerance,
-                                         sync_weights_of, unwarped)
+from rloo.generation.vllm_common import (cut_at_eos, full_weights, judge_sync, max_logprob_diff, sampling_of,
+                                         sync_tolerance, sync_weights_of, unwarped)
 from rloo_vllm.wire import CHUNK_BYTES, pack, plan_chunks
 
 
@@ -349,22 +349,13 @@ class VLLMServerGenerator(GenerationBackend):
         self.tolerance = sync_tolerance(args, model)
 
     def sync_weights(self, model: torch.nn.Module, step: int) -> None:
-        from rloo.models import is_peft_model
-        from rloo.zero import gathered_parameters
-        zero3 = self.zero3
         if self.adapter_mode:
-            self._sync_adapter(model, zero3, step)
+            self._sync_adapter(model, self.zero3, step)
             return
-        with gathered_parameters(model, zero3):
-            if is_peft_model(model):
-                model.merge_adapter()
-            try:
-                if self.client is not None:
-                    pushed = self.client.push_weights(sync_weights_of(model))
-                    self.metrics.update({"vllm/sync_seconds": pushed["seconds"], "vllm/sync_bytes": pushed["bytes"]})
-            finally:
-                if is_peft_model(model):
-                    model.unmerge_adapter()
+        with full_weights(model, self.zero3) as weights:
+            if self.client is not None:
+                pushed = self.client.push_weights(weights)
+                self.metrics.update({"vllm/sync_seconds": pushed["seconds"], "vllm/sync_bytes": pushed["bytes"]})
 
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, prompt_ids: list[list[int]], num_generations: int, step: int
