@@ -1,7 +1,14 @@
-"""Trainer callbacks: TR-DPO reference-model synchronisation, checkpoint-and-stop on preemption."""
+"""Trainer callbacks: TR-DPO reference-model synchronisation, checkpoint-and-stop on preemption, completion tables
+to MLflow.
+
+`MLflowCompletionsCallback` is the one place in `rloo/` that imports mlflow, lazily inside the callback: it serves
+users of the bare trainer with `report_to="mlflow"` (transformers' own MLflow callback owns the run; this adds the
+completion tables to it). The pipeline does not use it: it passes its own `on_completions` callback."""
 
 from __future__ import annotations
 
+import logging
+import math
 import signal
 import threading
 
@@ -10,6 +17,8 @@ from torch import nn
 from transformers import TrainerCallback
 
 from rloo.zero import zero_stage
+
+logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -73,3 +82,21 @@ class PreemptionCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
             self.stopped_at = state.global_step
+
+
+class MLflowCompletionsCallback(TrainerCallback):
+    """report_to has mlflow: each completion table goes to the active run as `completions/step_<N>.json`
+    (mlflow.log_table). A tracking outage is a warning, never a failed step."""
+
+    def on_completions(self, args, state, control, rows=None, **kwargs):
+        if not rows:
+            return
+        try:
+            import mlflow  # lazily: rloo/ depends on mlflow only for users who ask for it
+            if mlflow.active_run() is None:
+                return
+            columns = {key: [None if isinstance(row[key], float) and math.isnan(row[key]) else row[key]
+                             for row in rows] for key in rows[0]}
+            mlflow.log_table(data=columns, artifact_file=f"completions/step_{state.global_step:07d}.json")
+        except Exception as err:  # ImportError included: report_to already needs mlflow installed
+            logger.warning("could not log the completion table to MLflow: %s", err)

@@ -1,8 +1,9 @@
 """Samples of (prompt, completion, rewards, advantage) from the latest generation batch, for people to read.
 
 The trainer records the gathered rows of every generation; at each log step the main process prints them as a
-rich table in the terminal and, when `report_to` includes mlflow and a run is active, logs the same table with
-`mlflow.log_table` (TRL only sends it to wandb/trackio)."""
+rich table in the terminal and hands them to every callback with an `on_completions` method (with `report_to`
+including mlflow, rloo.callbacks.MLflowCompletionsCallback logs them with `mlflow.log_table`; TRL only sends them
+to wandb/trackio)."""
 
 from __future__ import annotations
 
@@ -83,22 +84,3 @@ def print_table(rows: list[dict], step: int, num_to_print: int | None, seed: int
     for row in rows:
         table.add_row(*[_cell(value) for key, value in row.items() if key != "step"])
     (console or Console()).print(table)
-
-
-def log_table_to_mlflow(rows: list[dict], step: int) -> bool:
-    """Append the rows to the active MLflow run's `completions/step_<N>.json` table; False when no run is active."""
-    try:
-        import mlflow
-    except ImportError:
-        return False
-    if not rows or mlflow.active_run() is None:
-        return False
-    columns = {key: [_json_safe(row[key]) for row in rows] for key in rows[0]}
-    mlflow.log_table(data=columns, artifact_file=f"completions/step_{step:07d}.json")
-    return True
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return value

@@ -157,3 +157,95 @@ def render_model_card(model_name: str, base_model: str | None, dataset_name: str
                 body.append(f"| {name} | {value:.4g} |")
     body += ["", "## Citation", "", "```bibtex", CITATION, "```", ""]
     return "\n".join(front + body)
+
+
+# ---------------------------------------------------------------------------------------------- the trainer's Hub side
+def init_repo(trainer, token: str | None = None, private: bool | None = None) -> None:
+    """Trainer.init_hf_repo through the publisher: hub_model_id, or output_dir's name."""
+    if not trainer.is_world_process_zero():
+        return
+    args = trainer.args
+    repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
+    token = token if token is not None else args.hub_token
+    private = private if private is not None else args.hub_private_repo
+    trainer.hub_model_id = get_publisher().create_repo(repo_id, token=token, private=private)
+    trainer.push_in_progress = None
+
+
+def write_model_card(trainer, model_name: str | None = None, dataset_name: str | None = None,
+                     tags: str | list[str] | None = None) -> None:
+    """README.md in output_dir: base model, dataset, method, reward functions, RLOO configuration (no secrets),
+    final metrics."""
+    if not trainer.is_world_process_zero():
+        return
+    if dataset_name is None:
+        dataset_name = getattr(getattr(trainer.train_dataset, "info", None), "dataset_name", None)
+    base_model = trainer._model_identity["name_or_path"] or None
+    if base_model and os.path.isdir(os.path.expanduser(base_model)):
+        base_model = None  # a local path means nothing to readers of the Hub page
+    tags = [tags] if isinstance(tags, str) else list(tags or [])
+    metrics = next((log for log in reversed(trainer.state.log_history) if "reward" in log), None)
+    output_dir = trainer.args.output_dir
+    card = render_model_card(model_name or os.path.basename(os.path.abspath(output_dir)), base_model, dataset_name,
+                             trainer.reward_func_names, trainer.args.to_dict(), metrics,
+                             tags + trainer._tag_names, peft=trainer._is_peft)
+    with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
+        handle.write(card)
+
+
+def push_output_dir(trainer, commit_message: str | None, blocking: bool, token: str | None, revision: str | None,
+                    private: bool | None, **card_kwargs):
+    """Trainer.push_to_hub: save the model, write the card, upload output_dir (checkpoints excluded). Returns the
+    commit reference; with blocking=False a `concurrent.futures.Future` of it (the upload runs in a background
+    thread; `trainer.push_in_progress` holds it, and the next push waits for it first)."""
+    trainer.callback_handler.on_push_begin(trainer.args, trainer.state, trainer.control)
+    token = token if token is not None else trainer.args.hub_token
+    if trainer.hub_model_id is None:
+        init_repo(trainer, token=token, private=private)
+    trainer.save_model(_internal_call=True)
+    if not trainer.is_world_process_zero():
+        return None
+    model_name = card_kwargs.pop("model_name", None) or (trainer.args.hub_model_id or "").split("/")[-1] or None
+    write_model_card(trainer, model_name=model_name, **card_kwargs)
+    wait_for_push(trainer)
+
+    def upload():
+        return get_publisher().upload_folder(trainer.hub_model_id, trainer.args.output_dir, commit_message, token,
+                                             revision=revision or trainer.args.hub_revision,
+                                             ignore_patterns=["_*", "checkpoint-*"])
+    if blocking:
+        return upload()
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers.utils.hub import PushInProgress
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rloo-push")
+    future = executor.submit(upload)
+    executor.shutdown(wait=False)
+    trainer.push_in_progress = PushInProgress([future])  # what Trainer waits for at the end of train()
+    return future
+
+
+def wait_for_push(trainer) -> None:
+    """Finish a non-blocking push still running (its error, if any, is raised here)."""
+    pending = getattr(trainer, "push_in_progress", None)
+    if pending is not None:
+        trainer.push_in_progress = None
+        for job in pending.jobs:
+            job.result()
+
+
+def push_checkpoint(trainer, checkpoint_folder: str) -> None:
+    """push_to_hub=True during training: upload at each save, per hub_strategy (synchronously)."""
+    args = trainer.args
+    strategy = getattr(args.hub_strategy, "value", args.hub_strategy)
+    if not trainer.is_world_process_zero() or strategy == "end":
+        return
+    trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
+    publisher, token = get_publisher(), args.hub_token
+    message = f"Training in progress, step {trainer.state.global_step}"
+    publisher.upload_folder(trainer.hub_model_id, checkpoint_folder, message, token, revision=args.hub_revision,
+                            ignore_patterns=["rloo_state", "optimizer.pt", "scheduler.pt", "rng_state*"])
+    if strategy in ("checkpoint", "all_checkpoints"):
+        path = "last-checkpoint" if strategy == "checkpoint" else os.path.basename(checkpoint_folder)
+        publisher.upload_folder(trainer.hub_model_id, checkpoint_folder, message + ", checkpoint", token,
+                                revision=args.hub_revision, path_in_repo=path)

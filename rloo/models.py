@@ -68,9 +68,12 @@ def load_reward_model(name: str, model_init_kwargs: dict | None, trust_remote_co
                             num_labels=1, **kwargs)
 
 
-def load_tokenizer(name: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+def load_tokenizer(name: str, trust_remote_code: bool, revision: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer (or processor's tokenizer) of a model id or path; `revision` as for the model (the spec:
+    model_init_kwargs' revision is also used for the processing class)."""
+    kwargs = {"revision": revision} if revision is not None else {}
     return _from_pretrained(AutoTokenizer.from_pretrained, name, "processing_class source",
-                            trust_remote_code=trust_remote_code)
+                            trust_remote_code=trust_remote_code, **kwargs)
 
 
 def reward_tokenizers(reward_funcs: list, classes, trust_remote_code: bool) -> list:
@@ -334,3 +337,50 @@ def reference_adapter(model, trainable_adapter: str | None):
         for name, param in model.named_parameters():
             if f".{REFERENCE_ADAPTER}." in name:
                 param.requires_grad_(False)
+
+
+def load_policy(model, args, quantization_config: Any = None) -> tuple[PreTrainedModel, dict]:
+    """The policy from an id/path (model_init_kwargs, quantization_config) or as given; returns it with the
+    from_pretrained kwargs used (a ZeRO-3 reference is loaded again with the same ones)."""
+    import warnings
+    init_kwargs = dict(args.model_init_kwargs or {})
+    if isinstance(model, str):
+        if quantization_config is not None:
+            if "quantization_config" in init_kwargs:
+                raise ValueError("quantization_config is given both as an argument and in model_init_kwargs; "
+                                 "pass it once.")
+            init_kwargs["quantization_config"] = quantization_config
+        return load_causal_lm(model, init_kwargs, args.trust_remote_code), init_kwargs
+    if args.model_init_kwargs or quantization_config is not None:
+        warnings.warn("model is already instantiated: model_init_kwargs and quantization_config are ignored.")
+    return model, init_kwargs
+
+
+def attach_adapter(model, peft_config: Any, args) -> tuple[nn.Module, str | None]:
+    """PEFT: a new adapter from peft_config (the reference is then the base, adapter disabled), or, for a
+    PeftModel passed in (e.g. after SFT) with the KL on, a frozen copy of its adapter as the reference. Returns the
+    model and the name of the trainable adapter where a reference copy was added."""
+    trainable_adapter = None
+    if peft_config is not None:
+        quantized = bool(getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False))
+        model = wrap_with_peft(model, peft_config, args.gradient_checkpointing, quantized)
+    elif is_peft_model(model) and args.beta != 0.0:
+        trainable_adapter = add_reference_adapter(model)
+    if is_peft_model(model) and args.gradient_checkpointing:
+        model.enable_input_require_grads()
+    return model, trainable_adapter
+
+
+def reference_for_zero3(policy: nn.Module, source: str, init_kwargs: dict, trust_remote_code: bool) -> nn.Module:
+    """The initial policy as a separate model for ZeRO-3. A policy already sharded at load time (zero.Init)
+    cannot be copied, so the reference is loaded again from the same source on every rank."""
+    from rloo.zero import is_partitioned
+    if not is_partitioned(policy):
+        return create_reference_model(policy)
+    if not source:
+        raise ValueError("ZeRO-3 with beta > 0 needs a reference copy of the policy, but the model object given "
+                         "was sharded at creation and has no config._name_or_path to load it from again. Fix: "
+                         "pass the model by name/path, or create it outside the DeepSpeed context.")
+    reference = load_causal_lm(source, init_kwargs, trust_remote_code)
+    reference.requires_grad_(False)
+    return reference

@@ -53,21 +53,30 @@ class RepeatSampler(Sampler[int]):
         return (self.num_samples // self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
 
 
-def shuffle_rows(batch: dict[str, torch.Tensor | list], generator: torch.Generator | None = None) -> dict:
-    """Apply one random row permutation to every tensor/list of the batch."""
-    size = len(next(iter(batch.values())))
-    permutation = torch.randperm(size, generator=generator)
-    return {key: value[permutation] if isinstance(value, torch.Tensor) else [value[i] for i in permutation.tolist()]
+def _num_rows(batch) -> int:
+    return len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch)
+
+
+def _take(batch, index: torch.Tensor):
+    """Rows `index` of a dict of tensors/lists, or of an object with `select(index)` (rloo.rollout.Rollout)."""
+    if not isinstance(batch, dict):
+        return batch.select(index)
+    return {key: value[index] if isinstance(value, torch.Tensor) else [value[i] for i in index.tolist()]
             for key, value in batch.items()}
 
 
-def split_rows(batch: dict[str, torch.Tensor | list], num_chunks: int) -> list[dict]:
+def shuffle_rows(batch, generator: torch.Generator | None = None):
+    """Apply one random row permutation to every row field of the batch."""
+    return _take(batch, torch.randperm(_num_rows(batch), generator=generator))
+
+
+def split_rows(batch, num_chunks: int) -> list:
     """Cut the batch into `num_chunks` equal consecutive slices of rows."""
-    size = len(next(iter(batch.values())))
+    size = _num_rows(batch)
     if size % num_chunks != 0:
         raise ValueError(f"cannot split {size} rows into {num_chunks} equal micro-batches")
     step = size // num_chunks
-    return [{key: value[i * step:(i + 1) * step] for key, value in batch.items()} for i in range(num_chunks)]
+    return [_take(batch, torch.arange(i * step, (i + 1) * step)) for i in range(num_chunks)]
 
 
 def _repeat_rows(batch: dict[str, list], mini_repeat_count: int, repeat_count: int) -> dict[str, list]:

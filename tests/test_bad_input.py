@@ -6,7 +6,6 @@ import pytest
 from datasets import Dataset
 
 from rloo import RLOOConfig, RLOOTrainer
-from rloo.rewards.runner import RewardFunctionError
 from rloo.testing import tiny_tokenizer
 
 PROMPTS = [{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "a cat", "one two", "boom"]]
@@ -44,40 +43,6 @@ def test_dataset_without_prompt_column(tmp_path, model, tokenizer):
 def test_empty_dataset(tmp_path, model, tokenizer):
     with pytest.raises(ValueError, match="empty"):
         build(tmp_path, model, tokenizer, dataset=Dataset.from_dict({"prompt": []}))
-
-
-def test_wrong_number_of_rewards(tmp_path, model, tokenizer):
-    def short(completions, **kwargs):
-        return [1.0]
-    with pytest.raises(RewardFunctionError, match="'short' returned 1 values for 2 completions.*pre-flight"):
-        build(tmp_path, model, tokenizer, reward_funcs=short)
-
-
-def test_non_number_reward(tmp_path, model, tokenizer):
-    def text(completions, **kwargs):
-        return ["good"] * len(completions)
-    with pytest.raises(RewardFunctionError, match="'text' returned 'good' \\(str\\) for row 0"):
-        build(tmp_path, model, tokenizer, reward_funcs=text)
-
-
-def test_reward_with_wrong_signature(tmp_path, model, tokenizer):
-    def needs_answer(completions, answer, **kwargs):
-        return [1.0] * len(completions)
-    with pytest.raises(RewardFunctionError, match="needs_answer.*answer"):
-        build(tmp_path, model, tokenizer, reward_funcs=needs_answer)
-
-
-def test_reward_that_raises_names_function_and_row(tmp_path, model, tokenizer):
-    def fragile(prompts, completions, **kwargs):
-        if any("boom" in p[0]["content"] for p in prompts):
-            raise KeyError("no gold answer")
-        return [0.0] * len(prompts)
-    config = args(tmp_path, per_device_train_batch_size=8)
-    trainer = build(tmp_path, model, tokenizer, reward_funcs=fragile, config=config)  # rows 0-1 pass the pre-flight
-    with pytest.raises(RewardFunctionError, match="'fragile' raised KeyError.*on row [67].*boom"):
-        trainer.train()
-    import shutil
-    shutil.rmtree(tmp_path / "out", ignore_errors=True)  # train() itself may create the folder
 
 
 def test_reward_weights_length(tmp_path, model, tokenizer):

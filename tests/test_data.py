@@ -137,7 +137,7 @@ def test_pad_to_multiple_of(tmp_path, tokenizer, model):
     original = trainer.compute_loss
 
     def spy(model_, inputs, *args, **kwargs):
-        shapes.append((inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1]))
+        shapes.append((inputs.prompt_ids.shape[1], inputs.completion_ids.shape[1]))
         return original(model_, inputs, *args, **kwargs)
 
     trainer.compute_loss = spy

@@ -1,7 +1,26 @@
-"""Generation backends: each turns prompt token ids into completion token ids (rloo.generation.base)."""
+"""Generation backends: each turns prompt token ids into completion token ids (rloo.generation.base), and the one
+factory that picks a backend from an RLOOConfig."""
 
 from rloo.generation.base import Completions, GenerationBackend
 from rloo.generation.continuous_batching import ContinuousBatchingGenerator
-from rloo.generation.transformers_backend import TransformersGenerator
+from rloo.generation.transformers_backend import TransformersGenerator, build_generation_config
 
-__all__ = ["Completions", "ContinuousBatchingGenerator", "GenerationBackend", "TransformersGenerator"]
+__all__ = ["Completions", "ContinuousBatchingGenerator", "GenerationBackend", "TransformersGenerator",
+           "make_generation_backend"]
+
+
+def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: int, eos_token_ids: list[int],
+                            zero3: bool = False) -> GenerationBackend:
+    """The backend RLOOConfig asks for: a vLLM server (`use_vllm`, `vllm_mode='server'`), an in-process vLLM engine
+    (`vllm_mode='colocate'`), transformers' continuous batching, or `model.generate`."""
+    if args.use_vllm and args.vllm_mode == "server":
+        from rloo.generation.vllm_server import VLLMServerGenerator
+        return VLLMServerGenerator(args, accelerator, model, eos_token_ids, zero3=zero3)
+    if args.use_vllm:
+        from rloo.generation.vllm_colocate import VLLMColocateGenerator
+        return VLLMColocateGenerator(args, accelerator, model, eos_token_ids, tokenizer, zero3=zero3)
+    generation_config = build_generation_config(args, pad_token_id, tokenizer.bos_token_id, eos_token_ids)
+    if args.use_transformers_continuous_batching:
+        return ContinuousBatchingGenerator(generation_config, eos_token_ids,
+                                           args.transformers_continuous_batching_config)
+    return TransformersGenerator(generation_config, pad_token_id, eos_token_ids, args.pad_to_multiple_of)

@@ -54,6 +54,10 @@ def accuracy_reward(completions: list, solution: list, log_extra=None, **kwargs)
     return rewards
 
 
+# Checked when the trainer is built (rloo.checks), without calling the reward: a missing extra fails before training.
+accuracy_reward.check_dependencies = _math_verify
+
+
 def think_format_reward(completions: list, **kwargs) -> list[float]:
     """1.0 when the completion opens with exactly one `<think>...</think>` block (then anything), else 0.0."""
     return [1.0 if THINK_FORMAT.match(_content(completion)) else 0.0 for completion in completions]

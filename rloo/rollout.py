@@ -1,0 +1,218 @@
+"""One rollout: prompts -> completions -> rewards -> advantages, the data both training and evaluation use.
+
+`build_rollout` tokenizes the prompts, generates through the caller's backend, pads, decodes, scores with the
+reward runner, folds the KL into the reward and computes leave-one-out advantages (rloo.algorithm). Its
+collaborators are arguments (a generate function, the processing class, the reward runner, log-prob functions,
+the cross-process gather), so it knows nothing of the trainer: the trainer's `_prepare_inputs` and the pipeline's
+evaluation stage call this same function. `rollout_metrics` computes the spec's metrics from a Rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rloo import algorithm
+from rloo.data import as_completion, is_conversational, pad_rows, tokenize_prompts
+from rloo.metrics import nanmean, nanstd_value, tensor_stats
+from rloo.models import text_tokenizer_of
+
+logger = logging.getLogger(__name__)
+
+# Fields holding one entry per local row, in order: what a micro-batch slice takes.
+ROW_FIELDS = ("prompts", "completions", "completion_texts", "prompt_ids", "prompt_mask", "completion_ids",
+              "completion_mask", "truncated", "advantages", "old_logps", "sampler_logps")
+
+
+@dataclass
+class RolloutSettings:
+    """What shapes a rollout, besides the model: RLOOConfig's values (or evaluation's)."""
+    num_generations: int
+    pad_token_id: int
+    eos_token_ids: list[int]
+    reward_weights: torch.Tensor
+    beta: float = 0.0
+    reward_clip_range: tuple[float, float] | None = None
+    normalize_advantages: bool = False
+    mask_truncated_completions: bool = False
+    pad_to_multiple_of: int | None = None
+    chat_template_kwargs: dict | None = None
+    keep_old_logps: bool = False  # the loss needs pi_old (a generation outlives an optimizer step)
+
+
+@dataclass
+class Rollout:
+    """Tensors and texts of one generation batch. Row fields (ROW_FIELDS) hold this process's rows; the
+    `all_*`, reward and metric fields cover every process's rows (the leave-one-out groups span them)."""
+    prompts: list
+    completions: list  # as reward functions see them (messages for conversational prompts)
+    completion_texts: list[str]
+    prompt_ids: torch.Tensor  # (rows, prompt_len), left-padded
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor  # (rows, completion_len), right-padded
+    completion_mask: torch.Tensor  # 0 after EOS, and on truncated rows with mask_truncated_completions
+    truncated: torch.Tensor  # bool (rows,): no EOS within max_completion_length
+    advantages: torch.Tensor  # (rows,) this process's share of all_advantages
+    old_logps: torch.Tensor | None  # (rows,) sum_t log pi_old, kept only when the loss needs it
+    sampler_logps: torch.Tensor | None  # (rows, completion_len) the sampler's own log-probs (vLLM), else None
+    rewards_per_func: torch.Tensor  # (all rows, functions), NaN where a function returned None
+    shaped_rewards: torch.Tensor  # (all rows,) weighted, clipped, minus beta * KL
+    all_advantages: torch.Tensor  # (all rows,)
+    all_lengths: torch.Tensor  # (all rows,) completion lengths in tokens
+    all_truncated: torch.Tensor  # (all rows,)
+    num_generations: int
+    num_tokens: int  # prompt + completion tokens of all rows
+    kl: float | None = None  # mean per-token KL(pi_old || pi_ref) over all completion tokens
+    reward_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # log_metric values, averaged
+    extra_columns: dict[str, list] = dataclasses.field(default_factory=dict)  # log_extra columns, local rows
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def select(self, index: torch.Tensor) -> "Rollout":
+        """These local rows (a shuffled micro-batch), the whole-batch fields shared."""
+        rows = index.tolist()
+        picked = {}
+        for name in ROW_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                picked[name] = None
+            elif isinstance(value, torch.Tensor):
+                picked[name] = value[index.to(value.device)]
+            else:
+                picked[name] = [value[i] for i in rows]
+        return dataclasses.replace(self, **picked)
+
+    def to(self, device) -> "Rollout":
+        moved = {field.name: getattr(self, field.name).to(device) for field in dataclasses.fields(self)
+                 if isinstance(getattr(self, field.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def global_masked_mean(values: torch.Tensor, mask: torch.Tensor, gather: Callable = _local) -> torch.Tensor:
+    """sum(values * mask) / sum(mask) over every process's rows (0 where the mask is empty everywhere)."""
+    total = gather((values * mask).sum().reshape(1).float())
+    count = gather(mask.sum().reshape(1).float())
+    return total.sum() / count.sum().clamp(min=1.0)
+
+
+def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Callable, processing_class: Any,
+                  reward_runner: Callable, trainer_state: Any, policy_logps: Callable | None = None,
+                  reference_logps: Callable | None = None, gather: Callable = _local,
+                  gather_object: Callable | None = None, process_index: int = 0,
+                  device: torch.device | str = "cpu") -> Rollout:
+    """rows (dataset rows with 'prompt', this process's share, num_generations consecutive copies per prompt)
+    -> Rollout.
+
+    generate(prompt_id_lists) -> completion id lists (EOS included); policy_logps / reference_logps(input_ids,
+    attention_mask, logits_to_keep) -> per-token log-probs (needed when beta != 0 or keep_old_logps);
+    gather(tensor) concatenates a tensor over processes; gather_object(list) does the same for Python lists."""
+    prompts = [row["prompt"] for row in rows]
+    conversational = is_conversational(prompts[0])
+    prompt_id_lists = tokenize_prompts(processing_class, prompts, settings.chat_template_kwargs)
+    completion_id_lists = generate(prompt_id_lists)
+
+    pad, multiple = settings.pad_token_id, settings.pad_to_multiple_of
+    prompt_ids, prompt_mask = (t.to(device) for t in pad_rows(prompt_id_lists, pad, "left", multiple))
+    completion_ids, completion_mask = (t.to(device) for t in pad_rows(completion_id_lists, pad, "right", multiple))
+    truncated = algorithm.truncated_rows(completion_ids, completion_mask, settings.eos_token_ids, pad)
+    lengths = torch.tensor([len(ids) for ids in completion_id_lists], device=device)
+    prompt_tokens = torch.tensor([sum(len(ids) for ids in prompt_id_lists)], device=device)
+    all_lengths, all_truncated = gather(lengths), gather(truncated)
+    num_tokens = int((gather(prompt_tokens).sum() + all_lengths.sum()).item())
+    if settings.mask_truncated_completions:
+        completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
+
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logits_to_keep = completion_ids.size(1)
+    old_per_token = ref_per_token = None
+    with torch.no_grad():
+        if settings.keep_old_logps or settings.beta != 0.0:
+            old_per_token = policy_logps(input_ids, attention_mask, logits_to_keep)
+        if settings.beta != 0.0:
+            ref_per_token = reference_logps(input_ids, attention_mask, logits_to_keep)
+
+    texts = text_tokenizer_of(processing_class).batch_decode(completion_id_lists, skip_special_tokens=True)
+    completions = [as_completion(text, conversational) for text in texts]
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion",
+                                                                              "completion_ids")}
+    local_rewards, extra = reward_runner(prompts, completions, completion_id_lists, columns, trainer_state,
+                                         device=device)
+    rewards_per_func = gather(local_rewards)
+
+    kl = kl_mean = None
+    if settings.beta != 0.0:
+        kl = gather(algorithm.sequence_kl(old_per_token, ref_per_token, completion_mask))
+        kl_mean = global_masked_mean(old_per_token - ref_per_token, completion_mask, gather).item()
+    weights = settings.reward_weights.to(device)
+    shaped, advantages = algorithm.rloo_advantages(
+        rewards_per_func, weights, settings.num_generations, kl=kl, beta=settings.beta,
+        reward_clip_range=settings.reward_clip_range, normalize=settings.normalize_advantages)
+    unscorable = int(torch.isnan(algorithm.combine_rewards(rewards_per_func, weights)).sum().item())
+    if unscorable:
+        logger.warning("All reward functions returned None for %d of %d completions; they get advantage 0.",
+                       unscorable, rewards_per_func.size(0))
+
+    sampler_logps = None
+    if getattr(completion_id_lists, "logprobs", None) is not None:  # vLLM's own log-probs of its samples
+        sampler_logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
+        for row, values in enumerate(completion_id_lists.logprobs):
+            sampler_logps[row, :len(values)] = torch.tensor(values, dtype=torch.float32)
+    start = process_index * len(rows)
+    return Rollout(
+        prompts=prompts, completions=completions, completion_texts=texts, prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
+        advantages=advantages[start:start + len(rows)],
+        old_logps=(old_per_token * completion_mask).sum(dim=1) if settings.keep_old_logps else None,
+        sampler_logps=sampler_logps, rewards_per_func=rewards_per_func, shaped_rewards=shaped,
+        all_advantages=advantages, all_lengths=all_lengths, all_truncated=all_truncated,
+        num_generations=settings.num_generations, num_tokens=num_tokens, kl=kl_mean,
+        reward_metrics=_average_reward_metrics(extra.metrics, gather_object), extra_columns=extra.columns)
+
+
+def _average_reward_metrics(metrics: dict[str, list[float]], gather_object: Callable | None) -> dict[str, float]:
+    """log_metric values of every process, averaged per name."""
+    local = [(name, sum(values), len(values)) for name, values in sorted(metrics.items())]
+    entries = gather_object([local]) if gather_object is not None else [local]
+    totals: dict[str, list[float]] = {}
+    for rank_entries in entries:
+        for name, total, count in rank_entries:
+            accumulated = totals.setdefault(name, [0.0, 0])
+            accumulated[0] += total
+            accumulated[1] += count
+    return {name: total / max(count, 1) for name, (total, count) in sorted(totals.items())}
+
+
+def rollout_metrics(rollout: Rollout, reward_names: list[str], reward_weights: torch.Tensor) -> dict[str, float]:
+    """The spec's per-generation metrics (reward, reward_std, rewards/<name>/mean|std, frac_reward_zero_std, kl,
+    completions/*), over every process's rows."""
+    metrics: dict[str, float] = {}
+    lengths, truncated = rollout.all_lengths, rollout.all_truncated
+    metrics["completions/mean_length"], metrics["completions/min_length"], metrics["completions/max_length"] = \
+        tensor_stats(lengths)
+    metrics["completions/clipped_ratio"] = truncated.float().mean().item() if truncated.numel() else 0.0
+    (metrics["completions/mean_terminated_length"], metrics["completions/min_terminated_length"],
+     metrics["completions/max_terminated_length"]) = tensor_stats(lengths[~truncated])
+    if rollout.kl is not None:
+        metrics["kl"] = rollout.kl
+    rewards = rollout.rewards_per_func
+    for index, name in enumerate(reward_names):
+        metrics[f"rewards/{name}/mean"] = nanmean(rewards[:, index])
+        metrics[f"rewards/{name}/std"] = nanstd_value(rewards[:, index])
+    weighted = algorithm.combine_rewards(rewards, reward_weights.to(rewards.device))
+    metrics["reward"] = nanmean(weighted)
+    metrics["reward_std"] = nanstd_value(weighted)
+    zero_std = algorithm.group_std_is_zero(rollout.shaped_rewards, rollout.num_generations)
+    metrics["frac_reward_zero_std"] = zero_std.float().mean().item()
+    metrics.update(rollout.reward_metrics)
+    return metrics

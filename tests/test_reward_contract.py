@@ -1,0 +1,100 @@
+"""The reward-function contract: called only on real completions with the live TrainerState; a wrong signature
+fails at construction without a call; a bad output or an exception at the first real call names function and row;
+image columns are refused until vision-language training exists."""
+
+import os
+import shutil
+
+import pytest
+from datasets import Dataset
+from transformers import TrainerState
+
+from rloo import RLOOTrainer
+from rloo.rewards.runner import RewardFunctionError
+
+from helpers import conversational, make_args
+
+
+def build(tmp_path, model, tokenizer, reward_funcs, dataset=None, **kwargs):
+    return RLOOTrainer(model=model, reward_funcs=reward_funcs, args=make_args(tmp_path, **kwargs),
+                       train_dataset=dataset if dataset is not None else conversational(8), processing_class=tokenizer)
+
+
+def test_called_only_on_real_completions_with_the_live_state(tmp_path, tokenizer, model):
+    calls = []
+
+    def recorder(prompts, completions, completion_ids, trainer_state, **kwargs):
+        calls.append({"step": trainer_state.global_step, "state": trainer_state, "texts": completions,
+                      "ids": completion_ids})
+        return [float(len(ids)) for ids in completion_ids]
+
+    async def async_recorder(prompts, completions, trainer_state, **kwargs):
+        calls.append({"async": True, "state": trainer_state})
+        return [0.0] * len(prompts)
+
+    trainer = build(tmp_path, model, tokenizer, [recorder, async_recorder], max_steps=3)
+    assert calls == []  # construction calls no reward function
+    trainer.train()
+    sync_calls = [call for call in calls if "async" not in call]
+    assert [call["step"] for call in sync_calls] == [0, 1, 2]  # one generation per step, the step it belongs to
+    assert all(call["state"] is trainer.state and isinstance(call["state"], TrainerState) for call in calls)
+    assert len(calls) == 6
+    for call in sync_calls:  # sampled completions: token ids from the policy, text decoded from them
+        assert all(ids for ids in call["ids"])
+        decoded = tokenizer.batch_decode(call["ids"], skip_special_tokens=True)
+        assert [message[0]["content"] for message in call["texts"]] == decoded
+
+
+@pytest.mark.parametrize("signature, missing", [
+    ("def reward(completions): return []", "['prompts', 'completion_ids', 'trainer_state'"),
+    ("def reward(prompts, completions, completion_ids, trainer_state, log_extra, log_metric): return []",
+     "['tag']"),
+    ("def reward(completions, answer, **kwargs): return []", "requires the parameter(s) ['answer']"),
+])
+def test_wrong_signature_fails_at_construction_without_a_call(tmp_path, tokenizer, model, signature, missing):
+    namespace = {"called": []}
+    exec(signature.replace("return []", "called.append(1); return []"), namespace)
+    with pytest.raises(RewardFunctionError, match="reward_funcs\\[0\\] 'reward'.*" + missing.replace("[", "\\[")
+                       .replace("]", "\\]").replace("(", "\\(").replace(")", "\\)")):
+        build(tmp_path, model, tokenizer, namespace["reward"])
+    assert namespace["called"] == []
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_every_keyword_by_name_is_accepted(tmp_path, tokenizer, model):
+    def explicit(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, tag):
+        return [float(t) for t in tag]
+    build(tmp_path, model, tokenizer, explicit, max_steps=1).train()
+
+
+@pytest.mark.parametrize("output, message", [
+    ([1.0], "'short' returned 1 values for 4 completions"),
+    (["good"] * 4, "'short' returned 'good' \\(str\\) for row 0 \\(prompt"),
+])
+def test_bad_output_at_the_first_real_call_names_function_and_row(tmp_path, tokenizer, model, output, message):
+    def short(completions, **kwargs):
+        return output
+    trainer = build(tmp_path, model, tokenizer, short)
+    with pytest.raises(RewardFunctionError, match=message):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_exception_on_a_real_row_names_function_row_and_prompt(tmp_path, tokenizer, model):
+    def fragile(prompts, completions, **kwargs):
+        if any("cat" in p[0]["content"] for p in prompts):
+            raise KeyError("no gold answer")
+        return [0.0] * len(prompts)
+    trainer = build(tmp_path, model, tokenizer, fragile, per_device_train_batch_size=8, shuffle_dataset=False)
+    # rows 2-3 are the two completions of prompt 1, 'a big cat'
+    with pytest.raises(RewardFunctionError, match="'fragile' raised KeyError.*on row 2 .*a big cat"):
+        trainer.train()
+    shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+
+@pytest.mark.parametrize("column", ["image", "images"])
+def test_image_columns_are_refused(tmp_path, tokenizer, model, column):
+    dataset = Dataset.from_list([{"prompt": "the dog", column: "pixels"}] * 4)
+    with pytest.raises(ValueError, match=f"column '{column}': image inputs are not supported yet.*rename"):
+        build(tmp_path, model, tokenizer, lambda completions, **kwargs: [0.0] * len(completions), dataset=dataset)
+    assert not os.path.exists(tmp_path / "out")
