@@ -350,41 +350,38 @@ def _load_policies(config: RunConfig, model_result: dict, train_result: dict):
     return base, trained
 
 
-def _score(config: RunConfig, model, tokenizer, rows, reward_funcs, runner, generator) -> dict:
+def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) -> dict:
+    """One rollout of the held-out prompts (rloo.rollout, the function training uses) -> the report's metrics."""
     import math
 
     import torch
 
-    from rloo.algorithm import truncated_rows
-    from rloo.data import as_completion, is_conversational, pad_rows, tokenize_prompts
-    prompts = [row["prompt"] for row in rows]
-    conversational = is_conversational(prompts[0])
-    completion_ids, texts = [], []
-    for start in range(0, len(prompts), config.evaluation.batch_size):
-        batch = prompts[start:start + config.evaluation.batch_size]
-        ids = generator.generate(model, tokenize_prompts(tokenizer, batch, None))
-        completion_ids += ids
-        texts += tokenizer.batch_decode(ids, skip_special_tokens=True)
-    completions = [as_completion(text, conversational) for text in texts]
-    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-    matrix, _ = runner(prompts, completions, completion_ids, columns, trainer_state=None)
-    weights = config.reward_weights or [1.0] * matrix.shape[1]
+    from rloo.rollout import RolloutSettings, build_rollout, rollout_metrics
+    batch = config.evaluation.batch_size
+
+    def generate(prompt_ids):
+        completions = []
+        for start in range(0, len(prompt_ids), batch):
+            completions += generator.generate(model, prompt_ids[start:start + batch], 1, state.global_step)
+        return completions
+
+    weights = torch.tensor(config.reward_weights or [1.0] * len(runner.names), dtype=torch.float32)
+    settings = RolloutSettings(num_generations=1, pad_token_id=generator.pad_token_id,
+                               eos_token_ids=generator.eos_ids, reward_weights=weights,
+                               chat_template_kwargs=config.training.get("chat_template_kwargs"))
+    rollout = build_rollout(rows, settings, generate=generate, processing_class=tokenizer, reward_runner=runner,
+                            trainer_state=state)
+    measured = rollout_metrics(rollout, runner.names, weights)
     metrics = {}
     for index, name in enumerate(runner.names):
-        column = [v for v in matrix[:, index].tolist() if not math.isnan(v)]
+        column = [v for v in rollout.rewards_per_func[:, index].tolist() if not math.isnan(v)]
         metrics[f"reward/{name}"] = sum(column) / len(column) if column else None
         if column and set(column) <= {0.0, 1.0}:
             metrics[f"accuracy/{name}"] = sum(column) / len(column)
-    from rloo.algorithm import combine_rewards
-    total = combine_rewards(matrix, torch.tensor(weights, dtype=torch.float32))
-    valid = total[~torch.isnan(total)]
-    metrics["reward"] = valid.mean().item() if valid.numel() else None
-    lengths = [len(ids) for ids in completion_ids]
-    metrics["completion_length"] = sum(lengths) / len(lengths)
-    padded, mask = pad_rows(completion_ids, generator.pad_token_id, "right")
-    metrics["truncated_ratio"] = truncated_rows(padded, mask, generator.eos_ids, generator.pad_token_id).float() \
-        .mean().item()
-    return {"metrics": metrics, "texts": texts}
+    metrics["reward"] = None if math.isnan(measured["reward"]) else measured["reward"]
+    metrics["completion_length"] = measured["completions/mean_length"]
+    metrics["truncated_ratio"] = measured["completions/clipped_ratio"]
+    return {"metrics": metrics, "texts": rollout.completion_texts}
 
 
 def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict) -> dict:
@@ -392,7 +389,7 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
     lengths; a markdown report with a table, sample completions and the training reward curve."""
     import torch
     from datasets import load_from_disk
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, TrainerState
 
     from rloo.cli import resolve_reward
     from rloo.generation import TransformersGenerator
@@ -416,8 +413,11 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
     generation_config = GenerationConfig(max_new_tokens=max_new, pad_token_id=tokenizer.pad_token_id,
                                          eos_token_id=eos, **sampling)
     generator = TransformersGenerator(generation_config, tokenizer.pad_token_id, eos)
+    # Reward functions see a TrainerState, as in training: the trained policy's step (the base model: step 0).
+    states = {"base": TrainerState(global_step=0, max_steps=train_result["global_step"]),
+              "trained": TrainerState(global_step=train_result["global_step"], max_steps=train_result["global_step"])}
     torch.manual_seed(config.data.seed)
-    results = {label: _score(config, model, tokenizer, rows, reward_funcs, runner, generator)
+    results = {label: _score(config, model, tokenizer, rows, runner, generator, states[label])
                for label, model in (("base", base), ("trained", trained))}
     base_metrics, trained_metrics = results["base"]["metrics"], results["trained"]["metrics"]
     out = stage_path(config, "eval")

@@ -94,3 +94,29 @@ def test_json_strings_and_deprecated_alias(tmp_path):
         c = config(tmp_path, use_transformers_paged=True)
     assert c.use_transformers_continuous_batching
     assert config(tmp_path, pad_to_multiple_of="16").pad_to_multiple_of == 16
+
+
+# RLOOConfig fields that no module outside rloo/config.py reads, each with the reason it is allowed.
+UNREAD_ALLOWED = {
+    "log_multimodal": "images are refused until vision-language training exists (rloo.checks); nothing to log",
+    "use_transformers_paged": "deprecated alias, folded into use_transformers_continuous_batching in __post_init__",
+}
+
+
+def test_every_config_field_is_read_somewhere():
+    """A field nobody reads is a setting that silently does nothing: each RLOOConfig field of its own (those not
+    inherited from TrainingArguments, which transformers reads) must be read by some module of rloo/ besides
+    config.py, or be listed above with its reason."""
+    import dataclasses
+    import pathlib
+    import re
+
+    from transformers import TrainingArguments
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    own = [f.name for f in dataclasses.fields(RLOOConfig) if f.name not in inherited]
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sources = [p.read_text() for p in (root / "rloo").rglob("*.py") if p.name != "config.py"]
+    unread = {name for name in own
+              if not any(re.search(rf"\.{name}\b|[\"']{name}[\"']", text) for text in sources)}
+    assert unread == set(UNREAD_ALLOWED), f"read nowhere: {sorted(unread - set(UNREAD_ALLOWED))}; allowed but " \
+                                          f"now read: {sorted(set(UNREAD_ALLOWED) - unread)}"

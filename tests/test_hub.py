@@ -86,3 +86,27 @@ def test_publisher_choice_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("RLOO_HUB_PUBLISHER", "ftp://x")
     with pytest.raises(ValueError, match="RLOO_HUB_PUBLISHER"):
         get_publisher()
+
+
+def test_push_to_hub_not_blocking_returns_while_the_upload_runs(tmp_path, tokenizer, model, hub):
+    """blocking=False (spec: return before the push has finished): a Future of the commit; the next push and the end
+    of train() wait for it."""
+    import threading
+    release, started = threading.Event(), threading.Event()
+    upload = hub.upload_folder
+
+    def slow_upload(*args, **kwargs):
+        started.set()
+        assert release.wait(30)
+        return upload(*args, **kwargs)
+
+    hub.upload_folder = slow_upload
+    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, hub_model_id="me/bg"),
+                          train_dataset=conversational(), processing_class=tokenizer)
+    trainer.train()
+    future = trainer.push_to_hub(blocking=False)
+    assert started.wait(30) and not future.done()  # returned while the upload is still going on
+    release.set()
+    assert future.result(timeout=30) == "0000"
+    assert os.path.exists(tmp_path / "hub" / "me" / "bg" / "main" / "model.safetensors")
+    assert trainer.push_to_hub() == "0001"  # blocking (the default): the commit itself

@@ -172,3 +172,21 @@ def test_same_seed_gives_the_same_lora_initialisation(tmp_path, tokenizer):
                               processing_class=tokenizer, peft_config=LoraConfig(**LORA))
         adapters.append({n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_A" in n})
     assert adapters[0] and all(t.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])
+
+
+def test_model_init_kwargs_revision_also_loads_the_processing_class(tmp_path, tokenizer, model, monkeypatch):
+    """Spec: the revision of model_init_kwargs is also used to load the processing class."""
+    from transformers import AutoTokenizer
+    model_dir, _ = save_tiny(str(tmp_path / "policy"), model, tokenizer)
+    tokenizer.save_pretrained(model_dir)  # a Llama folder: its tokenizer beside it reloads as it was
+    calls = []
+    original = AutoTokenizer.from_pretrained
+
+    def spy(name, *args, **kwargs):
+        calls.append(kwargs.get("revision"))
+        return original(name, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
+    RLOOTrainer(model=model_dir, reward_funcs=length_reward,
+                args=make_args(tmp_path, model_init_kwargs={"revision": "main"}), train_dataset=conversational())
+    assert calls == ["main"]

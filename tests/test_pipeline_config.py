@@ -151,3 +151,40 @@ def test_prefect_deployments_point_at_the_flow_and_valid_recipes():
         module = importlib.import_module(path[:-3].replace("/", "."))
         assert getattr(module, name).name == "rloo-pipeline"
         load_run_config(os.path.join(ROOT, deployment["parameters"]["recipe"]))
+
+
+def test_evaluation_scores_one_rollout_with_the_training_state(tmp_path):
+    """The evaluation stage builds its held-out completions with rloo.rollout.build_rollout (the function training
+    uses): reward functions get the trained step's TrainerState and the training's chat_template_kwargs apply."""
+    from transformers import GenerationConfig, TrainerState
+
+    from rloo.generation import TransformersGenerator
+    from rloo.rewards import RewardRunner
+    from rloo.testing import tiny_causal_lm, tiny_tokenizer
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = ("{% if greeting %}hello {% endif %}{% for m in messages %}{{ m['content'] }} "
+                               "{% endfor %}")
+    model = tiny_causal_lm(tokenizer).eval()
+    seen = []
+
+    def recorder(prompts, completions, completion_ids, trainer_state, **kwargs):
+        seen.append((trainer_state.global_step, list(completion_ids)))
+        return [float(len(ids)) for ids in completion_ids]
+
+    config = tiny(tmp_path, "training.chat_template_kwargs={greeting: true}", "evaluation.batch_size=3")
+    rows = [{"prompt": [{"role": "user", "content": word}]} for word in ("the dog", "a big cat", "one two", "red")]
+    generation = GenerationConfig(max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=[tokenizer.eos_token_id])
+    generator = TransformersGenerator(generation, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    prompt_lengths = []
+    original = generator.generate
+    generator.generate = lambda m, ids, *a: prompt_lengths.extend(len(i) for i in ids) or original(m, ids, *a)
+    result = stages._score(config, model, tokenizer, rows, RewardRunner([recorder], [None]), generator,
+                           TrainerState(global_step=7, max_steps=7))
+    assert [step for step, _ in seen] == [7] and len(seen[0][1]) == 4  # one call, all rows, the live step
+    lengths = [len(ids) for ids in seen[0][1]]
+    assert result["metrics"]["reward/recorder"] == pytest.approx(sum(lengths) / 4)
+    assert result["metrics"]["completion_length"] == pytest.approx(sum(lengths) / 4)
+    plain = [len(ids) for ids in tokenizer.apply_chat_template([r["prompt"] for r in rows], tokenize=True,
+                                                               add_generation_prompt=True)["input_ids"]]
+    assert prompt_lengths == [n + 1 for n in plain]  # 'hello ' (one token) from chat_template_kwargs
