@@ -1,1 +1,1 @@
-"""Pipeline package: filled in by the pipeline / cluster issues."""
+"""Prefect flows composing the stage tasks (pipeline) and the `rloo-pipeline` command line (cli)."""

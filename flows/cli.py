@@ -73,13 +73,26 @@ def _run_dirs(run_root: str) -> list[str]:
     return sorted(d for d in os.listdir(run_root) if os.path.exists(os.path.join(run_root, d, "config.json")))
 
 
-def _stage_states(run_dir: str) -> dict[str, str]:
+def _stage_states(run_root: str, run: str) -> dict[str, str]:
+    """Per stage: 'done' when its persisted result matches the config and stage version (what a resume skips),
+    'stale' when it is from another version, '-' when absent; how often its body ran when more than once; a
+    running training job's state."""
+    from collections import Counter
+
+    from infra import stages
     from infra.launch import JobHandle, job_state
+    from infra.runconfig import load_run_config
+    run_dir = os.path.join(run_root, run)
+    config = load_run_config(_run_config_file(run_root, run))
+    runs = Counter(stages.executions(config))
     states = {}
-    for stage in ("dataset", "model", "train", "evaluate"):
-        states[stage] = "done" if os.path.exists(os.path.join(run_dir, "stages", f"{stage}.json")) else "-"
+    for stage in stages.STAGE_VERSIONS:
+        done = stages.load_stage_result(config, stage) is not None
+        state = "done" if done else ("stale" if os.path.exists(os.path.join(run_dir, "stages", f"{stage}.json"))
+                                     else "-")
+        states[stage] = state + (f" (ran {runs[stage]}x)" if runs[stage] > 1 else "")
     job = os.path.join(run_dir, "train", "job.json")
-    if states["train"] != "done" and os.path.exists(job):
+    if not states["train"].startswith("done") and os.path.exists(job):
         with open(job) as handle:
             state, _ = job_state(JobHandle.from_dict(json.load(handle)["handle"]))
         states["train"] = state.lower()
@@ -100,7 +113,7 @@ def cmd_status(options) -> int:
         run_dir = os.path.join(options.run_root, run)
         if not os.path.isdir(run_dir):
             raise FileNotFoundError(f"no run {run!r} under {options.run_root}")
-        states = _stage_states(run_dir)
+        states = _stage_states(options.run_root, run)
         steps = gain = "-"
         metrics = os.path.join(run_dir, "train", "metrics.jsonl")
         if os.path.exists(metrics):
@@ -146,8 +159,6 @@ def cmd_compare(options) -> int:
     if not configs:
         print(f"no runs under {options.run_root}")
         return 0
-    uri = next(iter(configs.values())).tracking_uri
-    mlflow_client = tracking.client(uri)
     flat = {run: tracking.flatten(json.loads(config.model_dump_json(exclude={"run_root"})))
             for run, config in configs.items()}
     keys = sorted({key for values in flat.values() for key in values})
@@ -159,13 +170,8 @@ def cmd_compare(options) -> int:
     for key in differing:
         table.add_row(key, *[str(flat[run].get(key, "-")) for run in runs])
     metric_names = ["base_reward", "trained_reward", "reward_gain"]
-    metrics = {}
-    for run, config in configs.items():
-        experiment = mlflow_client.get_experiment_by_name(config.tracking.experiment)
-        found = mlflow_client.search_runs([experiment.experiment_id], filter_string=
-                                          f"tags.`rloo.run_key` = '{run}' and tags.`rloo.stage` = 'evaluate'",
-                                          order_by=["attributes.start_time DESC"], max_results=1) if experiment else []
-        metrics[run] = found[0].data.metrics if found else {}
+    metrics = {run: tracking.evaluation_metrics(config.tracking_uri, config.tracking.experiment, run)
+               for run, config in configs.items()}
     for name in metric_names:
         table.add_row(name, *[f"{metrics[run][name]:.3f}" if name in metrics[run] else "-" for run in runs])
     Console().print(table)

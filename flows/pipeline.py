@@ -45,21 +45,16 @@ async def rloo_pipeline(
 ) -> dict:
     config = load_run_config(recipe, overrides)
     stages.write_config(config)
-    uri = config.tracking_uri
-    tracking.check_reachable(uri)
-    run_id = str(flow_run.id) if flow_run.id else None
-    parent = tracking.start_run(uri, config.tracking.experiment, config.run_key,
-                                {"rloo.run_key": config.run_key, "rloo.fingerprint": config.fingerprint(),
-                                 "rloo.recipe": recipe, "prefect.flow_run_id": run_id or "",
-                                 "prefect.flow_run_name": flow_run.name or ""})
-    tracking.log_params(uri, parent, resolved_dict(config))
-    experiment = tracking.experiment_id(uri, config.tracking.experiment)
-    link = mlflow_link(uri, experiment, parent)
-    create_link_artifact(link, link_text=f"MLflow run {config.run_key}", key=f"{config.name}-mlflow-run", _sync=True)
-    print(f"[pipeline] {config.run_key}: run directory {config.run_dir}; MLflow run {parent} ({uri})")
-    storage = result_storage(config.run_root)
-    options = dict(result_storage=storage)
-    try:
+    tracking.check_reachable(config.tracking_uri)
+    tags = {"rloo.recipe": recipe, "prefect.flow_run_id": str(flow_run.id) if flow_run.id else "",
+            "prefect.flow_run_name": flow_run.name or ""}
+    with tracking.pipeline_run(config, resolved_dict(config), tags) as (parent, experiment):
+        link = mlflow_link(config.tracking_uri, experiment, parent)
+        create_link_artifact(link, link_text=f"MLflow run {config.run_key}", key=f"{config.name}-mlflow-run",
+                             _sync=True)
+        print(f"[pipeline] {config.run_key}: run directory {config.run_dir}; MLflow run {parent} "
+              f"({config.tracking_uri})")
+        options = dict(result_storage=result_storage(config.run_root))
         dataset = dataset_task.with_options(**options)(config, parent)
         model = model_task.with_options(**options)(config, dataset, parent)
         trained = await train_task.with_options(**options)(config, dataset, model, parent)
@@ -67,9 +62,5 @@ async def rloo_pipeline(
                    "mlflow_link": link, "dataset": dataset, "model": model, "train": trained}
         if config.evaluation.enabled:
             summary["evaluate"] = evaluate_task.with_options(**options)(config, dataset, model, trained, parent)
-    except BaseException:
-        tracking.client(uri).set_terminated(parent, status="FAILED")
-        raise
-    tracking.client(uri).set_terminated(parent, status="FINISHED")
     stages.write_json(stages.stage_path(config, "summary.json"), summary)
     return summary

@@ -1,1 +1,2 @@
-"""Pipeline package: filled in by the pipeline / cluster issues."""
+"""What talks to a cluster and to the tracking server: the run config (runconfig), the stages as plain functions
+(stages), local and SLURM launch (jobs, launch, slurm, cluster/), MLflow (tracking)."""

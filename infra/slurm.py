@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.request
 
-from infra.launch import TrainingFailed, job_environment, tail
+from infra.jobs import JobHandle, TrainingFailed, job_environment, tail
 
 
 def role_of(node: int, num_nodes: int, generation_nodes: int) -> str:
@@ -192,7 +192,6 @@ class MultiNodeJob:
 def submit_slurm(job: MultiNodeJob, folder: str, parameters: dict):
     import submitit
 
-    from infra.launch import JobHandle
     os.makedirs(folder, exist_ok=True)
     parameters = dict(parameters)
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm",

@@ -21,7 +21,7 @@ def stage_path(config: RunConfig, *parts: str) -> str:
 
 
 def record_execution(config: RunConfig, stage: str) -> None:
-    """One line per execution of a stage's body: how tests (and people) see what really ran."""
+    """One line per execution of a stage's body: what really ran (`rloo-pipeline status` shows re-runs)."""
     os.makedirs(stage_path(config, "stages"), exist_ok=True)
     with open(stage_path(config, "stages", "executions.log"), "a") as handle:
         handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {stage} v{STAGE_VERSIONS[stage]}\n")
@@ -56,6 +56,7 @@ def save_stage_result(config: RunConfig, stage: str, result: dict) -> dict:
 
 
 def load_stage_result(config: RunConfig, stage: str) -> dict | None:
+    """The stage's persisted result when it belongs to this config and stage version (else None: it would run)."""
     record = read_json(stage_path(config, "stages", f"{stage}.json"))
     if record and record["version"] == STAGE_VERSIONS[stage] and record["fingerprint"] == config.fingerprint():
         return record["result"]
@@ -127,7 +128,7 @@ def resolve_model_source(config: RunConfig) -> tuple[str, str | None]:
         from rloo.assets import smollm2_path
         return smollm2_path(), config.model.tokenizer
     if name == "tiny":
-        from rloo.testing import save_tiny, tiny_causal_lm, tiny_tokenizer
+        from rloo.tiny import save_tiny, tiny_causal_lm, tiny_tokenizer
         root = os.path.abspath(os.path.join(config.run_root, ".assets", "tiny"))
         model_dir, tokenizer_dir = os.path.join(root, "model"), os.path.join(root, "tokenizer")
         if not os.path.exists(os.path.join(model_dir, "config.json")):
@@ -222,13 +223,6 @@ def train_dir(config: RunConfig) -> str:
     return stage_path(config, "train")
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    if not os.path.isdir(output_dir):
-        return None
-    from transformers.trainer_utils import get_last_checkpoint
-    return get_last_checkpoint(output_dir)
-
-
 def write_train_recipe(config: RunConfig, dataset_result: dict, model_result: dict, resume: bool) -> str:
     """The `rloo train` recipe the job runs: the pipeline's config in the CLI's flat format."""
     import yaml
@@ -268,6 +262,7 @@ def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_re
             return {**previous, "reattached": True}
     record_execution(config, "train")
     output_dir = stage_path(config, "train", "output")
+    from rloo.checkpoint import latest_checkpoint
     checkpoint = latest_checkpoint(output_dir)
     recipe = write_train_recipe(config, dataset_result, model_result, resume=checkpoint is not None)
     run_id = (previous or {}).get("mlflow_run_id") or mlflow_run_id

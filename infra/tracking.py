@@ -1,9 +1,13 @@
-"""MLflow plumbing for the pipeline: runs (one parent per pipeline run, one child per stage), params without
-secrets, dataset inputs, artifacts; and the training job's callback, which keeps every metric in the run directory
-first and sends it to MLflow when it can (an outage loses nothing: `rloo-pipeline sync RUN` uploads the rest)."""
+"""Every MLflow call of the pipeline: runs (one parent per pipeline run, one nested run per stage, opened and
+closed FINISHED / FAILED by `stage_run`), what each stage logs (`tracked_stage` with the stage's record), params
+without secrets, dataset inputs, artifacts, the comparison query; and the training job's callback, which keeps
+every metric in the run directory first and sends it to MLflow when it can (an outage loses nothing:
+`rloo-pipeline sync RUN` uploads the rest)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -123,6 +127,111 @@ def _dataset_input(dataset, context: str):
     from mlflow.entities import DatasetInput, InputTag
     return DatasetInput(dataset=dataset._to_mlflow_entity(), tags=[InputTag(key="mlflow.data.context",
                                                                            value=context)])
+
+
+# ---------------------------------------------------------------------------------------------- pipeline runs
+@dataclasses.dataclass
+class StageRecord:
+    """What a stage's nested run gets from the stage's result."""
+    params: dict = dataclasses.field(default_factory=dict)
+    metrics: dict = dataclasses.field(default_factory=dict)
+    step: int = 0
+    artifacts: list = dataclasses.field(default_factory=list)  # (local path, artifact folder)
+    datasets: list = dataclasses.field(default_factory=list)  # (path, name, digest, context)
+    metrics_on_parent: bool = False  # also on the pipeline's run (what `compare` and the run list show)
+
+
+@contextlib.contextmanager
+def stage_run(config, parent_run_id: str | None, stage: str, run_id: str | None = None, params: dict | None = None):
+    """A nested MLflow run for one stage (or the existing `run_id`, when a retried stage reattaches), ended
+    FINISHED or FAILED; yields its id, or None when the pipeline has no parent run."""
+    uri = config.tracking_uri
+    if run_id is None:
+        if parent_run_id is None:
+            yield None
+            return
+        run_id = start_run(uri, config.tracking.experiment, f"{config.run_key}/{stage}",
+                           {"rloo.stage": stage, "rloo.run_key": config.run_key}, parent_run_id=parent_run_id)
+        if params:
+            log_params(uri, run_id, params)
+    try:
+        yield run_id
+    except BaseException:
+        client(uri).set_terminated(run_id, status="FAILED")
+        raise
+    client(uri).set_terminated(run_id, status="FINISHED")
+
+
+def tracked_stage(config, parent_run_id: str | None, stage: str, body, record=None) -> dict:
+    """Run a stage's body inside its nested run and log `record(result)` (a StageRecord) into it."""
+    with stage_run(config, parent_run_id, stage) as run_id:
+        result = body()
+        if run_id and record is not None:
+            log_record(config.tracking_uri, run_id, record(result), parent_run_id)
+    return result
+
+
+def log_record(uri: str, run_id: str, record: StageRecord, parent_run_id: str | None) -> None:
+    for path, name, digest, context in record.datasets:
+        log_dataset(uri, run_id, path, name, digest, context)
+    if record.params:
+        log_params(uri, run_id, record.params)
+    if record.metrics:
+        log_metrics(uri, run_id, record.metrics, record.step)
+        if record.metrics_on_parent and parent_run_id:
+            log_metrics(uri, parent_run_id, record.metrics, record.step)
+    for path, folder in record.artifacts:
+        client(uri).log_artifact(run_id, path, folder)
+
+
+def dataset_record(config, result: dict) -> StageRecord:
+    return StageRecord(params={"source": result["source"], "format": result["format"], "digest": result["digest"]},
+                       metrics={"num_train": result["num_train"], "num_eval": result["num_eval"]},
+                       datasets=[(result[f"{split}_path"], f"{config.name}-{split}", result["digest"],
+                                  "training" if split == "train" else "evaluation") for split in ("train", "eval")])
+
+
+def model_record(result: dict) -> StageRecord:
+    return StageRecord(params={"policy": result["policy"], "num_parameters": result["num_parameters"],
+                               "peft": result["peft"]})
+
+
+def evaluation_record(result: dict, step: int) -> StageRecord:
+    metrics = {f"{label}_{key}".replace("/", "_"): value for label in ("base", "trained")
+               for key, value in result[label].items() if value is not None}
+    if result["reward_gain"] is not None:
+        metrics["reward_gain"] = result["reward_gain"]
+    artifacts = [(result["report_path"], "evaluation")] + ([(result["plot_path"], "evaluation")]
+                                                           if result["plot_path"] else [])
+    return StageRecord(metrics=metrics, step=step, artifacts=artifacts, metrics_on_parent=True)
+
+
+@contextlib.contextmanager
+def pipeline_run(config, params: dict, tags: dict[str, str]):
+    """The pipeline's parent run (params = the resolved config, secrets dropped), ended FINISHED or FAILED;
+    yields (run id, experiment id)."""
+    uri = config.tracking_uri
+    run_id = start_run(uri, config.tracking.experiment, config.run_key,
+                       {"rloo.run_key": config.run_key, "rloo.fingerprint": config.fingerprint(), **tags})
+    log_params(uri, run_id, params)
+    try:
+        yield run_id, experiment_id(uri, config.tracking.experiment)
+    except BaseException:
+        client(uri).set_terminated(run_id, status="FAILED")
+        raise
+    client(uri).set_terminated(run_id, status="FINISHED")
+
+
+def evaluation_metrics(tracking_uri: str, experiment: str, run_key: str) -> dict[str, float]:
+    """The latest evaluate stage's metrics of a pipeline run ({} when there is none)."""
+    mlflow_client = client(tracking_uri)
+    found = mlflow_client.get_experiment_by_name(experiment)
+    if found is None:
+        return {}
+    runs = mlflow_client.search_runs([found.experiment_id], filter_string=f"tags.`rloo.run_key` = '{run_key}' and "
+                                     "tags.`rloo.stage` = 'evaluate'", order_by=["attributes.start_time DESC"],
+                                     max_results=1)
+    return dict(runs[0].data.metrics) if runs else {}
 
 
 def job_environment(tracking_uri: str, run_id: str, train_dir: str) -> dict[str, str]:

@@ -184,15 +184,6 @@ def build_trainer(argv: list[str]):
     return trainer, script_args
 
 
-def resume_target(value: str | None):
-    """resume_from_checkpoint: a path, or 'latest'/'true' for the newest checkpoint in output_dir (none: start)."""
-    if value is None or str(value).lower() in ("", "none", "false"):
-        return None
-    if str(value).lower() in ("latest", "true"):
-        return True
-    return value
-
-
 def train(argv: list[str]) -> int:
     try:
         trainer, script_args = build_trainer(argv)
@@ -227,10 +218,9 @@ def _exit_before_native_teardown(code: int) -> None:
 
 def _run(trainer, script_args) -> int:
     config = trainer.args
-    resume = resume_target(config.resume_from_checkpoint)
-    if resume is True:
-        from transformers.trainer_utils import get_last_checkpoint
-        resume = get_last_checkpoint(config.output_dir) if os.path.isdir(config.output_dir) else None
+    from rloo.checkpoint import resolve_resume
+    # 'latest' with nothing saved yet starts from scratch: a requeued job that was preempted before its first save.
+    resume = resolve_resume(config.resume_from_checkpoint, config.output_dir, missing_ok=True)
     trainer.train(resume_from_checkpoint=resume)
     preemption = next(c for c in trainer.callback_handler.callbacks if type(c).__name__ == "PreemptionCallback")
     if preemption.stopped_at is not None:  # not the final model: the requeued job resumes from the checkpoint

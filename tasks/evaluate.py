@@ -7,27 +7,16 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra import stages, tracking
 from infra.runconfig import RunConfig
-from tasks.common import cache_key, say, stage_run
+from tasks.common import cache_key, say
 
 
 @task(name="evaluate", cache_key_fn=cache_key("evaluate"), persist_result=True)
 def evaluate_task(config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict,
                   parent_run_id: str | None) -> dict:
-    with stage_run(config, parent_run_id, "evaluate") as run_id:
-        result = stages.evaluate_policy(config, dataset_result, model_result, train_result)
-        if run_id:
-            metrics = {f"{label}_{key}".replace("/", "_"): value for label in ("base", "trained")
-                       for key, value in result[label].items() if value is not None}
-            if result["reward_gain"] is not None:
-                metrics["reward_gain"] = result["reward_gain"]
-            uri = config.tracking_uri
-            tracking.log_metrics(uri, run_id, metrics, train_result["global_step"])
-            if parent_run_id:
-                tracking.log_metrics(uri, parent_run_id, metrics, train_result["global_step"])
-            mlflow_client = tracking.client(uri)
-            mlflow_client.log_artifact(run_id, result["report_path"], "evaluation")
-            if result["plot_path"]:
-                mlflow_client.log_artifact(run_id, result["plot_path"], "evaluation")
+    result = tracking.tracked_stage(
+        config, parent_run_id, "evaluate", lambda: stages.evaluate_policy(config, dataset_result, model_result,
+                                                                          train_result),
+        lambda result: tracking.evaluation_record(result, train_result["global_step"]))
     with open(result["report_path"]) as handle:
         report = handle.read()
     if result["plot_path"]:

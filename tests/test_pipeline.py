@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from rloo.checkpoint import latest_checkpoint
 from infra import stages, tracking
 from infra.launch import JobHandle, TrainingFailed, cancel, job_state
 from infra.runconfig import load_run_config
@@ -142,13 +143,13 @@ def test_reattach_then_resume_after_the_job_is_killed(run_root, monkeypatch):
     handle = JobHandle.from_dict(first["handle"])
     output = stages.stage_path(config, "train", "output")
     deadline = time.time() + 240
-    while stages.latest_checkpoint(output) is None:
+    while latest_checkpoint(output) is None:
         assert time.time() < deadline and job_state(handle)[0] == "RUNNING", open(handle.log_path).read()[-3000:]
         time.sleep(0.5)
     cancel(handle)  # the training processes die (node failure, OOM kill, ...)
     with pytest.raises(TrainingFailed, match="lost|failed"):
         asyncio.run(stages.follow_training(config, first))
-    checkpoint = stages.latest_checkpoint(output)
+    checkpoint = latest_checkpoint(output)
     resumed = stages.start_or_reattach_training(config, dataset, model, None)
     assert resumed["resumed_from"] == checkpoint and resumed["attempt"] == 2 and not resumed["reattached"]
     result = asyncio.run(stages.follow_training(config, resumed))

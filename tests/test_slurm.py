@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from rloo.checkpoint import latest_checkpoint
 from infra import stages
 from infra.launch import JobHandle, TrainingFailed, cancel, job_state
 from infra.runconfig import load_run_config
@@ -136,14 +137,14 @@ def test_scancel_fails_the_stage_and_a_retry_resumes(cluster, tmp_path, monkeypa
     handle = JobHandle.from_dict(record["handle"])
     output = stages.stage_path(config, "train", "output")
     deadline = time.time() + 300
-    while stages.latest_checkpoint(output) is None:
+    while latest_checkpoint(output) is None:
         assert time.time() < deadline and job_state(handle)[0] == "RUNNING", job_state(handle)
         time.sleep(1)
     cancel(handle)  # scancel from outside
     with pytest.raises(TrainingFailed, match="CANCELLED"):
         asyncio.run(stages.follow_training(config, record))
     resumed = stages.start_or_reattach_training(config, dataset, model, None)
-    assert resumed["resumed_from"] == stages.latest_checkpoint(output)
+    assert resumed["resumed_from"] == latest_checkpoint(output)
     assert asyncio.run(stages.follow_training(config, resumed))["global_step"] == 5
     logs = os.listdir(stages.train_dir(config))
     assert not [f for f in logs if f.startswith("generation-")]

@@ -14,20 +14,24 @@ from helpers import conversational, length_reward, make_args, standard
 
 
 def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
+    """Rewarding the share of 'cat' tokens raises it. Measured (lr 0.01, 40 steps, seeds 0-9, 1 and 2 threads, the
+    same numbers for both): mean reward of the first 5 steps 0.013-0.035, of the last 5 steps 0.167-0.249, so the
+    smallest gain is 0.138 and the smallest ratio 5.5; the test asks for +0.1 and 3x. (lr 0.05 was unstable: 3 of
+    10 seeds collapsed to reward 0, and its +0.15 margin depended on one machine's float rounding.)"""
     cat = tokenizer.convert_tokens_to_ids("cat")
 
     def cat_reward(completion_ids, **kwargs):
         return [sum(t == cat for t in ids) / len(ids) for ids in completion_ids]
 
     args = make_args(tmp_path, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-                     max_steps=30, beta=0.05)
+                     max_steps=40, beta=0.05, learning_rate=0.01)
     trainer = RLOOTrainer(model=model, reward_funcs=cat_reward, args=args, train_dataset=conversational(16),
                           processing_class=tokenizer)
     trainer.train()
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
-    assert len(rewards) == 30
+    assert len(rewards) == 40
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.15 and last > 2 * first, rewards
+    assert last > first + 0.1 and last > 3 * first, rewards
 
 
 def test_gradient_is_exactly_reinforce_with_leave_one_out(tmp_path, tokenizer, model):

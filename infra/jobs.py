@@ -1,0 +1,42 @@
+"""The job types both launchers share (local submitit in infra.launch, SLURM in infra.slurm): the handle written to
+the run directory, the failure, the job's environment, a log's tail."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class JobHandle:
+    executor: str
+    job_id: str
+    folder: str
+    log_path: str
+    submitted_at: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "JobHandle":
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+
+
+def tail(path: str, lines: int = 40) -> str:
+    if not os.path.exists(path):
+        return "(no log)"
+    with open(path, errors="replace") as handle:
+        return "".join(handle.readlines()[-lines:])
+
+
+def job_environment(extra: dict[str, str], workdir: str) -> dict[str, str]:
+    """The environment a training or serving process gets: ours, the recipe's extras, the project on PYTHONPATH."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [workdir, env.get("PYTHONPATH", "")] if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
