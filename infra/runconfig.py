@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rloo.cli import FIELD_NAMES, closest
+from rloo.cli import FIELD_NAMES, PIPELINE_SECTIONS, ScriptArguments, unknown_field
 
 MODEL_ALIASES = ("smollm2", "tiny")
 
@@ -21,12 +21,17 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _script_default(name: str):
+    """A default defined once, by `rloo train`'s ScriptArguments (the LoRA settings)."""
+    return ScriptArguments.__dataclass_fields__[name].default
+
+
 class PeftSettings(Strict):
-    """LoRA adapter (the reference policy is the base with the adapter disabled)."""
+    """LoRA adapter (the reference policy is the base with the adapter disabled); defaults as `rloo train`'s."""
     enabled: bool = False
-    r: int = Field(8, ge=1)
-    alpha: int = Field(16, ge=1)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    r: int = Field(_script_default("lora_r"), ge=1)
+    alpha: int = Field(_script_default("lora_alpha"), ge=1)
+    dropout: float = Field(_script_default("lora_dropout"), ge=0.0, lt=1.0)
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     load_in_4bit: bool = Field(False, description="QLoRA (bitsandbytes + CUDA).")
 
@@ -126,7 +131,7 @@ class RunConfig(Strict):
                 raise ValueError(f"training.{key} is set by the pipeline (output_dir = the run directory, "
                                  "reward_weights at the top level, report_to = mlflow); remove it.")
             if key not in FIELD_NAMES:
-                raise ValueError(f"training.{key} is not an RLOOConfig field.{closest(key)}")
+                raise ValueError(f"training.{key}: {unknown_field(key)}")
         return training
 
     @model_validator(mode="after")
@@ -191,8 +196,16 @@ def load_run_config(source: str | dict, overrides: list[str] | None = None) -> R
         if not os.path.isfile(source):
             raise ConfigError(f"config {source!r}: no such file.")
         with open(source) as handle:
-            data = yaml.safe_load(handle) or {}
+            try:
+                data = yaml.safe_load(handle) or {}
+            except yaml.YAMLError as err:
+                raise ConfigError(f"config {source!r} is not valid YAML: {err}") from None
         origin = source
+        if isinstance(data, dict) and "name" not in data and set(data) & FIELD_NAMES and not \
+                set(data) & set(PIPELINE_SECTIONS[1:]):
+            raise ConfigError(f"{source} is a flat `rloo train` recipe (RLOOConfig/ScriptArguments fields), not a "
+                              f"pipeline config. Fix: run it with `rloo train --config {source}`; `rloo-pipeline` "
+                              "takes a config with name/model/data/rewards/training sections (configs/*.yaml).")
     for assignment in overrides or []:
         apply_override(data, assignment)
     try:

@@ -53,6 +53,15 @@ def closest(name: str) -> str:
     return f" Did you mean '{matches[0]}'?" if matches else ""
 
 
+def unknown_field(name: str) -> str:
+    """The one message for a recipe key that is no field: `rloo train` and `rloo-pipeline validate` both use it."""
+    return (f"unknown field '{name}'.{closest(name)} (Fields are those of RLOOConfig and rloo.cli.ScriptArguments; "
+            "see `rloo train --help`.)")
+
+
+PIPELINE_SECTIONS = ("name", "model", "data", "rewards", "training", "launch", "evaluation", "tracking")
+
+
 def read_recipe(path: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--config {path!r}: no such file.")
@@ -60,10 +69,13 @@ def read_recipe(path: str) -> dict:
         recipe = yaml.safe_load(handle) or {}
     if not isinstance(recipe, dict):
         raise ValueError(f"{path}: a recipe must be a YAML mapping of field: value.")
+    if isinstance(recipe.get("training"), dict) and {"name", "model"} & set(recipe):
+        raise ValueError(f"{path} is a pipeline config (sections {', '.join(k for k in PIPELINE_SECTIONS if k in recipe)}"
+                         f"), not an `rloo train` recipe. Fix: run it with `rloo-pipeline run {path}`; `rloo train "
+                         "--config` takes a flat recipe of RLOOConfig/ScriptArguments fields (configs/train/).")
     for key in recipe:
         if key not in FIELD_NAMES:
-            raise ValueError(f"{path}: unknown field '{key}'.{closest(key)} (Fields are those of RLOOConfig and "
-                             "rloo.cli.ScriptArguments; see `rloo train --help`.)")
+            raise ValueError(f"{path}: {unknown_field(key)}")
     return recipe
 
 
@@ -92,7 +104,7 @@ def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, RLOOConfig]:
     leftovers = [item for item in remaining if item.startswith("--")]
     if leftovers:
         name = leftovers[0][2:].split("=")[0]
-        raise ValueError(f"unknown field '--{name}'.{closest(name)}")
+        raise ValueError(unknown_field(name).replace(f"'{name}'", f"'--{name}'", 1))
     if remaining:
         raise ValueError(f"unexpected arguments: {remaining}")
     return script_args, config

@@ -115,13 +115,13 @@ def test_cli_under_torchrun_two_processes(tiny_recipe):
 ])
 def test_spec_scripts_exist_as_recipes(recipe, overrides, reward, tmp_path):
     # bf16 needs a GPU and the ZeRO-3 file needs deepspeed (multi-node issue): overridden so they parse here.
-    script, config = parse_arguments(["--config", os.path.join(ROOT, "configs", recipe), *overrides,
+    script, config = parse_arguments(["--config", os.path.join(ROOT, "configs", "train", recipe), *overrides,
                                       "--output_dir", str(tmp_path)])
     assert resolve_reward(script.reward_funcs[0]).__name__ == reward
     if recipe.startswith("tldr"):
         assert script.model_name_or_path == "Qwen/Qwen2.5-72B" and config.per_device_train_batch_size == 4
         assert config.use_vllm and config.vllm_mode == "server"
-        with open(os.path.join(ROOT, "configs", "tldr_multinode.yaml")) as handle:
+        with open(os.path.join(ROOT, "configs", "train", "tldr_multinode.yaml")) as handle:
             assert yaml.safe_load(handle)["deepspeed"] == "configs/deepspeed/zero3.json"
         assert os.path.exists(os.path.join(ROOT, "configs", "deepspeed", "zero3.json"))
     else:

@@ -26,7 +26,7 @@ def test_shipped_configs_validate(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("model.peftt=1", r"model.peftt: unknown key"),
     ("launch.nproc_per_node=two", r"launch.nproc_per_node: Input should be a valid integer"),
-    ("training.num_generation=4", r"training.num_generation is not an RLOOConfig field. Did you mean "
+    ("training.num_generation=4", r"training.num_generation: unknown field 'num_generation'. Did you mean "
                                   r"'num_generations'"),
     ("training.output_dir=x", r"training.output_dir is set by the pipeline"),
     ("reward_weights=[1.0]", r"reward_weights has 1 entries for 2 rewards"),
@@ -188,3 +188,34 @@ def test_evaluation_scores_one_rollout_with_the_training_state(tmp_path):
     plain = [len(ids) for ids in tokenizer.apply_chat_template([r["prompt"] for r in rows], tokenize=True,
                                                                add_generation_prompt=True)["input_ids"]]
     assert prompt_lengths == [n + 1 for n in plain]  # 'hello ' (one token) from chat_template_kwargs
+
+
+def test_validate_and_rloo_train_give_the_same_error_for_the_same_bad_key(tmp_path, capsys):
+    import yaml
+
+    from flows.cli import main
+    from rloo.cli import read_recipe
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model_name_or_path": "x", "learnig_rate": 1.0}))
+    with pytest.raises(ValueError) as flat:
+        read_recipe(str(recipe))
+    assert main(["validate", TINY, "--set", "training.learnig_rate=1"]) == 2
+    pipeline = capsys.readouterr().err
+    message = str(flat.value).split(": ", 1)[1]
+    assert message.startswith("unknown field 'learnig_rate'. Did you mean 'learning_rate'?") and message in pipeline
+
+
+def test_each_command_names_the_kind_of_file_it_expects(tmp_path):
+    """configs/*.yaml are pipeline configs, configs/train/*.yaml flat `rloo train` recipes: each command refuses the
+    other kind, naming the command that takes it."""
+    from rloo.cli import read_recipe
+    shipped = sorted(os.listdir(os.path.join(ROOT, "configs")))
+    for name in (n for n in shipped if n.endswith(".yaml")):
+        load_run_config(os.path.join(ROOT, "configs", name), [f"run_root={tmp_path}"])
+        with pytest.raises(ValueError, match=f"is a pipeline config.*rloo-pipeline run .*{name}"):
+            read_recipe(os.path.join(ROOT, "configs", name))
+    for name in os.listdir(os.path.join(ROOT, "configs", "train")):
+        path = os.path.join(ROOT, "configs", "train", name)
+        read_recipe(path)
+        with pytest.raises(ConfigError, match=f"is a flat `rloo train` recipe.*rloo train --config .*{name}"):
+            load_run_config(path)
