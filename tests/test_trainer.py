@@ -14,10 +14,11 @@ from helpers import conversational, length_reward, make_args, standard
 
 
 def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
-    """Rewarding the share of 'cat' tokens raises it. Measured (lr 0.01, 40 steps, seeds 0-9, 1 and 2 threads, the
-    same numbers for both): mean reward of the first 5 steps 0.013-0.035, of the last 5 steps 0.167-0.249, so the
-    smallest gain is 0.138 and the smallest ratio 5.5; the test asks for +0.1 and 3x. (lr 0.05 was unstable: 3 of
-    10 seeds collapsed to reward 0, and its +0.15 margin depended on one machine's float rounding.)"""
+    """Rewarding the share of 'cat' tokens raises it. Measured (lr 0.01, 40 steps, seeds 0-9 and 42 (the test's),
+    1 and 2 threads, the same numbers for both): mean reward of the first 5 steps 0.013-0.050, of the last 5 steps
+    0.167-0.249; the smallest gain is 0.123 and the smallest ratio 3.5 (both seed 42). The test asks for +0.07 and
+    2.5x. (At lr 0.05, 3 of 10 seeds collapsed to reward 0, and the old +0.15 margin held on one machine's float
+    rounding only; 60 steps instead of 40 plateau at the same level.)"""
     cat = tokenizer.convert_tokens_to_ids("cat")
 
     def cat_reward(completion_ids, **kwargs):
@@ -31,7 +32,7 @@ def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
     assert len(rewards) == 40
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.1 and last > 3 * first, rewards
+    assert last > first + 0.07 and last > 2.5 * first, rewards
 
 
 def test_gradient_is_exactly_reinforce_with_leave_one_out(tmp_path, tokenizer, model):
