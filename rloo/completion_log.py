@@ -47,6 +47,19 @@ class CompletionLog:
         for column, values in extra.items():
             self.extra.setdefault(column, deque(maxlen=self.maxlen)).extend(values)
 
+    def record_rollout(self, rollout, reward_names: list[str], gather_object=None) -> None:
+        """A generation batch (rloo.rollout.Rollout): every process's rows (gather_object across processes, None
+        for one), with each reward function's values, the advantages and the log_extra columns."""
+        prompts, texts = list(rollout.prompts), list(rollout.completion_texts)
+        per_rank = [(len(rollout), rollout.extra_columns)]
+        if gather_object is not None:
+            prompts, texts, per_rank = gather_object(prompts), gather_object(texts), gather_object(per_rank)
+        keys = sorted({key for _, columns in per_rank for key in columns})
+        extra = {key: [value for rows, columns in per_rank for value in (columns.get(key) or [None] * rows)]
+                 for key in keys}
+        rewards = {name: rollout.rewards_per_func[:, index].tolist() for index, name in enumerate(reward_names)}
+        self.record(prompts, texts, rewards, rollout.all_advantages.tolist(), extra)
+
     def rows(self, step: int, unique_prompts: bool = False) -> list[dict]:
         rows, seen = [], set()
         for index, prompt in enumerate(self.prompt):

@@ -160,6 +160,19 @@ def render_model_card(model_name: str, base_model: str | None, dataset_name: str
 
 
 # ---------------------------------------------------------------------------------------------- the trainer's Hub side
+def rewrite_training_args(args, output_dir: str) -> None:
+    """transformers pickles the whole TrainingArguments, hub_token included, into every save (and so into every
+    upload): write training_args.bin again with the secrets cleared."""
+    import copy
+
+    from rloo.checkpoint import atomic_save
+    scrubbed = copy.copy(args)
+    for name in vars(scrubbed):
+        if is_secret(name) and isinstance(getattr(scrubbed, name), str):
+            setattr(scrubbed, name, None)
+    atomic_save(scrubbed, os.path.join(output_dir, "training_args.bin"))
+
+
 def init_repo(trainer, token: str | None = None, private: bool | None = None) -> None:
     """Trainer.init_hf_repo through the publisher: hub_model_id, or output_dir's name."""
     if not trainer.is_world_process_zero():

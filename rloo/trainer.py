@@ -7,7 +7,6 @@ Transformers glue only: the rollout (generate, score, advantages) is `rloo.rollo
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import time
@@ -276,7 +275,8 @@ class RLOOTrainer(Trainer):
         for name, value in rollout_metrics(rollout, self.reward_func_names, self.reward_weights).items():
             self._metrics.add(mode, name, value)
         if args.log_completions:
-            self._record_completions(rollout)
+            self._logs.record_rollout(rollout, self.reward_func_names, gather_object if distributed else None)
+            self._logs_fresh = True
         return rollout
 
     def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
@@ -333,20 +333,7 @@ class RLOOTrainer(Trainer):
             loss = self.compute_loss(model, inputs).mean().detach()
         return loss, None, None
 
-    # ------------------------------------------------------------------ completion tables
-    def _record_completions(self, rollout: Rollout) -> None:
-        prompts, texts, per_rank = rollout.prompts, rollout.completion_texts, [(len(rollout), rollout.extra_columns)]
-        if self.accelerator.num_processes > 1:
-            prompts, texts = gather_object(list(prompts)), gather_object(list(texts))
-            per_rank = gather_object(per_rank)
-        keys = sorted({key for _, columns in per_rank for key in columns})
-        extra = {key: [value for rows, columns in per_rank for value in (columns.get(key) or [None] * rows)]
-                 for key in keys}
-        rewards = {name: rollout.rewards_per_func[:, index].tolist()
-                   for index, name in enumerate(self.reward_func_names)}
-        self._logs.record(prompts, texts, rewards, rollout.all_advantages.tolist(), extra)
-        self._logs_fresh = True
-
+    # ------------------------------------------------------------------ completion tables and logs
     def _log_completions(self) -> None:
         args = self.args
         if not (args.log_completions and self.accelerator.is_main_process and self._logs_fresh):
@@ -413,16 +400,8 @@ class RLOOTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         super()._save(output_dir, state_dict)
-        if not self.args.should_save:  # only the writer rank saved anything
-            return
-        # transformers pickles the whole TrainingArguments, hub_token included, into every save (and so into every
-        # upload): write it again with the secrets cleared.
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        scrubbed = copy.copy(self.args)
-        for name in vars(scrubbed):
-            if hub.is_secret(name) and isinstance(getattr(scrubbed, name), str):
-                setattr(scrubbed, name, None)
-        checkpoint.atomic_save(scrubbed, os.path.join(output_dir, "training_args.bin"))
+        if self.args.should_save:  # only the writer rank saved anything
+            hub.rewrite_training_args(self.args, output_dir if output_dir is not None else self.args.output_dir)
 
     # ------------------------------------------------------------------ the Hub (rloo.hub, through its Publisher)
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:

