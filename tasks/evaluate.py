@@ -5,7 +5,7 @@ import os
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra import stages, tracking
+from infra import evaluation, tracking
 from infra.runconfig import RunConfig
 from tasks.common import cache_key, say
 
@@ -14,7 +14,7 @@ from tasks.common import cache_key, say
 def evaluate_task(config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict,
                   parent_run_id: str | None) -> dict:
     result = tracking.tracked_stage(
-        config, parent_run_id, "evaluate", lambda: stages.evaluate_policy(config, dataset_result, model_result,
+        config, parent_run_id, "evaluate", lambda: evaluation.evaluate_policy(config, dataset_result, model_result,
                                                                           train_result),
         lambda result: tracking.evaluation_record(result, train_result["global_step"]))
     with open(result["report_path"]) as handle:
@@ -25,7 +25,7 @@ def evaluate_task(config: RunConfig, dataset_result: dict, model_result: dict, t
     create_table_artifact([{"metric": key, "base": result["base"][key], "trained": result["trained"].get(key)}
                            for key in result["base"]], key=f"{config.name}-evaluation-table")
     gain = result["reward_gain"]
-    say("evaluate", f"held-out reward {stages.format_number(result['base']['reward'])} (base) -> "
-                    f"{stages.format_number(result['trained']['reward'])} (trained), gain "
+    say("evaluate", f"held-out reward {evaluation.format_number(result['base']['reward'])} (base) -> "
+                    f"{evaluation.format_number(result['trained']['reward'])} (trained), gain "
                     f"{'-' if gain is None else f'{gain:+.3f}'}; report: {result['report_path']}")
     return result

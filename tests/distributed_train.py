@@ -16,8 +16,7 @@ seen = []
 
 def reward(completion_ids, tag, trainer_state, **kwargs):
     values = [float(len(ids)) for ids in completion_ids]
-    if trainer_state is not None:  # None only in the pre-flight check
-        seen.append({"tags": list(tag), "rewards": values})
+    seen.append({"tags": list(tag), "rewards": values, "step": trainer_state.global_step})
     kwargs["log_metric"]("rank_metric", float(rank))
     return values
 
@@ -28,10 +27,10 @@ data = Dataset.from_list([{"prompt": [{"role": "user", "content": w}], "tag": i}
 args = RLOOConfig(output_dir=os.path.join(out, "run"), bf16=False, use_cpu=True, ddp_backend="gloo",
                   per_device_train_batch_size=3, num_generations=6, max_completion_length=6, max_steps=2,
                   logging_steps=1, report_to="none", save_strategy="no", beta=0.1, disable_tqdm=True,
-                  learning_rate=0.01)
+                  learning_rate=0.01, log_completions=True)
 trainer = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=reward, args=args, train_dataset=data,
                       processing_class=tokenizer)
 trainer.train()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump({"seen": seen, "log_history": trainer.state.log_history,
+    json.dump({"seen": seen, "log_history": trainer.state.log_history, "table": list(trainer._logs.prompt),
                "param_sum": sum(p.double().sum().item() for p in trainer.model.parameters())}, f)

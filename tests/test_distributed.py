@@ -27,5 +27,10 @@ def test_two_process_training_gathers_rewards_across_ranks(tmp_path):
         logged = [log for log in ranks[0]["log_history"] if "reward" in log][step]
         assert logged["reward"] == pytest.approx(sum(rewards) / 6)  # global mean, not rank 0's
         assert logged["rank_metric"] == pytest.approx(0.5)  # log_metric averaged over ranks
+        # Reward functions see the live step on every rank; no call before training.
+        assert ranks[0]["seen"][step]["step"] == ranks[1]["seen"][step]["step"] == step
+    assert len(ranks[0]["seen"]) == len(ranks[1]["seen"]) == 2
+    # The completion table holds every rank's rows of the last generation (6 = the whole group).
+    assert len(ranks[0]["table"]) == 6
     # DDP keeps the replicas identical.
     assert ranks[0]["param_sum"] == pytest.approx(ranks[1]["param_sum"], rel=1e-9)

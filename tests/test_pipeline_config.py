@@ -179,7 +179,8 @@ def test_evaluation_scores_one_rollout_with_the_training_state(tmp_path):
     prompt_lengths = []
     original = generator.generate
     generator.generate = lambda m, ids, *a: prompt_lengths.extend(len(i) for i in ids) or original(m, ids, *a)
-    result = stages._score(config, model, tokenizer, rows, RewardRunner([recorder], [None]), generator,
+    from infra.evaluation import _score
+    result = _score(config, model, tokenizer, rows, RewardRunner([recorder], [None]), generator,
                            TrainerState(global_step=7, max_steps=7))
     assert [step for step, _ in seen] == [7] and len(seen[0][1]) == 4  # one call, all rows, the live step
     lengths = [len(ids) for ids in seen[0][1]]

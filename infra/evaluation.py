@@ -1,0 +1,158 @@
+"""The evaluate stage: held-out prompts, base vs trained policy, scored by one rloo.rollout each; the report."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from infra import stages
+from infra.runconfig import RunConfig
+
+
+def _load_policies(config: RunConfig, model_result: dict, train_result: dict):
+    """(base, trained) models: the trained one is the base plus the saved adapter, or the saved full model."""
+    from rloo.models import load_causal_lm
+    trust = bool(config.training.get("trust_remote_code", False))
+    base = load_causal_lm(model_result["policy"], {}, trust).eval()
+    output_dir = train_result["output_dir"]
+    if os.path.exists(os.path.join(output_dir, "adapter_config.json")):
+        from peft import PeftModel
+        trained = PeftModel.from_pretrained(load_causal_lm(model_result["policy"], {}, trust), output_dir).eval()
+    else:
+        trained = load_causal_lm(output_dir, {}, trust).eval()
+    return base, trained
+
+
+def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) -> dict:
+    """One rollout of the held-out prompts (rloo.rollout, the function training uses) -> the report's metrics."""
+    import math
+
+    import torch
+
+    from rloo.rollout import RolloutSettings, build_rollout, rollout_metrics
+    batch = config.evaluation.batch_size
+
+    def generate(prompt_ids):
+        completions = []
+        for start in range(0, len(prompt_ids), batch):
+            completions += generator.generate(model, prompt_ids[start:start + batch], 1, state.global_step)
+        return completions
+
+    weights = torch.tensor(config.reward_weights or [1.0] * len(runner.names), dtype=torch.float32)
+    settings = RolloutSettings(num_generations=1, pad_token_id=generator.pad_token_id,
+                               eos_token_ids=generator.eos_ids, reward_weights=weights,
+                               chat_template_kwargs=config.training.get("chat_template_kwargs"))
+    rollout = build_rollout(rows, settings, generate=generate, processing_class=tokenizer, reward_runner=runner,
+                            trainer_state=state)
+    measured = rollout_metrics(rollout, runner.names, weights)
+    metrics = {}
+    for index, name in enumerate(runner.names):
+        column = [v for v in rollout.rewards_per_func[:, index].tolist() if not math.isnan(v)]
+        metrics[f"reward/{name}"] = sum(column) / len(column) if column else None
+        if column and set(column) <= {0.0, 1.0}:
+            metrics[f"accuracy/{name}"] = sum(column) / len(column)
+    metrics["reward"] = None if math.isnan(measured["reward"]) else measured["reward"]
+    metrics["completion_length"] = measured["completions/mean_length"]
+    metrics["truncated_ratio"] = measured["completions/clipped_ratio"]
+    return {"metrics": metrics, "texts": rollout.completion_texts}
+
+
+def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict) -> dict:
+    """Held-out prompts, base vs trained: mean reward per function, accuracy where a reward is 0/1, completion
+    lengths; a markdown report with a table, sample completions and the training reward curve."""
+    import torch
+    from datasets import load_from_disk
+    from transformers import GenerationConfig, TrainerState
+
+    from rloo.cli import resolve_reward
+    from rloo.generation import TransformersGenerator
+    from rloo.models import eos_token_ids, load_reward_model, load_tokenizer, prepare_tokenizer, reward_tokenizers
+    from rloo.rewards import RewardRunner
+    stages.record_execution(config, "evaluate")
+    rows = list(load_from_disk(dataset_result["eval_path"]))
+    if not rows:
+        raise ValueError("no held-out prompts to evaluate (data.eval_size is 0); set evaluation.enabled: false.")
+    trust = bool(config.training.get("trust_remote_code", False))
+    reward_funcs = [resolve_reward(entry) for entry in config.rewards]
+    reward_funcs = [load_reward_model(f, {}, trust) if isinstance(f, str) else f for f in reward_funcs]
+    runner = RewardRunner(reward_funcs, reward_tokenizers(reward_funcs, None, trust),
+                          config.training.get("chat_template_kwargs"))
+    tokenizer = prepare_tokenizer(load_tokenizer(model_result["tokenizer"] or model_result["policy"], trust))
+    base, trained = _load_policies(config, model_result, train_result)
+    eos = eos_token_ids(tokenizer, base)
+    max_new = config.evaluation.max_completion_length or config.training.get("max_completion_length", 512)
+    sampling = dict(do_sample=False) if config.evaluation.temperature == 0 else dict(
+        do_sample=True, temperature=config.evaluation.temperature)
+    generation_config = GenerationConfig(max_new_tokens=max_new, pad_token_id=tokenizer.pad_token_id,
+                                         eos_token_id=eos, **sampling)
+    generator = TransformersGenerator(generation_config, tokenizer.pad_token_id, eos)
+    # Reward functions see a TrainerState, as in training: the trained policy's step (the base model: step 0).
+    states = {"base": TrainerState(global_step=0, max_steps=train_result["global_step"]),
+              "trained": TrainerState(global_step=train_result["global_step"], max_steps=train_result["global_step"])}
+    torch.manual_seed(config.data.seed)
+    results = {label: _score(config, model, tokenizer, rows, runner, generator, states[label])
+               for label, model in (("base", base), ("trained", trained))}
+    base_metrics, trained_metrics = results["base"]["metrics"], results["trained"]["metrics"]
+    out = stages.stage_path(config, "eval")
+    os.makedirs(out, exist_ok=True)
+    plot = plot_reward_curve(train_result["metrics_path"], os.path.join(out, "reward_curve.png"))
+    report = render_report(config, dataset_result, base_metrics, trained_metrics, rows, results, plot)
+    with open(os.path.join(out, "report.md"), "w") as handle:
+        handle.write(report)
+    gain = None
+    if base_metrics["reward"] is not None and trained_metrics["reward"] is not None:
+        gain = trained_metrics["reward"] - base_metrics["reward"]
+    result = {"base": base_metrics, "trained": trained_metrics, "reward_gain": gain, "num_prompts": len(rows),
+              "report_path": os.path.join(out, "report.md"), "plot_path": plot}
+    stages.write_json(os.path.join(out, "metrics.json"), result)
+    return stages.save_stage_result(config, "evaluate", result)
+
+
+def plot_reward_curve(metrics_path: str, target: str) -> str | None:
+    if not os.path.exists(metrics_path):
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps, rewards = [], []
+    with open(metrics_path) as handle:
+        for line in handle:
+            record = json.loads(line)
+            if record.get("reward") is not None and "train_runtime" not in record:
+                steps.append(record["step"])
+                rewards.append(record["reward"])
+    if not steps:
+        return None
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    axis.plot(steps, rewards, marker="o")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("mean reward (training batch)")
+    axis.set_title("Training reward")
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(target, dpi=100)
+    plt.close(figure)
+    return target
+
+
+def format_number(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def render_report(config, dataset_result, base, trained, rows, results, plot) -> str:
+    lines = [f"# Evaluation of `{config.run_key}`", "",
+             f"{len(rows)} held-out prompts from `{dataset_result['source']}`, "
+             f"{'greedy decoding' if config.evaluation.temperature == 0 else f'temperature {config.evaluation.temperature}'}.",
+             "", "| metric | base | trained | change |", "| --- | --- | --- | --- |"]
+    for key in base:
+        change = None if base[key] is None or trained.get(key) is None else trained[key] - base[key]
+        lines.append(f"| {key} | {format_number(base[key])} | {format_number(trained.get(key))} | "
+                     f"{'-' if change is None else f'{change:+.3f}'} |")
+    if plot:
+        lines += ["", f"![training reward]({os.path.basename(plot)})"]
+    lines += ["", "## Samples", "", "| prompt | base | trained |", "| --- | --- | --- |"]
+    from rloo.completion_log import as_text
+    for index in range(min(5, len(rows))):
+        cells = [as_text(rows[index]["prompt"]), results["base"]["texts"][index], results["trained"]["texts"][index]]
+        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ")[:160] for c in cells) + " |")
+    return "\n".join(lines) + "\n"
