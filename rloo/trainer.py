@@ -395,6 +395,10 @@ class RLOOTrainer(Trainer):
         if state is not None:
             self._step = state["step"]
             buffered = state["buffered_inputs"]
+            if buffered and not isinstance(buffered[0], Rollout):
+                raise ValueError(f"checkpoint {checkpoint_dir} holds a generation buffer in the format of an older "
+                                 "rloo version (dicts, not Rollouts). Fix: resume it with the version that wrote it, "
+                                 "or start a new run in another output_dir.")
             self._buffered_inputs = None if buffered is None else [part.to(self.accelerator.device)
                                                                    for part in buffered]
 
