@@ -14,10 +14,10 @@ def slow_length_reward(completion_ids, **kwargs):
     return [float(len(ids)) for ids in completion_ids]
 
 
-def lookup_reward(completion_ids, trainer_state=None, **kwargs):
-    """Scores with a table file that evaluation needs (evaluation calls reward functions with trainer_state=None);
-    when the file is missing, evaluation fails until someone creates it."""
-    if trainer_state is None:
+def lookup_reward(completion_ids, trainer_state, **kwargs):
+    """Scores with a table file that evaluation needs (evaluation runs in the pipeline's own process, training under
+    torchrun, which sets RANK); when the file is missing, evaluation fails until someone creates it."""
+    if "RANK" not in os.environ:
         path = os.environ["RLOO_TEST_LOOKUP_FILE"]
         with open(path) as handle:
             bonus = float(handle.read().strip() or 0)
