@@ -6,13 +6,16 @@ before any weight loads); `ref_model.pt` the moved reference of sync_ref_model r
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import warnings
 
 import torch
 
 STATE_DIR = "rloo_state"
 REFERENCE_FILE = "ref_model.pt"
+CHECKPOINT = re.compile(r"checkpoint-[0-9]+")
 
 
 def atomic_save(obj, path: str) -> None:
@@ -20,12 +23,31 @@ def atomic_save(obj, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def is_complete(checkpoint: str) -> bool:
+    """transformers writes trainer_state.json last (after weights, optimizer, RNG and rloo state): a checkpoint
+    whose trainer_state.json is missing or unreadable was interrupted while being saved."""
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json")) as handle:
+            json.load(handle)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest `checkpoint-N` folder of output_dir, or None (also when output_dir does not exist)."""
+    """The newest complete `checkpoint-N` folder of output_dir, or None (also when output_dir does not exist); a
+    newer incomplete one (a save that was killed) is skipped with a warning naming it."""
     if not os.path.isdir(output_dir):
         return None
-    from transformers.trainer_utils import get_last_checkpoint
-    return get_last_checkpoint(output_dir)
+    found = [name for name in os.listdir(output_dir) if CHECKPOINT.fullmatch(name)
+             and os.path.isdir(os.path.join(output_dir, name))]
+    for name in sorted(found, key=lambda n: int(n.split("-")[1]), reverse=True):
+        path = os.path.join(output_dir, name)
+        if is_complete(path):
+            return path
+        warnings.warn(f"{path} is incomplete (no readable trainer_state.json: its save was interrupted); resuming "
+                      "from the checkpoint before it.")
+    return None
 
 
 def state_path(checkpoint: str, process_index: int) -> str:

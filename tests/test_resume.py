@@ -80,3 +80,18 @@ def test_resume_refuses_a_different_model(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="trained from a different model"):
         other.train(resume_from_checkpoint=checkpoint)
     assert not os.path.exists(tmp_path / "b" / "out" / "checkpoint-2")
+
+
+def test_latest_checkpoint_skips_one_whose_save_was_interrupted(tmp_path):
+    """A save killed before trainer_state.json (transformers writes it last) leaves a folder resume must not take."""
+    import json
+
+    from rloo.checkpoint import latest_checkpoint
+    for step in (2, 4, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    (tmp_path / "checkpoint-6" / "trainer_state.json").write_text('{"global_st')  # truncated mid-write
+    with pytest.warns(UserWarning, match="checkpoint-6 is incomplete"):
+        assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
+    assert latest_checkpoint(str(tmp_path / "missing")) is None
