@@ -32,11 +32,13 @@ def _load(config_path: str, assignments: list[str]):
 
 
 def cmd_validate(options) -> int:
-    from infra.stages import build_training_args
+    from infra.stages import build_training_args, job_recipe
     from rloo.cli import resolve_reward
     config = _load(options.config, options.set)
-    build_training_args(config, os.path.join(config.run_dir, "train", "output"))
-    for entry in config.rewards:
+    # The recipe the job would run (model alias unresolved: validating converts or builds nothing).
+    model = {"policy": config.training["model_name_or_path"], "tokenizer": None}
+    script, _ = build_training_args(config, job_recipe(config, model, config.data.source))
+    for entry in script.reward_funcs:
         resolve_reward(entry)
     source = config.data.source
     if source.endswith((".json", ".jsonl", ".csv", ".parquet")) and not os.path.isfile(source):

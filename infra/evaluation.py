@@ -12,7 +12,7 @@ from infra.runconfig import RunConfig
 def _load_policies(config: RunConfig, model_result: dict, train_result: dict):
     """(base, trained) models: the trained one is the base plus the saved adapter, or the saved full model."""
     from rloo.models import load_causal_lm
-    trust = bool(config.training.get("trust_remote_code", False))
+    trust = bool(config.recipe_value("trust_remote_code"))
     base = load_causal_lm(model_result["policy"], {}, trust).eval()
     output_dir = train_result["output_dir"]
     if os.path.exists(os.path.join(output_dir, "adapter_config.json")):
@@ -38,10 +38,10 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
             completions += generator.generate(model, prompt_ids[start:start + batch], 1, state.global_step)
         return completions
 
-    weights = torch.tensor(config.reward_weights or [1.0] * len(runner.names), dtype=torch.float32)
+    weights = torch.tensor(config.recipe_value("reward_weights") or [1.0] * len(runner.names), dtype=torch.float32)
     settings = RolloutSettings(num_generations=1, pad_token_id=generator.pad_token_id,
                                eos_token_ids=generator.eos_ids, reward_weights=weights,
-                               chat_template_kwargs=config.training.get("chat_template_kwargs"))
+                               chat_template_kwargs=config.recipe_value("chat_template_kwargs"))
     rollout = build_rollout(rows, settings, generate=generate, processing_class=tokenizer, reward_runner=runner,
                             trainer_state=state)
     measured = rollout_metrics(rollout, runner.names, weights)
@@ -72,15 +72,15 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
     rows = list(load_from_disk(dataset_result["eval_path"]))
     if not rows:
         raise ValueError("no held-out prompts to evaluate (data.eval_size is 0); set evaluation.enabled: false.")
-    trust = bool(config.training.get("trust_remote_code", False))
-    reward_funcs = [resolve_reward(entry) for entry in config.rewards]
+    trust = bool(config.recipe_value("trust_remote_code"))
+    reward_funcs = [resolve_reward(entry) for entry in config.training["reward_funcs"]]
     reward_funcs = [load_reward_model(f, {}, trust) if isinstance(f, str) else f for f in reward_funcs]
     runner = RewardRunner(reward_funcs, reward_tokenizers(reward_funcs, None, trust),
-                          config.training.get("chat_template_kwargs"))
+                          config.recipe_value("chat_template_kwargs"))
     tokenizer = prepare_tokenizer(load_tokenizer(model_result["tokenizer"] or model_result["policy"], trust))
     base, trained = _load_policies(config, model_result, train_result)
     eos = eos_token_ids(tokenizer, base)
-    max_new = config.evaluation.max_completion_length or config.training.get("max_completion_length", 512)
+    max_new = config.evaluation.max_completion_length or config.recipe_value("max_completion_length")
     sampling = dict(do_sample=False) if config.evaluation.temperature == 0 else dict(
         do_sample=True, temperature=config.evaluation.temperature)
     generation_config = GenerationConfig(max_new_tokens=max_new, pad_token_id=tokenizer.pad_token_id,

@@ -12,36 +12,24 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rloo.cli import FIELD_NAMES, PIPELINE_SECTIONS, ScriptArguments, unknown_field
+from rloo.cli import FIELD_NAMES, PIPELINE_SECTIONS, recipe_value, unknown_field
 
-MODEL_ALIASES = ("smollm2", "tiny")
+# What the pipeline sets in the recipe it hands to the job (the user sets everything else in `training:`).
+SET_BY_PIPELINE = {"dataset_name": "the prepared train split of data.source", "output_dir": "the run directory",
+                   "report_to": "the pipeline's own tracking (MLflow)", "resume_from_checkpoint": "the train stage",
+                   "dataset_config": "data.config", "dataset_train_split": "data.split",
+                   "dataset_test_split": "the held-out split (evaluation)", "dataset_streaming": "the dataset stage"}
+# Keys of the earlier pipeline shape and where they live now.
+MOVED = {"model.name_or_path": "training.model_name_or_path", "model.tokenizer": "training.tokenizer_name_or_path",
+         "model.peft.enabled": "training.use_peft", "model.peft.r": "training.lora_r",
+         "model.peft.alpha": "training.lora_alpha", "model.peft.dropout": "training.lora_dropout",
+         "model.peft.target_modules": "training.lora_target_modules (a list; omit it for all linear layers)",
+         "model.peft.load_in_4bit": "training.load_in_4bit", "rewards": "training.reward_funcs",
+         "reward_weights": "training.reward_weights"}
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-def _script_default(name: str):
-    """A default defined once, by `rloo train`'s ScriptArguments (the LoRA settings)."""
-    return ScriptArguments.__dataclass_fields__[name].default
-
-
-class PeftSettings(Strict):
-    """LoRA adapter (the reference policy is the base with the adapter disabled); defaults as `rloo train`'s."""
-    enabled: bool = False
-    r: int = Field(_script_default("lora_r"), ge=1)
-    alpha: int = Field(_script_default("lora_alpha"), ge=1)
-    dropout: float = Field(_script_default("lora_dropout"), ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
-    load_in_4bit: bool = Field(False, description="QLoRA (bitsandbytes + CUDA).")
-
-
-class ModelSettings(Strict):
-    """The policy: 'smollm2' (the packaged SmolLM2-135M-Instruct), 'tiny' (a tiny random model for tests), a local
-    directory, or a Hub id."""
-    name_or_path: str
-    tokenizer: str | None = None
-    peft: PeftSettings = PeftSettings()
 
 
 class DataSettings(Strict):
@@ -111,43 +99,51 @@ class TrackingSettings(Strict):
 
 
 class RunConfig(Strict):
+    """A pipeline config. `training:` is exactly an `rloo train` recipe (RLOOConfig fields plus ScriptArguments'
+    model / reward / LoRA keys), validated by rloo.cli.parse_recipe; the other sections are the pipeline's own."""
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$", description="Lowercase letters, digits and dashes.")
     run_root: str = "runs"
-    model: ModelSettings
     data: DataSettings
-    rewards: list[str] = Field(min_length=1, description="Reward functions by import path, or reward-model ids.")
-    reward_weights: list[float] | None = None
-    training: dict[str, Any] = Field(default_factory=dict, description="RLOOConfig fields.")
+    training: dict[str, Any] = Field(description="An `rloo train` recipe: model_name_or_path ('smollm2', 'tiny', a "
+                                                 "path or a Hub id), reward_funcs, LoRA keys, RLOOConfig fields.")
     launch: LaunchSettings = LaunchSettings()
     evaluation: EvalSettings = EvalSettings()
     tracking: TrackingSettings = TrackingSettings()
 
     @field_validator("training")
     @classmethod
-    def _known_training_fields(cls, training: dict) -> dict:
-        reserved = {"output_dir", "reward_weights", "report_to"}
+    def _recipe_keys(cls, training: dict) -> dict:
         for key in training:
-            if key in reserved:
-                raise ValueError(f"training.{key} is set by the pipeline (output_dir = the run directory, "
-                                 "reward_weights at the top level, report_to = mlflow); remove it.")
+            if key in SET_BY_PIPELINE:
+                raise ValueError(f"training.{key} is set by the pipeline ({SET_BY_PIPELINE[key]}); remove it.")
             if key not in FIELD_NAMES:
                 raise ValueError(f"training.{key}: {unknown_field(key)}")
+        for key in ("model_name_or_path", "reward_funcs"):
+            if not training.get(key):
+                raise ValueError(f"training.{key} is required (the recipe's policy and reward functions).")
         return training
 
     @model_validator(mode="after")
     def _combinations(self) -> "RunConfig":
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
-            raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {len(self.rewards)} "
-                             "rewards; give one weight per reward.")
-        if self.model.peft.load_in_4bit and not self.model.peft.enabled:
-            raise ValueError("model.peft.load_in_4bit needs model.peft.enabled: true (QLoRA trains an adapter).")
-        generations = self.training.get("num_generations", 2)
+        # What depends on the launch (the world size) is checked here; the rest by the recipe's own validation
+        # (rloo.cli.parse_recipe, in the model stage and `rloo-pipeline validate`), plus what is cheap to see now.
+        weights, funcs = self.training.get("reward_weights"), self.training["reward_funcs"]
+        if weights is not None and len(weights) != len(funcs):
+            raise ValueError(f"training.reward_weights has {len(weights)} entries for {len(funcs)} "
+                             "training.reward_funcs; give one weight per reward.")
+        if self.training.get("load_in_4bit") and not self.training.get("use_peft"):
+            raise ValueError("training.load_in_4bit needs training.use_peft: true (QLoRA trains an adapter).")
+        generations = recipe_value(self.training, "num_generations")
         nodes = self.launch.slurm.trainer_nodes if self.launch.executor == "slurm" else 1
-        batch = self.training.get("per_device_train_batch_size", 8) * self.launch.nproc_per_node * nodes
+        batch = recipe_value(self.training, "per_device_train_batch_size") * self.launch.nproc_per_node * nodes
         if batch % generations:
             raise ValueError(f"training.per_device_train_batch_size x launch.nproc_per_node x trainer nodes = {batch} "
                              f"is not divisible by training.num_generations = {generations}.")
         return self
+
+    def recipe_value(self, name: str):
+        """A `training:` field, or its default (defined once, by rloo train's dataclasses)."""
+        return recipe_value(self.training, name)
 
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> str:
@@ -208,6 +204,7 @@ def load_run_config(source: str | dict, overrides: list[str] | None = None) -> R
                               "takes a config with name/model/data/rewards/training sections (configs/*.yaml).")
     for assignment in overrides or []:
         apply_override(data, assignment)
+    check_moved_keys(data, origin)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
@@ -220,6 +217,24 @@ def load_run_config(source: str | dict, overrides: list[str] | None = None) -> R
             lines.append(f"  {where}: {message}" + (f" (got {problem['input']!r})" if problem["type"] not in (
                 "extra_forbidden", "missing", "value_error") else ""))
         raise ConfigError(f"{origin}: invalid run config\n" + "\n".join(lines)) from None
+
+
+def check_moved_keys(data: dict, origin: str) -> None:
+    """Keys of the earlier config shape get an error that names their new place."""
+    if not isinstance(data, dict):
+        return
+    found = []
+    for old, new in MOVED.items():
+        node = data
+        for part in old.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None or (old in ("rewards", "reward_weights") and old in data):
+            found.append(f"  {old}: moved to {new}")
+    if isinstance(data.get("model"), dict) and not found:
+        found.append("  model: moved into training (model_name_or_path, tokenizer_name_or_path, use_peft, lora_*)")
+    if found:
+        raise ConfigError(f"{origin}: the model, LoRA and reward settings now live in `training:`, which is an `rloo "
+                          "train` recipe:\n" + "\n".join(found))
 
 
 def resolved_dict(config: RunConfig) -> dict:

@@ -122,27 +122,12 @@ def dataset_digest(*splits) -> str:
 
 # ---------------------------------------------------------------------------------------------- model
 def resolve_model_source(config: RunConfig) -> tuple[str, str | None]:
-    """(policy path or id, tokenizer path or None) with the aliases resolved: 'smollm2' -> the packaged
-    SmolLM2-135M-Instruct (converted once, cached); 'tiny' -> a tiny random Llama built under the run root."""
-    name = config.model.name_or_path
-    if name == "smollm2":
-        from rloo.assets import smollm2_path
-        return smollm2_path(), config.model.tokenizer
-    if name == "tiny":
-        from rloo.tiny import save_tiny, tiny_causal_lm, tiny_tokenizer
-        root = os.path.abspath(os.path.join(config.run_root, ".assets", "tiny"))
-        model_dir, tokenizer_dir = os.path.join(root, "model"), os.path.join(root, "tokenizer")
-        if not os.path.exists(os.path.join(model_dir, "config.json")):
-            staging = root + f".staging-{os.getpid()}"
-            shutil.rmtree(staging, ignore_errors=True)
-            tokenizer = tiny_tokenizer()
-            save_tiny(staging, tiny_causal_lm(tokenizer), tokenizer)
-            os.makedirs(os.path.dirname(root), exist_ok=True)
-            if not os.path.exists(root):
-                os.replace(staging, root)
-            shutil.rmtree(staging, ignore_errors=True)
-        return model_dir, config.model.tokenizer or tokenizer_dir
-    return name, config.model.tokenizer
+    """(policy path or id, tokenizer path or None) for training.model_name_or_path, aliases resolved
+    (rloo.assets.resolve_model_alias; 'tiny' is built under the run root), training.tokenizer_name_or_path first."""
+    from rloo.assets import resolve_model_alias
+    policy, tokenizer = resolve_model_alias(config.training["model_name_or_path"],
+                                            os.path.join(config.run_root, ".assets"))
+    return policy, config.training.get("tokenizer_name_or_path") or tokenizer
 
 
 def check_lora_targets(model_source: str, targets, trust_remote_code: bool) -> int:
@@ -159,21 +144,33 @@ def check_lora_targets(model_source: str, targets, trust_remote_code: bool) -> i
     if targets != "all-linear":
         missing = [t for t in targets if t not in available]
         if missing:
-            raise ValueError(f"model.peft.target_modules {missing} match no layer of {type(skeleton).__name__}; "
+            raise ValueError(f"training.lora_target_modules {missing} match no layer of {type(skeleton).__name__}; "
                              f"its Linear layers are: {', '.join(available)}.")
     return sum(p.numel() for p in skeleton.parameters())
 
 
-def build_training_args(config: RunConfig, output_dir: str):
-    """The RLOOConfig the job will build, checked here in one process: the batch arithmetic is done for the
-    launch's world size (trainer nodes x processes per node) by scaling the per-device batch sizes."""
-    from rloo.config import RLOOConfig
-    settings = dict(config.training)
-    settings.update(output_dir=output_dir, report_to="none")
+def job_recipe(config: RunConfig, model_result: dict, dataset_path: str) -> dict:
+    """The `rloo train` recipe the job runs: `training:` unchanged, plus what the pipeline sets (the resolved model
+    alias, the prepared dataset, output_dir, report_to, its tracking callback)."""
+    recipe = dict(config.training)
+    recipe.update(model_name_or_path=model_result["policy"], dataset_name=dataset_path,
+                  output_dir=stage_path(config, "train", "output"), report_to="none",
+                  callbacks=[*(recipe.get("callbacks") or []), "infra.tracking:RunDirTrackingCallback"])
+    if model_result.get("tokenizer"):
+        recipe["tokenizer_name_or_path"] = model_result["tokenizer"]
+    return recipe
+
+
+def build_training_args(config: RunConfig, recipe: dict):
+    """(ScriptArguments, RLOOConfig) of the job's recipe, validated here in one process by rloo.cli.parse_recipe
+    (what `rloo train` runs). The batch arithmetic is done for the launch's world size (trainer nodes x processes
+    per node) by scaling the per-device batch sizes."""
+    from rloo.cli import parse_recipe, recipe_value
+    settings = dict(recipe)
     world = config.launch.nproc_per_node * (config.launch.slurm.trainer_nodes
                                             if config.launch.executor == "slurm" else 1)
-    for key, default in (("per_device_train_batch_size", 8), ("per_device_eval_batch_size", 8)):
-        settings[key] = settings.get(key, default) * world
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+        settings[key] = recipe_value(recipe, key) * world
     if config.launch.executor == "slurm" and config.launch.slurm.gpus_per_node:
         # The cluster's GPUs, not this machine's, decide bf16 and DeepSpeed: check the files, not the hardware.
         settings["use_cpu"] = True
@@ -184,15 +181,13 @@ def build_training_args(config: RunConfig, output_dir: str):
             with open(deepspeed) as handle:
                 if "zero_optimization" not in json.load(handle):
                     raise ValueError(f"training.deepspeed={deepspeed!r} has no zero_optimization section.")
-    if config.reward_weights is not None:
-        settings["reward_weights"] = config.reward_weights
-    args = RLOOConfig(**settings)
+    script_args, args = parse_recipe(settings)
     if args.deepspeed:
         # RLOOConfig switched transformers' process-wide ZeRO-3 flag on; models this (orchestration) process
         # loads later must not be built under zero.Init.
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
         unset_hf_deepspeed_config()
-    return args
+    return script_args, args
 
 
 def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
@@ -201,21 +196,23 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
     from rloo.cli import resolve_reward
     from rloo.models import check_quantization_supported, load_tokenizer, prepare_tokenizer
     record_execution(config, "model")
-    args = build_training_args(config, stage_path(config, "train", "output"))
-    rewards = [resolve_reward(entry) for entry in config.rewards]
     policy, tokenizer_source = resolve_model_source(config)
+    script, args = build_training_args(config, job_recipe(config, {"policy": policy, "tokenizer": tokenizer_source},
+                                                          dataset_result["train_path"]))
+    if script.load_in_4bit:
+        check_quantization_supported(type("Q", (), {"quant_method": "bitsandbytes"})())
+    rewards = [resolve_reward(entry) for entry in script.reward_funcs]
     tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_source or policy, args.trust_remote_code))
     if dataset_result["format"] == "conversational" and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the dataset's prompts are conversational but the tokenizer of {policy!r} has no chat "
-                         "template. Fix: use an instruct model, set model.tokenizer to one with a template, or "
-                         "give plain-text prompts.")
-    peft = config.model.peft
-    if peft.load_in_4bit:
-        check_quantization_supported(type("Q", (), {"quant_method": "bitsandbytes"})())
-    num_parameters = check_lora_targets(policy, peft.target_modules if peft.enabled else "all-linear",
-                                        args.trust_remote_code)
-    result = {"policy": policy, "tokenizer": tokenizer_source, "num_parameters": num_parameters,
-              "peft": peft.model_dump(), "reward_names": [getattr(r, "__name__", str(r)) for r in rewards]}
+                         "template. Fix: use an instruct model, set training.tokenizer_name_or_path to one with a "
+                         "template, or give plain-text prompts.")
+    targets = (script.lora_target_modules or "all-linear") if script.use_peft else "all-linear"
+    num_parameters = check_lora_targets(policy, targets, args.trust_remote_code)
+    peft = {"enabled": script.use_peft, "r": script.lora_r, "alpha": script.lora_alpha,
+            "dropout": script.lora_dropout, "target_modules": targets, "load_in_4bit": script.load_in_4bit}
+    result = {"policy": policy, "tokenizer": tokenizer_source, "num_parameters": num_parameters, "peft": peft,
+              "reward_names": [getattr(r, "__name__", str(r)) for r in rewards]}
     return save_stage_result(config, "model", result)
 
 
@@ -225,21 +222,9 @@ def train_dir(config: RunConfig) -> str:
 
 
 def write_train_recipe(config: RunConfig, dataset_result: dict, model_result: dict, resume: bool) -> str:
-    """The `rloo train` recipe the job runs: the pipeline's config in the CLI's flat format."""
+    """train/recipe.yaml: the job's `rloo train` recipe (job_recipe), resuming from the latest checkpoint if asked."""
     import yaml
-    peft = config.model.peft
-    recipe = {"model_name_or_path": model_result["policy"], "dataset_name": dataset_result["train_path"],
-              "reward_funcs": list(config.rewards), "callbacks": ["infra.tracking:RunDirTrackingCallback"],
-              **config.training, "output_dir": stage_path(config, "train", "output"), "report_to": "none"}
-    if model_result.get("tokenizer"):
-        recipe["tokenizer_name_or_path"] = model_result["tokenizer"]
-    if config.reward_weights is not None:
-        recipe["reward_weights"] = config.reward_weights
-    if peft.enabled:
-        recipe.update(use_peft=True, lora_r=peft.r, lora_alpha=peft.alpha, lora_dropout=peft.dropout,
-                      load_in_4bit=peft.load_in_4bit)
-        if peft.target_modules != "all-linear":
-            recipe["lora_target_modules"] = list(peft.target_modules)
+    recipe = job_recipe(config, model_result, dataset_result["train_path"])
     if resume:
         recipe["resume_from_checkpoint"] = "latest"
     path = stage_path(config, "train", "recipe.yaml")
@@ -295,7 +280,7 @@ def training_progress(config: RunConfig) -> tuple[int, int | None]:
             for line in handle:
                 if line.strip():
                     step = max(step, json.loads(line).get("step", 0))
-    max_steps = config.training.get("max_steps")
+    max_steps = config.recipe_value("max_steps")
     return step, max_steps if max_steps and max_steps > 0 else None
 
 

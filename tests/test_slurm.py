@@ -130,7 +130,7 @@ def test_scancel_fails_the_stage_and_a_retry_resumes(cluster, tmp_path, monkeypa
     monkeypatch.setenv("PYTHONPATH", TESTS)
     monkeypatch.setenv("RLOO_TEST_REWARD_SLEEP", "1.0")
     # generation_nodes=0 (trainer-side generation, 4 nodes, no server) exercised here for real.
-    config = slurm_config(tmp_path, "rewards=[pipeline_rewards:slow_length_reward]", "reward_weights=null",
+    config = slurm_config(tmp_path, "training.reward_funcs=[pipeline_rewards:slow_length_reward]", "training.reward_weights=null",
                           "training.max_steps=5", "training.save_steps=2", "launch.slurm.generation_nodes=0")
     dataset, model = prepared(config)
     record = stages.start_or_reattach_training(config, dataset, model, None)
@@ -155,7 +155,7 @@ def test_scancel_fails_the_stage_and_a_retry_resumes(cluster, tmp_path, monkeypa
 def test_a_crashed_trainer_rank_fails_the_job_promptly(cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", TESTS)
     monkeypatch.setenv("RLOO_TEST_CRASH_RANK", "2")
-    config = slurm_config(tmp_path, "rewards=[pipeline_rewards:crash_on_rank_reward]", "reward_weights=null",
+    config = slurm_config(tmp_path, "training.reward_funcs=[pipeline_rewards:crash_on_rank_reward]", "training.reward_weights=null",
                           "training.max_steps=50", "launch.slurm.collective_timeout_s=60")
     dataset, model = prepared(config)
     record = stages.start_or_reattach_training(config, dataset, model, None)
@@ -170,7 +170,7 @@ def test_preempted_job_is_requeued_and_ends_with_the_same_weights(cluster, tmp_p
     from safetensors.torch import load_file
     monkeypatch.setenv("PYTHONPATH", TESTS)
     monkeypatch.setenv("RLOO_TEST_REWARD_SLEEP", "1.0")
-    settings = ["rewards=[pipeline_rewards:slow_length_reward]", "reward_weights=null", "training.max_steps=4",
+    settings = ["training.reward_funcs=[pipeline_rewards:slow_length_reward]", "training.reward_weights=null", "training.max_steps=4",
                 "training.save_steps=1", "launch.slurm.signal_delay_s=60", *ZERO3]
     weights = {}
     for name in ("uninterrupted", "preempted"):
@@ -234,8 +234,8 @@ def test_four_trainer_nodes_and_a_real_vllm_server_on_node_five(cluster, tmp_pat
     model_dir = save_servable(str(tmp_path / "servable"), tiny_servable_causal_lm(tokenizer), tokenizer)
     server = ["env", "VLLM_SERVER_DEV_MODE=1", "VLLM_CPU_KVCACHE_SPACE=1",
               *vllm_cpu_server_command("{model}", "{host}", "{port}")]
-    config = slurm_config(tmp_path, *ZERO3, f"model.name_or_path={model_dir}", "model.peft.enabled=true",
-                          "rewards=[cli_rewards:first_token_reward]", "reward_weights=null",
+    config = slurm_config(tmp_path, *ZERO3, f"training.model_name_or_path={model_dir}", "training.use_peft=true",
+                          "training.reward_funcs=[cli_rewards:first_token_reward]", "training.reward_weights=null",
                           "training.use_vllm=true", "training.vllm_mode=server", "training.vllm_group_port=18435",
                           "training.vllm_sync_tolerance=1e-4", "training.learning_rate=0.05",
                           f"launch.slurm.generation_command={json.dumps(server)}",
