@@ -28,5 +28,11 @@ def length_reward(completion_ids, **kwargs):
     return [float(len(ids)) for ids in completion_ids]
 
 
+def position_reward(completion_ids, **kwargs):
+    """Differs inside every group, so every step has non-zero advantages and the weights move whatever is sampled
+    (with length_reward, a tiny random model often samples equal lengths: zero advantages, no update)."""
+    return [float(i) for i in range(len(completion_ids))]
+
+
 def logged(trainer, key):
     return [log[key] for log in trainer.state.log_history if key in log]

@@ -6,7 +6,7 @@ import torch
 from rloo import RLOOTrainer
 from rloo.generation import ContinuousBatchingGenerator, TransformersGenerator
 
-from helpers import conversational, length_reward, logged, make_args
+from helpers import conversational, length_reward, logged, make_args, position_reward
 
 
 def test_greedy_continuous_batching_equals_generate(tmp_path, tokenizer, model):
@@ -28,7 +28,7 @@ def test_trains_with_continuous_batching_and_user_config(tmp_path, tokenizer, mo
     before = [p.detach().clone() for p in model.parameters()]
     args = make_args(tmp_path, use_transformers_continuous_batching=True, max_steps=2,
                      transformers_continuous_batching_config={"num_blocks": 64, "page_size": 8})
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=conversational(),
+    trainer = RLOOTrainer(model=model, reward_funcs=position_reward, args=args, train_dataset=conversational(),
                           processing_class=tokenizer)
     engine = trainer.generator._engine_config([[1, 2, 3]])
     assert (engine.num_blocks, engine.page_size) == (64, 8)

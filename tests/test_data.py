@@ -7,7 +7,7 @@ from datasets import DatasetDict, IterableDataset
 from rloo import RLOOTrainer
 from rloo.sampling import repeat_iterable
 
-from helpers import conversational, length_reward, logged, make_args, standard
+from helpers import conversational, length_reward, logged, make_args, position_reward, standard
 
 
 def evaluate_with(tmp_path, tokenizer, model, eval_dataset, **kwargs):
@@ -85,7 +85,7 @@ def test_train_on_iterable_dataset(tmp_path, tokenizer, model):
 
     def reward(tag, completion_ids, **kwargs):
         seen.append(list(tag))
-        return [float(len(ids)) for ids in completion_ids]
+        return position_reward(completion_ids)
 
     def stream():
         for row in conversational(16):

@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 from rloo import RLOOTrainer
 from rloo.testing import save_remote_code_model, save_tiny, tiny_causal_lm, tiny_moe_causal_lm
 
-from helpers import conversational, length_reward, logged, make_args
+from helpers import conversational, length_reward, logged, make_args, position_reward
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
@@ -19,7 +19,7 @@ def snapshot(model):
 
 
 def test_lora_trains_adapter_only_and_reference_is_the_base(tmp_path, tokenizer, model):
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, beta=0.05, max_steps=3),
+    trainer = RLOOTrainer(model=model, reward_funcs=position_reward, args=make_args(tmp_path, beta=0.05, max_steps=3),
                           train_dataset=conversational(), processing_class=tokenizer,
                           peft_config=LoraConfig(**LORA))
     assert trainer.ref_model is None
