@@ -32,12 +32,10 @@ def _load(config_path: str, assignments: list[str]):
 
 
 def cmd_validate(options) -> int:
-    from infra.stages import build_training_args, job_recipe
+    from infra.stages import validate_recipe
     from rloo.cli import resolve_reward
     config = _load(options.config, options.set)
-    # The recipe the job would run (model alias unresolved: validating converts or builds nothing).
-    model = {"policy": config.training["model_name_or_path"], "tokenizer": None}
-    script, _ = build_training_args(config, job_recipe(config, model, config.data.source))
+    script, _ = validate_recipe(config)
     for entry in script.reward_funcs:
         resolve_reward(entry)
     source = config.data.source

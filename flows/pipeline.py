@@ -44,6 +44,7 @@ async def rloo_pipeline(
     overrides: list[str] = Field(default_factory=list, description="key=value overrides, e.g. training.max_steps=20"),
 ) -> dict:
     config = load_run_config(recipe, overrides)
+    stages.validate_recipe(config)  # every RLOOConfig value, before any stage
     stages.write_config(config)
     tracking.check_reachable(config.tracking_uri)
     tags = {"rloo.recipe": recipe, "prefect.flow_run_id": str(flow_run.id) if flow_run.id else "",

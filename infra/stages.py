@@ -190,6 +190,13 @@ def build_training_args(config: RunConfig, recipe: dict):
     return script_args, args
 
 
+def validate_recipe(config: RunConfig):
+    """The job's recipe checked before any stage runs (`rloo-pipeline validate`, and the flow's first step): the
+    model alias left unresolved (nothing converted or built), data.source standing in for the prepared split."""
+    model = {"policy": config.training["model_name_or_path"], "tokenizer": None}
+    return build_training_args(config, job_recipe(config, model, config.data.source))
+
+
 def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
     """Everything about the model that can fail, checked before training: paths, tokenizer, chat template,
     LoRA targets, quantization support, the training arguments, the reward imports."""

@@ -20,10 +20,9 @@ def tiny(tmp_path, *overrides):
 def test_shipped_configs_validate(tmp_path):
     for name in ("tiny.yaml", "quickstart.yaml"):
         config = load_run_config(os.path.join(ROOT, "configs", name), [f"run_root={tmp_path}"])
-        recipe = stages.job_recipe(config, {"policy": config.training["model_name_or_path"], "tokenizer": None},
-                                   config.data.source)
-        script, args = stages.build_training_args(config, recipe)
-        assert script.reward_funcs == config.training["reward_funcs"] and args.output_dir == recipe["output_dir"]
+        script, args = stages.validate_recipe(config)
+        assert script.reward_funcs == config.training["reward_funcs"]
+        assert args.output_dir == stages.stage_path(config, "train", "output")
 
 
 @pytest.mark.parametrize("override, message", [
@@ -249,3 +248,15 @@ def test_training_block_runs_unchanged_under_rloo_train(tmp_path):
                             timeout=300, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.path.exists(tmp_path / "out" / "adapter_config.json")  # use_peft from the block: an adapter
+
+
+def test_a_bad_training_value_fails_the_flow_before_any_stage(tmp_path):
+    """Every RLOOConfig value is checked first (rloo.cli.parse_recipe), before the run directory or a stage."""
+    import asyncio
+
+    from flows.pipeline import rloo_pipeline
+    overrides = [f"run_root={tmp_path}", f"data.source={ROOT}/data/arithmetic.jsonl",
+                 "training.max_completion_length=0"]
+    with pytest.raises(ValueError, match="max_completion_length=0"):
+        asyncio.run(rloo_pipeline.fn(TINY, overrides))
+    assert os.listdir(tmp_path) == []
