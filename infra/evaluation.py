@@ -11,13 +11,20 @@ from infra.runconfig import RunConfig
 
 def _load_policies(config: RunConfig, model_result: dict, train_result: dict):
     """(base, trained) models: the trained one is the base plus the saved adapter, or the saved full model."""
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
     from rloo.models import load_causal_lm
+    transformers_logging.disable_progress_bar()  # one summary line per stage, not a bar per weight file
     trust = bool(config.recipe_value("trust_remote_code"))
     base = load_causal_lm(model_result["policy"], {}, trust).eval()
     output_dir = train_result["output_dir"]
     if os.path.exists(os.path.join(output_dir, "adapter_config.json")):
         from peft import PeftModel
-        trained = PeftModel.from_pretrained(load_causal_lm(model_result["policy"], {}, trust), output_dir).eval()
+        with warnings.catch_warnings():  # peft 0.21 calls transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            trained = PeftModel.from_pretrained(load_causal_lm(model_result["policy"], {}, trust), output_dir).eval()
     else:
         trained = load_causal_lm(output_dir, {}, trust).eval()
     return base, trained

@@ -200,8 +200,11 @@ def validate_recipe(config: RunConfig):
 def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
     """Everything about the model that can fail, checked before training: paths, tokenizer, chat template,
     LoRA targets, quantization support, the training arguments, the reward imports."""
+    from transformers.utils import logging as transformers_logging
+
     from rloo.cli import resolve_reward
     from rloo.models import check_quantization_supported, load_tokenizer, prepare_tokenizer
+    transformers_logging.disable_progress_bar()  # building the 'tiny' alias: no bar per weight file
     record_execution(config, "model")
     policy, tokenizer_source = resolve_model_source(config)
     script, args = build_training_args(config, job_recipe(config, {"policy": policy, "tokenizer": tokenizer_source},
