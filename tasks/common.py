@@ -1,6 +1,9 @@
-"""What every stage task shares: the cache key (config fingerprint + stage version) and the stage's summary line."""
+"""What every stage task shares: the cache key (config fingerprint + stage version), the stage's summary line, and
+training's progress (a Prefect progress artifact and a log line)."""
 
 from __future__ import annotations
+
+import time
 
 from infra.runconfig import RunConfig
 from infra.stages import STAGE_VERSIONS
@@ -18,3 +21,33 @@ def say(stage: str, message: str) -> None:
     """The one summary line per stage on the console (and in the Prefect run log)."""
     from prefect import get_run_logger
     get_run_logger().info("[%s] %s", stage, message)
+
+
+def progress_reporter(config: RunConfig, every_s: float = 30.0):
+    """on_progress(step, max_steps, reward) for follow_training: updates the Prefect progress artifact at each new
+    step and logs `[train] step 12/40, reward 0.312, ETA 4m10s` at most every `every_s` seconds (and at the end),
+    a plain line that reads the same in a terminal, a pipe or the Prefect UI."""
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+    artifact = create_progress_artifact(0.0, key=f"{config.name}-training-progress",
+                                        description=f"Optimizer steps of {config.run_key}", _sync=True)
+    start, state = time.time(), {"logged": 0.0, "first": None}
+
+    def on_progress(step: int, max_steps: int | None, reward: float | None) -> None:
+        if max_steps:
+            update_progress_artifact(artifact, 100.0 * step / max_steps, _sync=True)
+        now = time.time()
+        if step and state["first"] is None:
+            state["first"] = (step, now)  # ETA from the pace after the first step (it includes start-up)
+        if now - state["logged"] < every_s and step != max_steps:
+            return
+        state["logged"] = now
+        parts = [f"step {step}" + (f"/{max_steps}" if max_steps else "")]
+        if reward is not None:
+            parts.append(f"reward {reward:.3f}")
+        first = state["first"]
+        if max_steps and first and step > first[0]:
+            remaining = (now - first[1]) / (step - first[0]) * (max_steps - step)
+            parts.append(f"ETA {int(remaining // 60)}m{int(remaining % 60):02d}s")
+        parts.append(f"{int(now - start)}s elapsed")
+        say("train", ", ".join(parts))
+    return on_progress

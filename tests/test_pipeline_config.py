@@ -260,3 +260,22 @@ def test_a_bad_training_value_fails_the_flow_before_any_stage(tmp_path):
     with pytest.raises(ValueError, match="max_completion_length=0"):
         asyncio.run(rloo_pipeline.fn(TINY, overrides))
     assert os.listdir(tmp_path) == []
+
+
+def test_training_progress_line_has_step_reward_and_eta(tmp_path, monkeypatch):
+    """A plain log line (terminal, pipe or Prefect UI alike) at most every 30 s and at the last step."""
+    import prefect.artifacts
+
+    import tasks.common as common
+    lines, clock = [], {"now": 1000.0}
+    monkeypatch.setattr(prefect.artifacts, "create_progress_artifact", lambda *a, **k: "artifact")
+    monkeypatch.setattr(prefect.artifacts, "update_progress_artifact", lambda *a, **k: None)
+    monkeypatch.setattr(common, "say", lambda stage, message: lines.append(message))
+    monkeypatch.setattr(common.time, "time", lambda: clock["now"])
+    report = common.progress_reporter(tiny(tmp_path))
+    for step, now in ((1, 1010.0), (2, 1020.0), (3, 1045.0), (4, 1050.0), (10, 1110.0)):
+        clock["now"] = now
+        report(step, 10, 0.25 * step)
+    assert lines == ["step 1/10, reward 0.250, 10s elapsed",
+                     "step 3/10, reward 0.750, ETA 2m02s, 45s elapsed",  # 17.5 s/step since step 1, 7 left
+                     "step 10/10, reward 2.500, ETA 0m00s, 110s elapsed"]
