@@ -50,10 +50,10 @@ MODEL_ALIASES = ("smollm2", "tiny")
 def resolve_model_alias(name: str, root: str | None = None) -> tuple[str, str | None]:
     """(model path or id, tokenizer path or None): 'smollm2' -> the converted SmolLM2 folder; 'tiny' -> a tiny random
     Llama and its tokenizer (separate folders) built once under `root` (default: the cache); anything else as given."""
+    if name not in MODEL_ALIASES or os.path.isdir(name):  # a folder of that name wins over the alias
+        return name, None
     if name == "smollm2":
         return smollm2_path(), None
-    if name != "tiny":
-        return name, None
     from rloo.tiny import save_tiny, tiny_causal_lm, tiny_tokenizer
     base = os.path.abspath(os.path.join(root or cache_root(), "tiny"))
     model_dir, tokenizer_dir = os.path.join(base, "model"), os.path.join(base, "tokenizer")

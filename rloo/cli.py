@@ -203,9 +203,9 @@ def build_peft_config(script_args: ScriptArguments):
 
 def build_trainer(argv: list[str]):
     """Everything that can be checked before training: arguments, reward imports, data, model, PEFT."""
+    from rloo.assets import resolve_model_alias
     from rloo.data import load_prompt_dataset
     from rloo.trainer import RLOOTrainer
-    from rloo.assets import resolve_model_alias
     script_args, config = parse_arguments(argv)
     model_path, alias_tokenizer = resolve_model_alias(script_args.model_name_or_path)
     tokenizer_source = script_args.tokenizer_name_or_path or alias_tokenizer
