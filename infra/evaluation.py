@@ -52,13 +52,17 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
     rollout = build_rollout(rows, settings, generate=generate, processing_class=tokenizer, reward_runner=runner,
                             trainer_state=state)
     measured = rollout_metrics(rollout, runner.names, weights)
+
+    def number(value: float) -> float | None:
+        return None if math.isnan(value) else value
+
     metrics = {}
     for index, name in enumerate(runner.names):
-        column = [v for v in rollout.rewards_per_func[:, index].tolist() if not math.isnan(v)]
-        metrics[f"reward/{name}"] = sum(column) / len(column) if column else None
-        if column and set(column) <= {0.0, 1.0}:
-            metrics[f"accuracy/{name}"] = sum(column) / len(column)
-    metrics["reward"] = None if math.isnan(measured["reward"]) else measured["reward"]
+        metrics[f"reward/{name}"] = number(measured[f"rewards/{name}/mean"])
+        scored = {v for v in rollout.rewards_per_func[:, index].tolist() if not math.isnan(v)}
+        if scored and scored <= {0.0, 1.0}:
+            metrics[f"accuracy/{name}"] = metrics[f"reward/{name}"]  # a 0/1 reward's mean is its accuracy
+    metrics["reward"] = number(measured["reward"])
     metrics["completion_length"] = measured["completions/mean_length"]
     metrics["truncated_ratio"] = measured["completions/clipped_ratio"]
     return {"metrics": metrics, "texts": rollout.completion_texts}

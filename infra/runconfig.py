@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rloo.cli import FIELD_NAMES, PIPELINE_SECTIONS, recipe_value, unknown_field
+from rloo.cli import FIELD_NAMES, PIPELINE_SECTIONS, check_recipe_combinations, recipe_value, unknown_field
 
 # What the pipeline sets in the recipe it hands to the job (the user sets everything else in `training:`).
 SET_BY_PIPELINE = {"dataset_name": "the prepared train split of data.source", "output_dir": "the run directory",
@@ -127,15 +127,10 @@ class RunConfig(Strict):
     def _combinations(self) -> "RunConfig":
         # What depends on the launch (the world size) is checked here; the rest by the recipe's own validation
         # (rloo.cli.parse_recipe, in the model stage and `rloo-pipeline validate`), plus what is cheap to see now.
-        weights, funcs = self.training.get("reward_weights"), self.training["reward_funcs"]
-        if weights is not None and len(weights) != len(funcs):
-            raise ValueError(f"training.reward_weights has {len(weights)} entries for {len(funcs)} "
-                             "training.reward_funcs; give one weight per reward.")
-        if self.training.get("load_in_4bit") and not self.training.get("use_peft"):
-            raise ValueError("training.load_in_4bit needs training.use_peft: true (QLoRA trains an adapter).")
-        generations = recipe_value(self.training, "num_generations")
+        check_recipe_combinations(self.training, "training.")
+        generations = self.recipe_value("num_generations")
         nodes = self.launch.slurm.trainer_nodes if self.launch.executor == "slurm" else 1
-        batch = recipe_value(self.training, "per_device_train_batch_size") * self.launch.nproc_per_node * nodes
+        batch = self.recipe_value("per_device_train_batch_size") * self.launch.nproc_per_node * nodes
         if batch % generations:
             raise ValueError(f"training.per_device_train_batch_size x launch.nproc_per_node x trainer nodes = {batch} "
                              f"is not divisible by training.num_generations = {generations}.")

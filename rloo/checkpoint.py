@@ -93,9 +93,10 @@ def resolve_resume(value, output_dir: str, missing_ok: bool = False):
     """resume_from_checkpoint: True / 'latest' / 'true' -> the newest checkpoint (none there: an error, or None
     with missing_ok, as `rloo train` does so that a requeued job starts when nothing was saved yet),
     None / '' / 'none' / 'false' -> None, a path -> itself."""
-    if value is None or (isinstance(value, str) and value.lower() in ("", "none", "false")) or value is False:
+    word = value.lower() if isinstance(value, str) else value
+    if word in (None, False, "", "none", "false"):
         return None
-    if value is True or (isinstance(value, str) and value.lower() in ("latest", "true")):
+    if word in (True, "latest", "true"):
         found = latest_checkpoint(output_dir)
         if found is None and not missing_ok:
             raise ValueError(f"resume_from_checkpoint=True but {output_dir} holds no checkpoint-N folder. Fix: start "

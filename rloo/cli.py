@@ -106,6 +106,18 @@ def _parser() -> HfArgumentParser:
     return parser
 
 
+def check_recipe_combinations(values: dict, prefix: str = "") -> None:
+    """What no single field can check: one weight per reward function, QLoRA only with LoRA. `prefix` names where
+    the recipe sits ('training.' in a pipeline config)."""
+    weights, funcs = values.get("reward_weights"), values.get("reward_funcs") or []
+    if weights is not None and len(weights) != len(funcs):
+        raise ValueError(f"{prefix}reward_weights has {len(weights)} entries for {len(funcs)} {prefix}reward_funcs; "
+                         "give one weight per reward.")
+    if values.get("load_in_4bit") and not values.get("use_peft"):
+        raise ValueError(f"{prefix}load_in_4bit needs {prefix}use_peft: true (QLoRA trains an adapter on the 4-bit "
+                         "base).")
+
+
 def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArguments, RLOOConfig]:
     """A recipe mapping (plus command-line flags, which win) -> (ScriptArguments, RLOOConfig): the one validation
     of a recipe, used by `rloo train` and by the pipeline for its `training:` block."""
@@ -125,6 +137,8 @@ def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArg
         raise ValueError(unknown_field(name).replace(f"'{name}'", f"'--{name}'", 1))
     if remaining:
         raise ValueError(f"unexpected arguments: {remaining}")
+    check_recipe_combinations({"reward_weights": config.reward_weights, "reward_funcs": script_args.reward_funcs,
+                               "load_in_4bit": script_args.load_in_4bit, "use_peft": script_args.use_peft})
     return script_args, config
 
 
@@ -184,9 +198,7 @@ def resolve_reward(entry: str):
 
 
 def build_peft_config(script_args: ScriptArguments):
-    if not script_args.use_peft:
-        if script_args.load_in_4bit:
-            raise ValueError("load_in_4bit=True needs use_peft=True (QLoRA trains a LoRA adapter on the 4-bit base).")
+    if not script_args.use_peft:  # (load_in_4bit without use_peft is refused by check_recipe_combinations)
         return None, None
     from peft import LoraConfig
     peft_config = LoraConfig(r=script_args.lora_r, lora_alpha=script_args.lora_alpha,

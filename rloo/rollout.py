@@ -158,7 +158,7 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     shaped, advantages = algorithm.rloo_advantages(
         rewards_per_func, weights, settings.num_generations, kl=kl, beta=settings.beta,
         reward_clip_range=settings.reward_clip_range, normalize=settings.normalize_advantages)
-    unscorable = int(torch.isnan(algorithm.combine_rewards(rewards_per_func, weights)).sum().item())
+    unscorable = int(torch.isnan(shaped).sum().item())  # shaped rewards stay NaN exactly on unscorable rows
     if unscorable:
         logger.warning("All reward functions returned None for %d of %d completions; they get advantage 0.",
                        unscorable, rewards_per_func.size(0))

@@ -1,0 +1,30 @@
+"""The layout issue 12 asks for, kept: module sizes, where mlflow may be imported, no test code in the product, no
+import cycle between the launchers."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PRODUCT = [p for package in ("rloo", "infra", "tasks", "flows") for p in (ROOT / package).rglob("*.py")]
+
+
+def test_no_module_over_450_lines():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PRODUCT}
+    assert {name: n for name, n in sizes.items() if n > 450} == {}
+    assert sizes["rloo/trainer.py"] <= 430
+
+
+def test_mlflow_is_imported_in_rloo_only_lazily_inside_its_callback():
+    hits = [(str(p.relative_to(ROOT)), line.strip()) for p in (ROOT / "rloo").rglob("*.py")
+            for line in p.read_text().splitlines() if re.match(r"\s*(import mlflow|from mlflow)", line)]
+    assert hits == [("rloo/callbacks.py", "import mlflow  # lazily: rloo/ depends on mlflow only for users who ask for it")]
+
+
+def test_product_code_does_not_import_test_helpers():
+    offenders = [str(p.relative_to(ROOT)) for p in PRODUCT if p.name != "testing.py"
+                 and re.search(r"rloo\.testing|from rloo import testing", p.read_text())]
+    assert offenders == []
+
+
+def test_slurm_launcher_does_not_import_the_local_one():
+    assert "infra.launch" not in (ROOT / "infra" / "slurm.py").read_text()
