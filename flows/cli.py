@@ -1,4 +1,4 @@
-"""`rloo-pipeline`: run, validate, status, resume, compare, ui, sync."""
+"""`rloo-pipeline`: run, validate, status, resume, compare, promote, ui, sync."""
 
 from __future__ import annotations
 
@@ -178,6 +178,54 @@ def cmd_compare(options) -> int:
     return 0
 
 
+def _paused_promotion(name: str):
+    """The promotion flow run of that name waiting for approval, or None."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterName, FlowRunFilterState,
+                                                FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+
+    async def find():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(any_=[name]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))))
+        return runs[0] if runs else None
+    return asyncio.run(find())
+
+
+def cmd_promote(options) -> int:
+    _prefect_environment(options.run_root)
+    from flows.promote import flow_run_name, rloo_promote
+    from infra.promotion import PromotionError, load_config
+    config_path = _run_config_file(options.run_root, options.run)
+    load_config(config_path, options.set)  # a bad setting: an error now, before Prefect starts
+    name = flow_run_name(options.run, options.checkpoint)
+    if options.approve or options.reject:
+        waiting = _paused_promotion(name)
+        if waiting is not None:
+            from prefect.flow_runs import resume_flow_run
+            resume_flow_run(waiting.id, run_input={"approve": bool(options.approve), "comment": options.comment})
+            print(f"{'approved' if options.approve else 'rejected'}: flow run {waiting.name} ({waiting.id}) resumes")
+            return 0
+        if options.reject:
+            raise FileNotFoundError(f"no promotion of {options.run} is waiting for approval (rloo-pipeline promote "
+                                    f"{options.run} starts one).")
+    try:
+        result = rloo_promote.with_options(flow_run_name=name)(config_path, options.checkpoint, bool(options.approve),
+                                                               options.comment, options.set)
+    except PromotionError as err:
+        print(f"rloo-pipeline promote: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # e.g. the Hub unreachable or failing mid-upload: nothing moved, a rerun retries
+        print(f"rloo-pipeline promote: failed ({type(err).__name__}: {str(err)[:300]}); the champion alias is "
+              f"unchanged. Run the same command again to retry.", file=sys.stderr)
+        return 1
+    print(f"{result['status']}: " + ", ".join(f"{key} {result[key]}" for key in ("version", "repo", "commit", "url",
+                                                                                 "report") if result.get(key)))
+    return 1 if result["status"] == "gate failed" else 0
+
+
 def cmd_sync(options) -> int:
     from infra import tracking
     from infra.runconfig import load_run_config
@@ -242,6 +290,17 @@ def parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="config differences and key metrics of runs (from MLflow)")
     compare.add_argument("runs", nargs="*")
     compare.add_argument("--run-root", default=DEFAULT_ROOT)
+    promote = commands.add_parser("promote", help="register a run's policy, gate it against the champion, publish "
+                                                  "it to the Hub after approval")
+    promote.add_argument("run")
+    promote.add_argument("--run-root", default=DEFAULT_ROOT)
+    promote.add_argument("--checkpoint", type=int, help="a checkpoint's step (default: the final model)")
+    answer = promote.add_mutually_exclusive_group()
+    answer.add_argument("--approve", action="store_true", help="answer a waiting promotion (or approve up front)")
+    answer.add_argument("--reject", action="store_true", help="reject a waiting promotion")
+    promote.add_argument("--comment", default="", help="why (kept on the model version)")
+    promote.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="a promotion setting, e.g. --set promotion.min_gain=0.05")
     ui = commands.add_parser("ui", help="start the Prefect and MLflow UIs on 127.0.0.1")
     ui.add_argument("--run-root", default=DEFAULT_ROOT)
     ui.add_argument("--prefect-port", type=int, default=4200)
@@ -252,7 +311,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     options = parser().parse_args(argv)
     handlers = {"run": cmd_run, "validate": cmd_validate, "status": cmd_status, "resume": cmd_resume,
-                "compare": cmd_compare, "sync": cmd_sync, "ui": cmd_ui}
+                "compare": cmd_compare, "sync": cmd_sync, "ui": cmd_ui, "promote": cmd_promote}
     from infra.runconfig import ConfigError
     from infra.tracking import TrackingUnavailable
     try:

@@ -9,25 +9,23 @@ from infra import stages
 from infra.runconfig import RunConfig
 
 
-def _load_policies(config: RunConfig, model_result: dict, train_result: dict):
-    """(base, trained) models: the trained one is the base plus the saved adapter, or the saved full model."""
+def load_policy(policy: str, weights: str | None, trust: bool):
+    """A policy for evaluation: the base model (`weights` None), the base plus the adapter saved in `weights`, or
+    the full model saved there."""
     import warnings
 
     from transformers.utils import logging as transformers_logging
 
     from rloo.models import load_causal_lm
     transformers_logging.disable_progress_bar()  # one summary line per stage, not a bar per weight file
-    trust = bool(config.recipe_value("trust_remote_code"))
-    base = load_causal_lm(model_result["policy"], {}, trust).eval()
-    output_dir = train_result["output_dir"]
-    if os.path.exists(os.path.join(output_dir, "adapter_config.json")):
+    if weights is None:
+        return load_causal_lm(policy, {}, trust).eval()
+    if os.path.exists(os.path.join(weights, "adapter_config.json")):
         from peft import PeftModel
         with warnings.catch_warnings():  # peft 0.21 calls transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            trained = PeftModel.from_pretrained(load_causal_lm(model_result["policy"], {}, trust), output_dir).eval()
-    else:
-        trained = load_causal_lm(output_dir, {}, trust).eval()
-    return base, trained
+            return PeftModel.from_pretrained(load_causal_lm(policy, {}, trust), weights).eval()
+    return load_causal_lm(weights, {}, trust).eval()
 
 
 def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) -> dict:
@@ -68,41 +66,64 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
     return {"metrics": metrics, "texts": rollout.completion_texts}
 
 
-def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict) -> dict:
-    """Held-out prompts, base vs trained: mean reward per function, accuracy where a reward is 0/1, completion
-    lengths; a markdown report with a table, sample completions and the training reward curve."""
+def score_policies(config: RunConfig, policy: str, tokenizer_name: str | None, rows: list[dict],
+                   weights: dict[str, str | None], steps: dict[str, int], max_steps: int) -> dict[str, dict]:
+    """Each labelled policy (`load_policy(policy, weights[label])`) on the same rows with the run's evaluation
+    settings and reward functions: {label: {"metrics": ..., "texts": ...}}. Reward functions see a TrainerState
+    at that policy's step, as in training."""
     import torch
-    from datasets import load_from_disk
     from transformers import GenerationConfig, TrainerState
 
     from rloo.cli import resolve_reward
     from rloo.generation import TransformersGenerator
     from rloo.models import eos_token_ids, load_reward_model, load_tokenizer, prepare_tokenizer, reward_tokenizers
     from rloo.rewards import RewardRunner
-    stages.record_execution(config, "evaluate")
-    rows = list(load_from_disk(dataset_result["eval_path"]))
-    if not rows:
-        raise ValueError("no held-out prompts to evaluate (data.eval_size is 0); set evaluation.enabled: false.")
     trust = bool(config.recipe_value("trust_remote_code"))
     reward_funcs = [resolve_reward(entry) for entry in config.training["reward_funcs"]]
     reward_funcs = [load_reward_model(f, {}, trust) if isinstance(f, str) else f for f in reward_funcs]
     runner = RewardRunner(reward_funcs, reward_tokenizers(reward_funcs, None, trust),
                           config.recipe_value("chat_template_kwargs"))
-    tokenizer = prepare_tokenizer(load_tokenizer(model_result["tokenizer"] or model_result["policy"], trust))
-    base, trained = _load_policies(config, model_result, train_result)
-    eos = eos_token_ids(tokenizer, base)
+    tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_name or policy, trust))
+    models = {label: load_policy(policy, path, trust) for label, path in weights.items()}
+    eos = eos_token_ids(tokenizer, next(iter(models.values())))
     max_new = config.evaluation.max_completion_length or config.recipe_value("max_completion_length")
     sampling = dict(do_sample=False) if config.evaluation.temperature == 0 else dict(
         do_sample=True, temperature=config.evaluation.temperature)
     generation_config = GenerationConfig(max_new_tokens=max_new, pad_token_id=tokenizer.pad_token_id,
                                          eos_token_id=eos, **sampling)
     generator = TransformersGenerator(generation_config, tokenizer.pad_token_id, eos)
-    # Reward functions see a TrainerState, as in training: the trained policy's step (the base model: step 0).
-    states = {"base": TrainerState(global_step=0, max_steps=train_result["global_step"]),
-              "trained": TrainerState(global_step=train_result["global_step"], max_steps=train_result["global_step"])}
     torch.manual_seed(config.data.seed)
-    results = {label: _score(config, model, tokenizer, rows, runner, generator, states[label])
-               for label, model in (("base", base), ("trained", trained))}
+    return {label: _score(config, model, tokenizer, rows, runner, generator,
+                          TrainerState(global_step=steps[label], max_steps=max_steps))
+            for label, model in models.items()}
+
+
+def evaluation_fingerprint(config: RunConfig, rows: list[dict]) -> str:
+    """What makes two evaluations comparable: the same prompts, decoding settings and reward functions."""
+    import hashlib
+    payload = {"prompts": [row["prompt"] for row in rows], "evaluation": config.evaluation.model_dump(),
+               "max_completion_length": config.recipe_value("max_completion_length"),
+               "reward_funcs": config.training["reward_funcs"], "reward_weights": config.recipe_value("reward_weights"),
+               "chat_template_kwargs": config.recipe_value("chat_template_kwargs")}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def held_out_rows(dataset_result: dict) -> list[dict]:
+    from datasets import load_from_disk
+    rows = list(load_from_disk(dataset_result["eval_path"]))
+    if not rows:
+        raise ValueError("no held-out prompts to evaluate (data.eval_size is 0); set evaluation.enabled: false.")
+    return rows
+
+
+def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict) -> dict:
+    """Held-out prompts, base vs trained: mean reward per function, accuracy where a reward is 0/1, completion
+    lengths; a markdown report with a table, sample completions and the training reward curve."""
+    stages.record_execution(config, "evaluate")
+    rows = held_out_rows(dataset_result)
+    step = train_result["global_step"]
+    results = score_policies(config, model_result["policy"], model_result["tokenizer"], rows,
+                             {"base": None, "trained": train_result["output_dir"]}, {"base": 0, "trained": step}, step)
     base_metrics, trained_metrics = results["base"]["metrics"], results["trained"]["metrics"]
     out = stages.stage_path(config, "eval")
     os.makedirs(out, exist_ok=True)

@@ -7,6 +7,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 from typing import Any, Literal
 
 import yaml
@@ -98,6 +99,43 @@ class TrackingSettings(Strict):
     experiment: str = "rloo"
 
 
+class PromotionSettings(Strict):
+    """`rloo-pipeline promote`: register the trained policy in MLflow, gate it on held-out evidence against the
+    current champion, ask for approval, publish it to the Hub. Not part of the run's identity (fingerprint)."""
+    model_name: str | None = Field(None, description="MLflow registered model (letters, digits, '.', '_', '-'); "
+                                   "default rloo-<name>.")
+    metric: str = Field("reward", description="The held-out metric the gain is measured on.")
+    min_gain: float = Field(0.0, description="Candidate minus reference on `metric` must be at least this.")
+    max_regression: dict[str, float] = Field(default_factory=dict, description=
+                                             "metric -> the largest drop allowed versus the reference.")
+    min_prompts: int = Field(20, ge=1, description="Fewest held-out prompts a verdict may rest on.")
+    require_approval: bool | None = Field(None, description="Pause for a person's approval before publishing. "
+                                          "Default: yes with a Prefect server (PREFECT_API_URL), no embedded.")
+    approval_timeout_s: int = Field(7 * 24 * 3600, ge=60, description="How long the flow waits for the answer.")
+    hub_repo: str | None = Field(None, description="<user or org>/<name> on the Hub; required to publish.")
+    private: bool = Field(True, description="Create the Hub repository private.")
+    publish: Literal["adapter", "merged"] = Field("adapter", description="A LoRA run: its adapter, or the base "
+                                                  "model with the adapter merged in.")
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}", value):
+            raise ValueError(f"{value!r} is not a valid MLflow registered-model name: use letters, digits, '.', '_' "
+                             "and '-' (no '/', ':' or spaces), e.g. rloo-arithmetic.")
+        return value
+
+    @field_validator("hub_repo")
+    @classmethod
+    def _hub_repo(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", value):
+            raise ValueError(f"{value!r} is not a Hub repository id: use <user or org>/<name>, e.g. acme/rloo-tiny.")
+        return value
+
+    def approval_required(self) -> bool:
+        return bool(os.environ.get("PREFECT_API_URL")) if self.require_approval is None else self.require_approval
+
+
 class RunConfig(Strict):
     """A pipeline config. `training:` is exactly an `rloo train` recipe (RLOOConfig fields plus ScriptArguments'
     model / reward / LoRA keys), validated by rloo.cli.parse_recipe; the other sections are the pipeline's own."""
@@ -109,6 +147,7 @@ class RunConfig(Strict):
     launch: LaunchSettings = LaunchSettings()
     evaluation: EvalSettings = EvalSettings()
     tracking: TrackingSettings = TrackingSettings()
+    promotion: PromotionSettings = PromotionSettings()
 
     @field_validator("training")
     @classmethod
@@ -136,6 +175,10 @@ class RunConfig(Strict):
                              f"is not divisible by training.num_generations = {generations}.")
         return self
 
+    @property
+    def registered_model(self) -> str:
+        return self.promotion.model_name or f"rloo-{self.name}"
+
     def recipe_value(self, name: str):
         """A `training:` field, or its default (defined once, by rloo train's dataclasses)."""
         return recipe_value(self.training, name)
@@ -143,7 +186,7 @@ class RunConfig(Strict):
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> str:
         """Hash of everything that changes the result (not where it is stored or tracked)."""
-        payload = self.model_dump(exclude={"run_root", "tracking"})
+        payload = self.model_dump(exclude={"run_root", "tracking", "promotion"})
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
     @property

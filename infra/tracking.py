@@ -234,6 +234,69 @@ def evaluation_metrics(tracking_uri: str, experiment: str, run_key: str) -> dict
     return dict(runs[0].data.metrics) if runs else {}
 
 
+# ---------------------------------------------------------------------------------------------- model registry
+def register_version(uri: str, experiment: str, model_name: str, run_id: str, tags: dict[str, str],
+                     description: str) -> str:
+    """A new version of `model_name` (created when missing) for a policy whose weights stay where they are: an
+    external LoggedModel of the run (tags name the path) registered as the version's source. Returns the version."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    mlflow.set_tracking_uri(uri)  # the registry resolves `models:/<id>` through the current tracking store
+    mlflow.set_registry_uri(uri)
+    mlflow_client = client(uri)
+    try:
+        mlflow_client.get_registered_model(model_name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        mlflow_client.create_registered_model(model_name, description=description)
+    logged = mlflow.create_external_model(name=model_name, source_run_id=run_id, tags=tags, model_type="rloo-policy",
+                                          experiment_id=experiment_id(uri, experiment))
+    version = mlflow_client.create_model_version(model_name, source=f"models:/{logged.model_id}", run_id=run_id,
+                                                 tags=tags, description=description, model_id=logged.model_id)
+    return str(version.version)
+
+
+def find_versions(uri: str, model_name: str, tags: dict[str, str]) -> list:
+    """Versions of `model_name` carrying every one of `tags` (newest first)."""
+    found = client(uri).search_model_versions(f"name = '{model_name}'")
+    matching = [v for v in found if all(v.tags.get(key) == value for key, value in tags.items())]
+    return sorted(matching, key=lambda v: int(v.version), reverse=True)
+
+
+def version_by_alias(uri: str, model_name: str, alias: str):
+    """The version an alias points to, or None (no such model or alias)."""
+    from mlflow.exceptions import MlflowException
+    try:
+        return client(uri).get_model_version_by_alias(model_name, alias)
+    except MlflowException as err:
+        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def set_alias(uri: str, model_name: str, alias: str, version: str) -> None:
+    client(uri).set_registered_model_alias(model_name, alias, version)
+
+
+def tag_version(uri: str, model_name: str, version: str, tags: dict[str, str]) -> None:
+    mlflow_client = client(uri)
+    for key, value in tags.items():
+        if is_secret(key):
+            raise ValueError(f"refusing to write {key!r} to the model registry")
+        mlflow_client.set_model_version_tag(model_name, version, key, str(value)[:5000])
+
+
+def tag_run(uri: str, run_id: str, tags: dict[str, str]) -> None:
+    mlflow_client = client(uri)
+    for key, value in tags.items():
+        mlflow_client.set_tag(run_id, key, value)
+
+
+def log_text(uri: str, run_id: str, text: str, artifact_file: str) -> None:
+    client(uri).log_text(run_id, text, artifact_file)
+
+
 def job_environment(tracking_uri: str, run_id: str, train_dir: str) -> dict[str, str]:
     """What the training job needs to log into the train stage's run (rank 0 only), failing fast on outages."""
     return {"MLFLOW_TRACKING_URI": tracking_uri, ENV_RUN_ID: run_id, ENV_TRAIN_DIR: train_dir,

@@ -61,7 +61,7 @@ def unknown_field(name: str) -> str:
             "see `rloo train --help`.)")
 
 
-PIPELINE_SECTIONS = ("name", "model", "data", "rewards", "training", "launch", "evaluation", "tracking")
+PIPELINE_SECTIONS = ("name", "model", "data", "rewards", "training", "launch", "evaluation", "tracking", "promotion")
 
 
 def read_recipe(path: str) -> dict:

@@ -26,18 +26,53 @@ class Publisher(Protocol):
                       ignore_patterns: list[str] | None = None) -> str:
         """Upload a folder's files; return a commit reference."""
 
+    def create_tag(self, repo_id: str, tag: str, revision: str, token: str | None, message: str | None = None) -> None:
+        """Tag a commit (an existing tag of that name is an error)."""
+
+    def tags(self, repo_id: str, token: str | None) -> dict[str, str]:
+        """{tag name: commit reference} of the repository ({} when it does not exist)."""
+
+    def url(self, repo_id: str, commit: str | None = None) -> str:
+        """Where a person finds the repository (or one commit of it)."""
+
+
+def hub_endpoint() -> str:
+    """HF_ENDPOINT as it is now (huggingface_hub reads it once, at import)."""
+    from huggingface_hub import constants
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
 
 class HfHubPublisher:
-    def create_repo(self, repo_id, token, private):
+    """The Hub through huggingface_hub.HfApi, at HF_ENDPOINT; the token, when not given, is the client's own
+    (HF_TOKEN or the cached login)."""
+
+    def _api(self):
         from huggingface_hub import HfApi
-        return HfApi().create_repo(repo_id, token=token, private=private, exist_ok=True).repo_id
+        return HfApi(endpoint=hub_endpoint())
+
+    def create_repo(self, repo_id, token, private):
+        return self._api().create_repo(repo_id, token=token, private=private, exist_ok=True).repo_id
 
     def upload_folder(self, repo_id, folder, commit_message, token, revision=None, path_in_repo=None,
                       ignore_patterns=None):
-        from huggingface_hub import HfApi
-        info = HfApi().upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, token=token,
-                                     revision=revision, path_in_repo=path_in_repo, ignore_patterns=ignore_patterns)
+        info = self._api().upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
+                                         token=token, revision=revision, path_in_repo=path_in_repo,
+                                         ignore_patterns=ignore_patterns)
         return getattr(info, "oid", None) or str(info)
+
+    def create_tag(self, repo_id, tag, revision, token, message=None):
+        self._api().create_tag(repo_id, tag=tag, revision=revision, token=token, tag_message=message)
+
+    def tags(self, repo_id, token):
+        from huggingface_hub.errors import RepositoryNotFoundError
+        try:
+            refs = self._api().list_repo_refs(repo_id, token=token)
+        except RepositoryNotFoundError:
+            return {}
+        return {ref.name: ref.target_commit for ref in refs.tags}
+
+    def url(self, repo_id, commit=None):
+        return f"{hub_endpoint()}/{repo_id}" + (f"/commit/{commit}" if commit else "")
 
 
 class LocalPublisher:
@@ -79,6 +114,27 @@ class LocalPublisher:
         self.calls.append({"call": "upload_folder", "repo_id": repo_id, "commit_message": commit_message,
                            "path_in_repo": path_in_repo, "authenticated": token is not None})
         return f"{number:04d}"
+
+    def create_tag(self, repo_id, tag, revision, token, message=None):
+        tags = self.tags(repo_id, token)
+        if tag in tags:
+            raise ValueError(f"tag {tag!r} already exists in {repo_id}")
+        commits = sorted(os.listdir(os.path.join(self.root, repo_id, "commits")))
+        tags[tag] = revision if revision in commits else commits[-1]
+        with open(os.path.join(self.root, repo_id, "tags.json"), "w") as handle:
+            json.dump(tags, handle)
+        self.calls.append({"call": "create_tag", "repo_id": repo_id, "tag": tag, "authenticated": token is not None})
+
+    def tags(self, repo_id, token):
+        path = os.path.join(self.root, repo_id, "tags.json")
+        if not os.path.exists(path):
+            return {}
+        with open(path) as handle:
+            return json.load(handle)
+
+    def url(self, repo_id, commit=None):
+        return "file://" + os.path.abspath(os.path.join(self.root, repo_id, "commits" if commit else "main",
+                                                        commit or ""))
 
 
 _publisher: Publisher | None = None
