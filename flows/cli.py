@@ -152,29 +152,33 @@ def cmd_compare(options) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from infra import tracking
+    from infra.compare import compare
     from infra.runconfig import load_run_config
     runs = options.runs or _run_dirs(options.run_root)
-    configs = {run: load_run_config(_run_config_file(options.run_root, run)) for run in runs}
-    if not configs:
+    if not runs:
         print(f"no runs under {options.run_root}")
         return 0
-    flat = {run: tracking.flatten(json.loads(config.model_dump_json(exclude={"run_root"})))
-            for run, config in configs.items()}
-    keys = sorted({key for values in flat.values() for key in values})
-    differing = [key for key in keys if len({json.dumps(values.get(key), default=str) for values in flat.values()}) > 1]
-    table = Table(title="runs compared (config differences and key metrics)")
-    table.add_column("")
-    for run in runs:
-        table.add_column(run)
-    for key in differing:
-        table.add_row(key, *[str(flat[run].get(key, "-")) for run in runs])
-    metric_names = ["base_reward", "trained_reward", "reward_gain"]
-    metrics = {run: tracking.evaluation_metrics(config.tracking_uri, config.tracking.experiment, run)
-               for run, config in configs.items()}
-    for name in metric_names:
-        table.add_row(name, *[f"{metrics[run][name]:.3f}" if name in metrics[run] else "-" for run in runs])
-    Console().print(table)
+    configs = {run: load_run_config(_run_config_file(options.run_root, run)) for run in runs}
+    result = compare(configs, os.path.join(options.run_root, "comparisons", "-vs-".join(runs)[:200]))
+    console = Console(width=max(120, 40 + 24 * len(runs)))
+    table = Table(title="config differences")
+    for column in ("key", *runs):
+        table.add_column(column)
+    for key, values in result["differences"].items():
+        table.add_row(key, *[str(values[run]) for run in runs])
+    console.print(table)
+    table = Table(title="held-out evaluation (MLflow) and run tags")
+    for column in ("", *runs):
+        table.add_column(column)
+    names = sorted({name for values in result["metrics"].values() for name in values})
+    for name in names:
+        table.add_row(name, *[f"{result['metrics'][run][name]:.3f}" if name in result["metrics"][run] else "-"
+                              for run in runs])
+    for tag in ("rloo.recipe", "rloo.model", "rloo.promoted"):
+        table.add_row(tag, *[result["tags"][run].get(tag, "-") for run in runs])
+    console.print(table)
+    print(f"reward curves: {result['plot'] or '(no training metrics)'} (also in MLflow run {result['comparison_run']})")
+    print(f"MLflow comparison: {result['link']}")
     return 0
 
 
@@ -287,7 +291,8 @@ def parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=helptext)
         command.add_argument("run", nargs="?" if name == "status" else None)
         command.add_argument("--run-root", default=DEFAULT_ROOT)
-    compare = commands.add_parser("compare", help="config differences and key metrics of runs (from MLflow)")
+    compare = commands.add_parser("compare", help="config differences, held-out metrics and reward curves of runs "
+                                                  "(from MLflow)")
     compare.add_argument("runs", nargs="*")
     compare.add_argument("--run-root", default=DEFAULT_ROOT)
     promote = commands.add_parser("promote", help="register a run's policy, gate it against the champion, publish "

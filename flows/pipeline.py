@@ -21,9 +21,6 @@ from tasks.evaluate import evaluate_task
 from tasks.model import model_task
 from tasks.train import train_task
 
-MLFLOW_UI = os.environ.get("RLOO_MLFLOW_UI", "http://127.0.0.1:5000")
-
-
 def result_storage(run_root: str) -> str:
     """A saved local-file-system block under the run root (Prefect needs result storage persisted server-side)."""
     from prefect.filesystems import LocalFileSystem
@@ -31,11 +28,6 @@ def result_storage(run_root: str) -> str:
     name = "rloo-results-" + hashlib.sha256(root.encode()).hexdigest()[:12]
     LocalFileSystem(basepath=root).save(name, overwrite=True, _sync=True)  # the flow is async: save now
     return f"local-file-system/{name}"
-
-
-def mlflow_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    base = tracking_uri if tracking_uri.startswith("http") else MLFLOW_UI
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 @flow(name="rloo-pipeline", log_prints=True)
@@ -47,10 +39,12 @@ async def rloo_pipeline(
     stages.validate_recipe(config)  # every RLOOConfig value, before any stage
     stages.write_config(config)
     tracking.check_reachable(config.tracking_uri)
-    tags = {"rloo.recipe": recipe, "prefect.flow_run_id": str(flow_run.id) if flow_run.id else "",
+    # What MLflow's run list and compare view filter on (rloo.promoted turns true when a promotion publishes it).
+    tags = {"rloo.recipe": recipe, "rloo.model": str(config.training["model_name_or_path"]), "rloo.promoted": "false",
+            "prefect.flow_run_id": str(flow_run.id) if flow_run.id else "",
             "prefect.flow_run_name": flow_run.name or ""}
     with tracking.pipeline_run(config, resolved_dict(config), tags) as (parent, experiment):
-        link = mlflow_link(config.tracking_uri, experiment, parent)
+        link = tracking.run_link(config.tracking_uri, experiment, parent)
         create_link_artifact(link, link_text=f"MLflow run {config.run_key}", key=f"{config.name}-mlflow-run",
                              _sync=True)
         print(f"[pipeline] {config.run_key}: run directory {config.run_dir}; MLflow run {parent} "

@@ -222,16 +222,55 @@ def pipeline_run(config, params: dict, tags: dict[str, str]):
     client(uri).set_terminated(run_id, status="FINISHED")
 
 
-def evaluation_metrics(tracking_uri: str, experiment: str, run_key: str) -> dict[str, float]:
-    """The latest evaluate stage's metrics of a pipeline run ({} when there is none)."""
+def pipeline_runs(tracking_uri: str, experiment: str, run_key: str) -> dict:
+    """The latest MLflow runs of a pipeline run: {"pipeline": parent, "<stage>": nested run} ({} when none)."""
     mlflow_client = client(tracking_uri)
     found = mlflow_client.get_experiment_by_name(experiment)
     if found is None:
         return {}
-    runs = mlflow_client.search_runs([found.experiment_id], filter_string=f"tags.`rloo.run_key` = '{run_key}' and "
-                                     "tags.`rloo.stage` = 'evaluate'", order_by=["attributes.start_time DESC"],
-                                     max_results=1)
-    return dict(runs[0].data.metrics) if runs else {}
+    runs = mlflow_client.search_runs([found.experiment_id], filter_string=f"tags.`rloo.run_key` = '{run_key}'",
+                                     order_by=["attributes.start_time ASC"])
+    latest = {}
+    for run in runs:  # later runs (a retried stage, a resumed pipeline) win
+        latest[run.data.tags.get("rloo.stage", "pipeline")] = run
+    return latest
+
+
+def evaluation_metrics(tracking_uri: str, experiment: str, run_key: str) -> dict[str, float]:
+    """The latest evaluate stage's metrics of a pipeline run ({} when there is none)."""
+    run = pipeline_runs(tracking_uri, experiment, run_key).get("evaluate")
+    return dict(run.data.metrics) if run else {}
+
+
+def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in client(tracking_uri).get_metric_history(run_id, key)]
+
+
+def ui_base(tracking_uri: str) -> str:
+    """The MLflow UI of a tracking URI: the server itself, or `rloo-pipeline ui`'s (RLOO_MLFLOW_UI) for a file store."""
+    return (tracking_uri if tracking_uri.startswith("http") else os.environ.get("RLOO_MLFLOW_UI",
+                                                                                "http://127.0.0.1:5000")).rstrip("/")
+
+
+def run_link(tracking_uri: str, experiment: str, run_id: str) -> str:
+    return f"{ui_base(tracking_uri)}/#/experiments/{experiment}/runs/{run_id}"
+
+
+def compare_link(tracking_uri: str, experiments: list[str], run_ids: list[str]) -> str:
+    """MLflow's side-by-side view of these runs."""
+    from urllib.parse import quote
+    return (f"{ui_base(tracking_uri)}/#/compare-runs?runs={quote(json.dumps(run_ids))}"
+            f"&experiments={quote(json.dumps(sorted(set(experiments))))}")
+
+
+def log_comparison(tracking_uri: str, experiment: str, run_keys: list[str], files: list[str]) -> str:
+    """A run of its own (tag rloo.comparison) holding what `rloo-pipeline compare` drew; returns its id."""
+    run_id = start_run(tracking_uri, experiment, "compare: " + " vs ".join(run_keys),
+                       {"rloo.comparison": "true", "rloo.compared": ",".join(run_keys)})
+    for path in files:
+        client(tracking_uri).log_artifact(run_id, path, "comparison")
+    client(tracking_uri).set_terminated(run_id, status="FINISHED")
+    return run_id
 
 
 # ---------------------------------------------------------------------------------------------- model registry

@@ -255,3 +255,26 @@ def test_a_champion_evaluated_on_other_prompts_is_evaluated_again(runs, mlflow_s
     label, metrics = promotion.reference_metrics(candidate, other)
     assert "re-evaluated on this run's held-out prompts" in label
     assert metrics["reward"] != 123.0 and set(metrics) == set(candidate.evaluation["trained"])
+
+
+def test_compare_two_runs_that_differ_in_one_knob(runs, mlflow_server, capsys):
+    from flows.cli import main
+    root, (first, second) = runs
+    assert main(["compare", first, second, "--run-root", root]) == 0
+    output = capsys.readouterr().out
+    differences = output.split("held-out evaluation")[0]
+    keys = [line.split("│")[1].strip() for line in differences.splitlines() if line.startswith("│")]
+    assert keys == ["training.learning_rate"]  # the one knob; nothing else differs
+    assert "0.003" in differences and "trained_reward" in output and "rloo.promoted" in output
+    plot = os.path.join(root, "comparisons", f"{first}-vs-{second}", "reward_curves.png")
+    assert os.path.getsize(plot) > 0 and f"reward curves: {plot}" in output
+    link = next(line for line in output.splitlines() if line.startswith("MLflow comparison: "))
+    assert link.startswith(f"MLflow comparison: {mlflow_server.uri}/#/compare-runs?runs=")
+    client = registry(mlflow_server)
+    comparison = client.search_runs([client.get_experiment_by_name("rloo").experiment_id],
+                                    filter_string="tags.`rloo.comparison` = 'true'")[0]
+    assert [a.path for a in client.list_artifacts(comparison.info.run_id, "comparison")] == [
+        "comparison/reward_curves.png"]
+    parents = client.search_runs([comparison.info.experiment_id], filter_string="tags.`rloo.model` = 'tiny' and "
+                                 "tags.`rloo.promoted` = 'true' and tags.`rloo.recipe` LIKE '%tiny.yaml'")
+    assert {run.data.tags["rloo.run_key"] for run in parents} == {first, second}  # both promoted by now
