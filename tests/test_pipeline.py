@@ -231,6 +231,10 @@ def test_ui_command_serves_prefect_and_mlflow_on_loopback(tmp_path):
                 except OSError:
                     pass
             time.sleep(1)
+        ui_api = None
+        if "prefect" in healthy:
+            with urllib.request.urlopen(f"http://127.0.0.1:{prefect_port}/ui-settings", timeout=5) as response:
+                ui_api = json.load(response)["api_url"]  # the UI's pages call this: its own port, not 4200
     finally:
         process.send_signal(signal.SIGINT)
         try:  # the output pipe closes only when the command and every server it started are gone
@@ -240,6 +244,7 @@ def test_ui_command_serves_prefect_and_mlflow_on_loopback(tmp_path):
             process.stdout.close()
             output = "`rloo-pipeline ui` or a server it started was still running 90 s after Ctrl-C"
     assert healthy == {"prefect", "mlflow"}, output[-3000:]
+    assert ui_api == f"http://127.0.0.1:{prefect_port}/api"
     assert f"http://127.0.0.1:{prefect_port}" in output and process.returncode == 0, output[-3000:]
     # Ctrl-C stops both servers and everything they spawned: nothing answers on either port afterwards.
     import socket

@@ -1,0 +1,102 @@
+"""The services behind `rloo-pipeline ui` and `rloo-pipeline serve`, on 127.0.0.1: a Prefect server whose UI calls
+its own API on whatever port it was given, an MLflow UI on the run root's store, and for `serve` a `process` work
+pool, the deployments of prefect.yaml (`prefect deploy --all`, exactly what a team runs against its own server) and
+a worker that runs what the UI's Run button or a schedule creates. Each process in its own group, so stopping the
+group stops what it spawned."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+from infra.runconfig import REPOSITORY
+
+POOL = "rloo"
+
+
+def service_environment(run_root: str, prefect_port: int) -> dict[str, str]:
+    """What the servers, `prefect deploy`, the worker and the flow runs it starts share."""
+    root = os.path.abspath(run_root)
+    api = f"http://127.0.0.1:{prefect_port}/api"
+    env = dict(os.environ)
+    env.setdefault("PREFECT_HOME", os.path.join(root, ".prefect"))
+    env.update({"PREFECT_API_URL": api,
+                "PREFECT_UI_API_URL": api,  # without it the UI's pages call :4200 whatever the port
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RLOO_RUN_ROOT": root, "RLOO_HOME": REPOSITORY})
+    env.setdefault("PREFECT_WORKER_QUERY_SECONDS", "5")
+    os.makedirs(env["PREFECT_HOME"], exist_ok=True)
+    return env
+
+
+def start_servers(run_root: str, prefect_port: int, mlflow_port: int, env: dict[str, str]) -> list[subprocess.Popen]:
+    """The Prefect server and the MLflow UI, their output in `<run root>/.logs/` (the console stays readable)."""
+    root = os.path.abspath(run_root)
+    logs = os.path.join(root, ".logs")
+    os.makedirs(logs, exist_ok=True)
+    commands = {"prefect-server": ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+                "mlflow-ui": ["mlflow", "ui", "--backend-store-uri", f"sqlite:///{os.path.join(root, 'mlflow.db')}",
+                              "--host", "127.0.0.1", "--port", str(mlflow_port)]}
+    processes = []
+    for name, command in commands.items():
+        with open(os.path.join(logs, f"{name}.log"), "a") as log:
+            processes.append(subprocess.Popen([sys.executable, "-m", *command], env=env, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+    return processes
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server behind {url} exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
+
+
+def deploy(env: dict[str, str]) -> None:
+    """The work pool and prefect.yaml's deployments on the server of `env` (both idempotent)."""
+    prefect = [sys.executable, "-m", "prefect", "--no-prompt"]
+    for command in (["work-pool", "create", POOL, "--type", "process", "--overwrite"], ["deploy", "--all"]):
+        done = subprocess.run(prefect + command, env=env, cwd=REPOSITORY, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"prefect {' '.join(command)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+
+
+def start_worker(env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL], env=env,
+                            cwd=REPOSITORY, start_new_session=True)
+
+
+@contextlib.contextmanager
+def running(processes: list[subprocess.Popen]):
+    """Stops every process (and what it spawned) on leaving: Ctrl-C, `kill`, an error, or one of them exiting."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    # Ctrl-C and `kill` both stop the servers, also when started from a background job of a non-interactive shell,
+    # which starts it with SIGINT ignored (Python then never raises KeyboardInterrupt).
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    except KeyboardInterrupt:
+        pass
+    finally:
+        from infra.launch import stop_process_groups
+        stop_process_groups(processes)
+
+
+def wait_any(processes: list[subprocess.Popen]) -> None:
+    while all(p.poll() is None for p in processes):
+        time.sleep(1)

@@ -1,0 +1,155 @@
+"""Starting and scheduling runs from the Prefect UI, for real: `rloo-pipeline serve` (a Prefect server process, a
+`process` work pool, prefect.yaml's deployments through `prefect deploy --all`, a worker process, an MLflow UI), a
+flow run created through the REST API exactly as the UI's Run button does, a schedule, and a headless Chromium
+(Debian's `chromium`) looking at the form and at the finished run (screenshots in docs/img/)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import yaml
+
+from services import free_port
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMAGES = os.path.join(ROOT, "docs", "img")
+
+
+def api(base, path, payload=None):
+    """(status, body) of a JSON request to the Prefect API."""
+    request = urllib.request.Request(f"{base}/api{path}", data=None if payload is None else json.dumps(
+        payload).encode(), headers={"Content-Type": "application/json"}, method="GET" if payload is None else "POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    run_root = str(tmp_path_factory.mktemp("served"))
+    prefect_port, mlflow_port = free_port(), free_port()
+    log = open(os.path.join(run_root, "serve.log"), "w")
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--run-root", run_root, "--prefect-port",
+                                str(prefect_port), "--mlflow-port", str(mlflow_port)], cwd=ROOT, stdout=log,
+                               stderr=subprocess.STDOUT, env={**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "2"})
+    base = f"http://127.0.0.1:{prefect_port}"
+    deadline = time.time() + 300
+    deployments = {}
+    while len(deployments) < 3:
+        assert process.poll() is None and time.time() < deadline, open(log.name).read()[-4000:]
+        time.sleep(2)
+        try:
+            status, found = api(base, "/deployments/filter", {})
+        except OSError:
+            continue
+        deployments = {d["name"]: d for d in found} if status == 200 else {}
+    yield {"base": base, "mlflow": f"http://127.0.0.1:{mlflow_port}", "run_root": run_root,
+           "deployments": deployments, "log": log.name}
+    process.send_signal(signal.SIGINT)
+    process.wait(timeout=120)
+
+
+def flow_runs(base, deployment_id, states=None):
+    flow_filter = {"deployment_id": {"any_": [deployment_id]}}
+    if states:
+        flow_filter["state"] = {"type": {"any_": states}}
+    return api(base, "/flow_runs/filter", {"flow_runs": flow_filter})[1]
+
+
+def test_every_deployment_form_is_prefilled_with_its_recipes_values():
+    from infra.runconfig import RunSettings, load_run_config
+    with open(os.path.join(ROOT, "prefect.yaml")) as handle:
+        deployments = yaml.safe_load(handle)["deployments"]
+    for deployment in deployments:
+        parameters = deployment["parameters"]
+        config = load_run_config(os.path.join(ROOT, parameters["recipe"]))
+        assert RunSettings(**parameters["settings"]).assignments(config) == [], deployment["name"]
+        assert set(parameters["settings"]) >= {"model", "max_steps", "learning_rate", "num_generations"}
+
+
+def test_a_run_started_like_the_ui_run_button_completes_and_lands_in_mlflow(served):
+    base, tiny = served["base"], served["deployments"]["tiny"]
+    parameters = dict(tiny["parameters"], settings={**tiny["parameters"]["settings"], "max_steps": 2})
+    started = time.time()
+    status, created = api(base, f"/deployments/{tiny['id']}/create_flow_run", {
+        "parameters": parameters, "state": {"type": "SCHEDULED", "message": "Run from the Prefect UI"}})
+    assert status == 201, created
+    deadline = time.time() + 300
+    while (state := api(base, f"/flow_runs/{created['id']}")[1]["state_type"]) not in ("COMPLETED", "FAILED",
+                                                                                         "CRASHED"):
+        assert time.time() < deadline, open(served["log"]).read()[-4000:]
+        time.sleep(2)
+    assert state == "COMPLETED", open(served["log"]).read()[-4000:]
+    print(f"deployment-started tiny run: {time.time() - started:.0f} s from the Run button to Completed")
+    from infra.runconfig import load_run_config
+    config = load_run_config(os.path.join(ROOT, "configs", "tiny.yaml"), [f"run_root={served['run_root']}",
+                                                                          "training.max_steps=2"])
+    summary = json.load(open(os.path.join(config.run_dir, "summary.json")))  # RLOO_RUN_ROOT of the worker
+    from mlflow import MlflowClient
+    run = MlflowClient(served["mlflow"]).get_run(summary["mlflow_run_id"])  # through `serve`'s MLflow UI
+    assert run.data.tags["prefect.flow_run_id"] == created["id"] and run.data.tags["rloo.run_key"] == config.run_key
+    assert run.data.params["training.max_steps"] == "2" and run.info.status == "FINISHED"
+
+
+def test_invalid_form_values_are_refused_before_any_work(served):
+    base, tiny = served["base"], served["deployments"]["tiny"]
+    before = len(flow_runs(base, tiny["id"]))
+    for settings, recipe, reason in (({"max_steps": 0}, "configs/tiny.yaml", "0 is less than the minimum of 1"),
+                                     ({"learning_rate": 2.0}, "configs/tiny.yaml", "greater than the maximum"),
+                                     ({"max_step": 3}, "configs/tiny.yaml", "max_step"),
+                                     ({}, "configs/nope.yaml", "is not one of")):
+        status, answer = api(base, f"/deployments/{tiny['id']}/create_flow_run", {
+            "parameters": {"recipe": recipe, "settings": settings, "overrides": []}})
+        assert status == 409 and reason in answer["detail"], answer
+    assert len(flow_runs(base, tiny["id"])) == before
+
+
+def test_the_nightly_schedule_creates_the_next_runs(served):
+    nightly = served["deployments"]["nightly-tiny"]
+    assert [s["schedule"]["cron"] for s in nightly["schedules"]] == ["0 2 * * *"]
+    deadline = time.time() + 120
+    while not (scheduled := flow_runs(served["base"], nightly["id"], ["SCHEDULED"])):
+        assert time.time() < deadline, "the scheduler created no run"
+        time.sleep(2)
+    assert all(run["expected_start_time"][11:19] == "02:00:00" for run in scheduled)
+    assert scheduled[0]["parameters"]["recipe"] == "configs/tiny.yaml"
+
+
+def chromium(*arguments, profile):
+    binary = shutil.which("chromium")
+    assert binary, "Debian's chromium is not installed (scripts/setup.sh installs it)"
+    return subprocess.run([binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                           f"--user-data-dir={profile}", "--window-size=1400,1100", "--hide-scrollbars",
+                           "--virtual-time-budget=20000", *arguments], capture_output=True, text=True, timeout=120)
+
+
+def test_the_browser_shows_the_typed_form_and_the_finished_run(served, tmp_path):
+    base, tiny = served["base"], served["deployments"]["tiny"]
+    with urllib.request.urlopen(f"{base}/ui-settings") as response:  # the UI calls its own port's API
+        assert json.load(response)["api_url"] == f"{base}/api"
+    form_url = f"{base}/v2/deployments/deployment/{tiny['id']}/run"
+    page = chromium("--dump-dom", form_url, profile=tmp_path / "a").stdout
+    for field in ("Max Steps", "Learning Rate", "Num Generations", "Max Completion Length", "Beta", "Lora R",
+                  "Executor", "Trainer Nodes", "configs/tiny.yaml", "optimizer steps"):
+        assert field in page, field
+    assert "Can't connect" not in page
+    os.makedirs(IMAGES, exist_ok=True)
+    chromium(f"--screenshot={IMAGES}/deployment-form.png", form_url, profile=tmp_path / "b")
+    finished = [run for run in flow_runs(base, tiny["id"], ["COMPLETED"])]
+    assert finished, "run test_a_run_started_like_the_ui_run_button_completes_and_lands_in_mlflow first"
+    run_url = f"{base}/v2/runs/flow-run/{finished[0]['id']}"
+    page = chromium("--dump-dom", run_url, profile=tmp_path / "c").stdout
+    assert finished[0]["name"] in page and "Completed" in page and "evaluate" in page
+    chromium(f"--screenshot={IMAGES}/flow-run.png", run_url, profile=tmp_path / "d")
+    assert os.path.getsize(f"{IMAGES}/deployment-form.png") > 20_000 and os.path.getsize(f"{IMAGES}/flow-run.png") > 20_000
