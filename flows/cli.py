@@ -51,7 +51,7 @@ def cmd_run(options, config_path: str | None = None, assignments: list[str] | No
     from flows.pipeline import rloo_pipeline
     start = time.time()
     summary = asyncio.run(rloo_pipeline(config_path or options.config,
-                                        assignments if assignments is not None else options.set))
+                                        overrides=assignments if assignments is not None else options.set))
     evaluation = summary.get("evaluate") or {}
     print("")
     print(f"Done in {time.time() - start:.0f} s: {summary['run_dir']}")

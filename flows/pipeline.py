@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import Annotated
 
 from prefect import flow
 from prefect.artifacts import create_link_artifact
@@ -32,14 +33,17 @@ def result_storage(run_root: str) -> str:
 
 @flow(name="rloo-pipeline", log_prints=True)
 async def rloo_pipeline(
-    recipe: str = Field("configs/quickstart.yaml", title="Recipe", description="A pipeline config (configs/*.yaml; "
-                        "from the command line, any path).", json_schema_extra={"enum": shipped_recipes(),
-                                                                                "position": 0}),
-    overrides: list[str] = Field(default_factory=list, title="Overrides", description="More key=value settings, "
-                                 "e.g. training.save_steps=10 or data.eval_size=100.", json_schema_extra={"position": 2}),
-    settings: RunSettings = Field(default_factory=RunSettings, title="Settings", description="What people change "
-                                  "between runs; empty fields keep the recipe's value.", json_schema_extra={"position": 1}),
+    recipe: Annotated[str, Field(json_schema_extra={"enum": shipped_recipes()})] = "configs/quickstart.yaml",
+    settings: RunSettings = RunSettings(),
+    overrides: list[str] = (),
 ) -> dict:
+    """The RLOO pipeline: dataset, model, train, evaluate.
+
+    Args:
+        recipe: A pipeline config (configs/*.yaml; from the command line, any path).
+        settings: What people change between runs; empty fields keep the recipe's value.
+        overrides: More key=value settings, e.g. training.save_steps=10 or data.eval_size=100.
+    """
     config = load_run_config(recipe, overrides)
     if settings.assignments(config):
         config = load_run_config(recipe, settings.assignments(config) + list(overrides))

@@ -210,7 +210,7 @@ def render_report(candidate: Candidate, version: str, reference_label: str, refe
 
 
 def promotion_dir(candidate: Candidate, version: str) -> str:
-    return stages.stage_path(candidate.config, "promotion", f"v{version}")
+    return stages.stage_path(candidate.config, "promotion", f"{candidate.config.registered_model}-v{version}")
 
 
 def judge(candidate: Candidate, version: str, metrics: dict) -> tuple[Verdict, str]:
@@ -224,7 +224,8 @@ def judge(candidate: Candidate, version: str, metrics: dict) -> tuple[Verdict, s
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as handle:
         handle.write(report)
-    tracking.log_text(config.tracking_uri, candidate.parent_run_id, report, f"promotion/v{version}/promotion.md")
+    tracking.log_text(config.tracking_uri, candidate.parent_run_id, report,
+                      f"promotion/{config.registered_model}-v{version}/promotion.md")
     tracking.tag_version(config.tracking_uri, config.registered_model, version,
                          {"rloo.gate": "passed" if verdict.passed else f"failed: {verdict.decided_by}"})
     return verdict, report

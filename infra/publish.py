@@ -96,10 +96,13 @@ def model_card(candidate: Candidate, version: str, merged: bool):
     if candidate.checkpoint != "final":
         trained = {key[len("eval."):]: float(value) for key, value in _version_tags(candidate, version).items()
                    if key.startswith("eval.")}
-    results = [EvalResult(task_type="text-generation", dataset_type=dataset_id or "local", dataset_name=
+    def result(key: str, value: float, label: str) -> EvalResult:
+        return EvalResult(task_type="text-generation", dataset_type=dataset_id or "local", dataset_name=
                           os.path.basename(source), dataset_split=f"held-out ({len(candidate.rows)} prompts)",
-                          metric_type=key, metric_name=key, metric_value=value)
-               for key, value in trained.items() if value is not None]
+                          metric_type=label + key, metric_name=label + key, metric_value=value)
+    # This model's results, then the base model's on the same prompts (metric names prefixed "base/").
+    results = [result(key, value, "") for key, value in trained.items() if value is not None] + [
+        result(key, value, "base/") for key, value in base.items() if value is not None]
     adapter = candidate.adapter and not merged
     data = ModelCardData(model_name=repo.split("/")[-1], base_model=base_id, datasets=[dataset_id] if dataset_id
                          else None, library_name="peft" if adapter else "transformers",
@@ -140,12 +143,16 @@ def publish(candidate: Candidate, version: str) -> dict:
     record_path = os.path.join(promotion_dir(candidate, version), "upload.json")
     record = stages.read_json(record_path) or {}
     repo = publisher.create_repo(repo, token=None, private=config.promotion.private)
-    commit = publisher.tags(repo, token=None).get(candidate.hub_tag) or record.get("commit")
+    commit = publisher.tags(repo, token=None).get(candidate.hub_tag) or (
+        record.get("commit") if record.get("repo") == repo else None)
     uploaded = commit is None
     if uploaded:
         folder = upload_folder(candidate, version)
+        # The repository holds exactly this model afterwards (a merged model beside an earlier adapter's
+        # adapter_config.json would load as that adapter).
         commit = publisher.upload_folder(repo, folder, f"RLOO {config.run_key} ({candidate.checkpoint}, step "
-                                         f"{candidate.step}), {config.registered_model} v{version}", token=None)
+                                         f"{candidate.step}), {config.registered_model} v{version}", token=None,
+                                         delete_patterns=["*"])
         stages.write_json(record_path, {"repo": repo, "commit": commit})
     if candidate.hub_tag not in publisher.tags(repo, token=None):
         publisher.create_tag(repo, candidate.hub_tag, commit, token=None, message=f"RLOO run {config.run_key}")

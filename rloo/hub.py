@@ -23,8 +23,9 @@ class Publisher(Protocol):
 
     def upload_folder(self, repo_id: str, folder: str, commit_message: str, token: str | None,
                       revision: str | None = None, path_in_repo: str | None = None,
-                      ignore_patterns: list[str] | None = None) -> str:
-        """Upload a folder's files; return a commit reference."""
+                      ignore_patterns: list[str] | None = None, delete_patterns: list[str] | None = None) -> str:
+        """Upload a folder's files (and delete the remote files matching `delete_patterns` that it does not
+        have); return a commit reference."""
 
     def create_tag(self, repo_id: str, tag: str, revision: str, token: str | None, message: str | None = None) -> None:
         """Tag a commit (an existing tag of that name is an error)."""
@@ -54,10 +55,10 @@ class HfHubPublisher:
         return self._api().create_repo(repo_id, token=token, private=private, exist_ok=True).repo_id
 
     def upload_folder(self, repo_id, folder, commit_message, token, revision=None, path_in_repo=None,
-                      ignore_patterns=None):
+                      ignore_patterns=None, delete_patterns=None):
         info = self._api().upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
                                          token=token, revision=revision, path_in_repo=path_in_repo,
-                                         ignore_patterns=ignore_patterns)
+                                         ignore_patterns=ignore_patterns, delete_patterns=delete_patterns)
         return getattr(info, "oid", None) or str(info)
 
     def create_tag(self, repo_id, tag, revision, token, message=None):
@@ -90,7 +91,7 @@ class LocalPublisher:
         return repo_id
 
     def upload_folder(self, repo_id, folder, commit_message, token, revision=None, path_in_repo=None,
-                      ignore_patterns=None):
+                      ignore_patterns=None, delete_patterns=None):
         repo = os.path.join(self.root, repo_id)
         if not os.path.isdir(repo):
             raise FileNotFoundError(f"repository {repo_id!r} does not exist: create_repo first")
@@ -98,6 +99,13 @@ class LocalPublisher:
         number = len(os.listdir(commits))
         commit = os.path.join(commits, f"{number:04d}")
         tree = os.path.join(repo, revision or "main")
+        remote = os.path.join(tree, path_in_repo or "")
+        for directory, _, files in os.walk(remote) if delete_patterns else ():
+            for name in files:
+                relative = os.path.relpath(os.path.join(directory, name), remote)
+                if any(fnmatch.fnmatch(relative, p) for p in delete_patterns) and \
+                        not os.path.exists(os.path.join(folder, relative)):
+                    os.remove(os.path.join(directory, name))
         for target in (commit, tree):
             destination = os.path.join(target, path_in_repo or "")
             for directory, _, files in os.walk(folder):

@@ -11,6 +11,7 @@ import hashlib
 import http.server
 import json
 import os
+import shutil
 import threading
 
 
@@ -146,6 +147,12 @@ class HubStandin:
                 target = repo["commits"][-1]["oid"] if revision == "main" else revision
                 repo["tags"][tag] = target
                 return 200, {}
+            if action == "tree" and method == "GET":  # list_repo_files (upload_folder's delete_patterns)
+                root = self.tree(repo_id)
+                files = [os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names]
+                return 200, [{"type": "file", "path": f, "size": os.path.getsize(os.path.join(root, f)),
+                              "oid": hashlib.sha1(open(os.path.join(root, f), "rb").read()).hexdigest()}
+                             for f in sorted(files)]
             if action == "refs" and method == "GET":
                 head = repo["commits"][-1]["oid"] if repo["commits"] else None
                 return 200, {"branches": [{"name": "main", "ref": "refs/heads/main", "targetCommit": head}],
@@ -178,13 +185,18 @@ class HubStandin:
             elif line["key"] == "lfsFile":
                 with open(os.path.join(self.root, "_lfs", value["oid"]), "rb") as handle:
                     content = handle.read()
+            elif line["key"] in ("deletedFile", "deletedFolder"):
+                target = os.path.join(self.tree(repo_id), value["path"])
+                shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+                written.append({"path": value["path"], "deleted": True})
+                continue
             else:
                 continue
             target = os.path.join(self.tree(repo_id), value["path"])
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "wb") as handle:
                 handle.write(content)
-            written.append({"path": value["path"], "lfs": line["key"] == "lfsFile"})
+            written.append({"path": value["path"], "lfs": line["key"] == "lfsFile", "deleted": False})
         oid = hashlib.sha1(body).hexdigest()
         repo["commits"].append({"oid": oid, "summary": header.get("summary"), "files": written})
         return 200, {"commitUrl": f"{self.url}/{repo_id}/commit/{oid}", "commitOid": oid, "success": True}

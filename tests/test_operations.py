@@ -73,7 +73,7 @@ def runs(environment, mlflow_server, tmp_path_factory):
         assignments = [f"run_root={root}", f"tracking.tracking_uri={mlflow_server.uri}",
                        f"data.source={ROOT}/data/arithmetic.jsonl", f"training.learning_rate={rate}",
                        f"promotion.hub_repo={REPO}"]
-        state = asyncio.run(rloo_pipeline(TINY, assignments, return_state=True))
+        state = asyncio.run(rloo_pipeline(TINY, overrides=assignments, return_state=True))
         assert state.is_completed(), state
         keys.append(load_run_config(TINY, assignments).run_key)
     return root, keys
@@ -160,7 +160,7 @@ def test_gate_failure_registers_the_candidate_and_publishes_nothing(runs, mlflow
     assert tags["rloo.run_key"] == key and tags["rloo.gate"] == "failed: min_gain" and "eval.reward" in tags
     assert tags["rloo.weights_path"].endswith("train/output") and tags["rloo.dataset_digest"]
     assert champion(mlflow_server) is None and hub.commits(REPO) == []
-    report = open(os.path.join(root, key, "promotion", f"v{candidate.version}", "promotion.md")).read()
+    report = open(os.path.join(root, key, "promotion", f"{MODEL}-v{candidate.version}", "promotion.md")).read()
     assert "**Verdict: FAILED**, decided by `min_gain`" in report and "base model (no champion yet)" in report
     from prefect.artifacts import Artifact
     assert "Verdict: FAILED" in Artifact.get("tiny-promotion").data
@@ -215,6 +215,7 @@ def test_upload_failure_keeps_the_champion_and_a_retry_publishes_once(runs, envi
     results = {r.metric_type: r.metric_value for r in card.data.eval_results}
     evaluation = json.load(open(os.path.join(root, key, "eval", "metrics.json")))
     assert results["reward"] == pytest.approx(evaluation["trained"]["reward"])
+    assert results["base/reward"] == pytest.approx(evaluation["base"]["reward"])  # the base model, same prompts
     assert card.data.library_name == "peft" and "rloo" in card.data.tags and "| reward |" in card.text
     for directory, _, files in os.walk(hub.root):  # the token is in no uploaded file ...
         for name in files:
@@ -223,7 +224,7 @@ def test_upload_failure_keeps_the_champion_and_a_retry_publishes_once(runs, envi
     assert TOKEN not in json.dumps([dict(v.tags) for v in client.search_model_versions(f"name = '{MODEL}'")])
     run = client.get_run(version.run_id)
     assert TOKEN not in json.dumps(run.data.to_dictionary()) and run.data.tags["rloo.promoted"] == "true"
-    assert TOKEN not in client.download_artifacts(version.run_id, f"promotion/v{version.version}/promotion.md",
+    assert TOKEN not in client.download_artifacts(version.run_id, f"promotion/{MODEL}-v{version.version}/promotion.md",
                                                   root)
 
     assert promote(root, key, "--approve") == 0  # a second promotion of the same run: a no-op
@@ -232,13 +233,22 @@ def test_upload_failure_keeps_the_champion_and_a_retry_publishes_once(runs, envi
 
 def test_second_run_checkpoint_is_gated_against_the_champion(runs, mlflow_server, hub, capsys):
     root, (first, second) = runs
-    assert promote(root, second, "--checkpoint", "2", "--approve", "--set", "promotion.min_gain=-1") == 0
+    assert promote(root, second, "--checkpoint", "2", "--approve", "--set", "promotion.min_gain=-1", "--set",
+                   "promotion.publish=merged") == 0
     assert "published" in capsys.readouterr().out
     version = champion(mlflow_server)
     assert version.tags["rloo.run_key"] == second and version.tags["rloo.checkpoint"] == "checkpoint-2"
-    report = open(os.path.join(root, second, "promotion", f"v{version.version}", "promotion.md")).read()
+    report = open(os.path.join(root, second, "promotion", f"{MODEL}-v{version.version}", "promotion.md")).read()
     assert "Reference: champion v" in report and f"({first}, final)" in report and "re-evaluated" not in report
     assert hub.repos[REPO]["tags"].keys() == {first, f"{second}-step2"} and len(hub.commits(REPO)) == 2
+    # Merged weights replace the adapter: the repository holds exactly the new model, which loads as a full one.
+    deleted = {f["path"] for f in hub.commits(REPO)[1]["files"] if f["deleted"]}
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= deleted
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hub.tree(REPO))
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    assert ModelCard.load(os.path.join(hub.tree(REPO), "README.md")).data.library_name == "transformers"
 
 
 def test_a_champion_evaluated_on_other_prompts_is_evaluated_again(runs, mlflow_server):
@@ -278,3 +288,17 @@ def test_compare_two_runs_that_differ_in_one_knob(runs, mlflow_server, capsys):
     parents = client.search_runs([comparison.info.experiment_id], filter_string="tags.`rloo.model` = 'tiny' and "
                                  "tags.`rloo.promoted` = 'true' and tags.`rloo.recipe` LIKE '%tiny.yaml'")
     assert {run.data.tags["rloo.run_key"] for run in parents} == {first, second}  # both promoted by now
+
+
+def test_an_air_gapped_cluster_promotes_into_a_directory(runs, mlflow_server, monkeypatch, tmp_path, capsys):
+    root, (first, _) = runs
+    monkeypatch.setenv("RLOO_HUB_PUBLISHER", f"local:{tmp_path}/hub")
+    monkeypatch.delenv("HF_TOKEN")  # none needed
+    assert promote(root, first, "--approve", "--set", "promotion.model_name=rloo-tiny-airgapped", "--set",
+                   "promotion.min_gain=-1") == 0
+    assert "published" in capsys.readouterr().out
+    tree = tmp_path / "hub" / REPO / "main"
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md", "tokenizer.json"} <= set(os.listdir(tree))
+    assert json.load(open(tmp_path / "hub" / REPO / "tags.json")) == {first: "0000"}
+    version = registry(mlflow_server).get_model_version_by_alias("rloo-tiny-airgapped", "champion")
+    assert version.tags["hub.url"].startswith("file://")

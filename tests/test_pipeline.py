@@ -46,7 +46,7 @@ def overrides(run_root, mlflow_server, *extra):
 
 def run_flow(recipe, assignments):
     from flows.pipeline import rloo_pipeline
-    return asyncio.run(rloo_pipeline(recipe, assignments, return_state=True))
+    return asyncio.run(rloo_pipeline(recipe, overrides=assignments, return_state=True))
 
 
 async def _task_states(flow_run_id):

@@ -213,7 +213,7 @@ def test_the_flow_trains_on_slurm_when_the_recipe_says_so(cluster, tmp_path, mon
                    "launch.slurm.generation_port=18432", "launch.slurm.rendezvous_port=29632",
                    f"launch.slurm.generation_command={json.dumps(server)}", "evaluation.enabled=false"]
     with prefect_test_harness(server_startup_timeout=180):
-        state = asyncio.run(rloo_pipeline(TINY, assignments, return_state=True))
+        state = asyncio.run(rloo_pipeline(TINY, overrides=assignments, return_state=True))
     assert state.is_completed(), state
     summary = state.result()
     record = json.load(open(os.path.join(summary["run_dir"], "train", "job.json")))
