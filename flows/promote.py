@@ -19,6 +19,41 @@ class Approval(RunInput):
     comment: str = Field("", description="Why (kept on the model version).")
 
 
+PAUSE_KEY = "approval"
+
+
+def wait_for_approval(report: str, timeout_s: int) -> Approval:
+    """Pause with the typed form (the gate's report as its description) until someone answers. When the Prefect
+    API goes away meanwhile (longer than the client's own retries), keep waiting for it to come back and read the
+    answer then: the flow run stays paused on the server and can be answered later."""
+    import time
+
+    from prefect.exceptions import FlowPauseTimeout
+    deadline = time.time() + timeout_s
+    try:
+        return pause_flow_run(wait_for_input=Approval.with_initial_data(
+            description=f"{report}\n\nApprove to publish it to the Hub and move `champion`.", approve=False),
+            timeout=timeout_s, poll_interval=5, key=PAUSE_KEY)
+    except FlowPauseTimeout:
+        raise
+    except Exception as err:  # the API is unreachable (connection refused, 5xx after retries)
+        print(f"[promote] the Prefect API went away while waiting for approval ({type(err).__name__}); waiting for "
+              "it to come back")
+    from prefect.client.orchestration import get_client
+    from prefect.input.run_input import keyset_from_base_key
+    from prefect.runtime import flow_run
+    while time.time() < deadline:
+        time.sleep(5)
+        try:
+            with get_client(sync_client=True) as client:
+                state = client.read_flow_run(flow_run.id).state
+            if state is not None and state.is_running():  # answered
+                return Approval.load(keyset_from_base_key(f"paused-{PAUSE_KEY}"), flow_run_id=flow_run.id)
+        except Exception:
+            continue  # still away
+    raise FlowPauseTimeout("nobody answered the promotion's approval in time")
+
+
 def flow_run_name(run: str, checkpoint: int | None) -> str:
     return f"promote-{run}" + (f"-step{checkpoint}" if checkpoint is not None else "")
 
@@ -54,9 +89,7 @@ def rloo_promote(
     if config.promotion.approval_required() and not approved:
         print(f"[promote] waiting for approval: the Prefect UI's flow run, or rloo-pipeline promote {config.run_key} "
               f"--run-root {config.run_root} --approve (or --reject)")
-        answer = pause_flow_run(wait_for_input=Approval.with_initial_data(
-            description=f"{report}\n\nApprove to publish it to the Hub and move `champion`.", approve=False),
-            timeout=config.promotion.approval_timeout_s)
+        answer = wait_for_approval(report, config.promotion.approval_timeout_s)
         approved, comment = answer.approve, answer.comment
         if not approved:
             promotion.record_decision(candidate, version, "rejected", comment)
