@@ -62,6 +62,9 @@ def cmd_run(options, config_path: str | None = None, assignments: list[str] | No
     print(f"  MLflow run {summary['mlflow_run_id']} in {config.tracking_uri}")
     print(f"  Browse both UIs: rloo-pipeline ui --run-root {config.run_root}   (Prefect :4200, MLflow :5000 -> "
           f"{summary['mlflow_link']})")
+    root = "" if config.run_root == DEFAULT_ROOT else f" --run-root {config.run_root}"
+    print(f"  Next: rloo-pipeline promote {config.run_key}{root}   (registry, gate, Hub); rloo-pipeline serve{root}"
+          "   (start runs from the UI)")
     return 0
 
 
@@ -259,7 +262,9 @@ def cmd_serve(options) -> int:
     env = serve.service_environment(options.run_root, options.prefect_port)
     processes = serve.start_servers(options.run_root, options.prefect_port, options.mlflow_port, env)
     with serve.running(processes):
-        serve.wait_healthy(f"{env['PREFECT_API_URL']}/health", processes[0])
+        from infra.jobs import wait_for_health
+        wait_for_health(f"{env['PREFECT_API_URL']}/health", 180, "the Prefect server",
+                        alive=lambda: processes[0].poll() is None)
         serve.deploy(env)
         processes.append(serve.start_worker(env))
         ui = f"http://127.0.0.1:{options.prefect_port}"

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 
 from infra.runconfig import REPOSITORY
 
@@ -46,20 +45,6 @@ def start_servers(run_root: str, prefect_port: int, mlflow_port: int, env: dict[
             processes.append(subprocess.Popen([sys.executable, "-m", *command], env=env, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True))
     return processes
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 180.0) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server behind {url} exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
 def deploy(env: dict[str, str]) -> None:

@@ -1,5 +1,5 @@
 """The job types both launchers share (local submitit in infra.launch, SLURM in infra.slurm): the handle written to
-the run directory, the failure, the job's environment, a log's tail."""
+the run directory, the failure, the job's environment, a log's tail; waiting for a server's health URL."""
 
 from __future__ import annotations
 
@@ -40,3 +40,22 @@ def job_environment(extra: dict[str, str], workdir: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in [workdir, env.get("PYTHONPATH", "")] if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def wait_for_health(url: str, timeout_s: float, what: str = "the server", alive=lambda: True,
+                    error: type[Exception] = TimeoutError) -> None:
+    """Until `url` answers 200; `error` when `alive()` turns false or after `timeout_s`, naming `what` and the URL."""
+    import time
+    import urllib.request
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if not alive():
+            raise error(f"{what} exited before {url} became healthy")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise error(f"{what} at {url} did not become healthy within {timeout_s:.0f} s")

@@ -77,10 +77,10 @@ def prepare(config: RunConfig, checkpoint: int | None) -> Candidate:
     train = result["train"]
     weights, name, step = train["output_dir"], "final", int(train["global_step"])
     if checkpoint is not None:
-        from rloo.checkpoint import latest_checkpoint
+        from rloo.checkpoint import is_complete, latest_checkpoint
         weights, name, step = os.path.join(train["output_dir"], f"checkpoint-{checkpoint}"), \
             f"checkpoint-{checkpoint}", checkpoint
-        if not os.path.exists(os.path.join(weights, "trainer_state.json")):
+        if not is_complete(weights):
             found = sorted((d for d in os.listdir(train["output_dir"]) if d.startswith("checkpoint-")),
                            key=lambda d: int(d.rsplit("-", 1)[1]))
             raise PromotionError(f"--checkpoint {checkpoint}: run {config.run_key} has no complete checkpoint-"

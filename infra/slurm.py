@@ -11,9 +11,8 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 
-from infra.jobs import JobHandle, TrainingFailed, job_environment, tail
+from infra.jobs import JobHandle, TrainingFailed, job_environment, tail, wait_for_health
 
 
 def role_of(node: int, num_nodes: int, generation_nodes: int) -> str:
@@ -57,22 +56,6 @@ def executor_parameters(settings, timeout_min: int, job_name: str) -> dict:
 def _ignore_usr2() -> None:
     import signal
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-
-
-def wait_for_health(url: str, timeout_s: float, alive=lambda: True) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if not alive():
-            raise TrainingFailed(f"the generation server exited before {url} became healthy")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TrainingFailed(f"the generation server at {url} did not become healthy within {timeout_s:.0f} s "
-                         "(vllm_server_timeout)")
 
 
 def fill_placeholders(command: list[str], **values) -> list[str]:
@@ -142,7 +125,8 @@ class MultiNodeJob:
         trainers = job.num_nodes - self.settings["generation_nodes"]
         log_path = os.path.join(self.log_dir, f"trainer-{job.job_id}-node{job.node}.log")
         if url is not None:
-            wait_for_health(url + self.settings["generation_health_path"], self.settings["generation_timeout_s"])
+            wait_for_health(url + self.settings["generation_health_path"], self.settings["generation_timeout_s"],
+                            "the generation server (vllm_server_timeout)", error=TrainingFailed)
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(trainers), "--nproc_per_node",
                    str(self.nproc_per_node), "--node_rank", str(job.node), "--rdzv_backend", "c10d",
                    "--rdzv_endpoint", f"{job.hostnames[0]}:{self.settings['rendezvous_port']}",

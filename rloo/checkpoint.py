@@ -1,8 +1,11 @@
-"""What an RLOO checkpoint adds to a transformers one, and finding the newest checkpoint.
+"""What an RLOO checkpoint adds to a transformers one, when a checkpoint counts as complete, and finding the newest
+complete one.
 
 `checkpoint-N/rloo_state/rank<R>.pt` holds, per process, the micro-step counter and the buffered generation batch
 (so a resumed run continues inside a generation exactly), the batch settings and the model's identity (checked
-before any weight loads); `ref_model.pt` the moved reference of sync_ref_model runs."""
+before any weight loads); `ref_model.pt` the moved reference of sync_ref_model runs; `complete.json`, written last
+once every rank's files are on disk, lists each file with its size: a checkpoint without it, or whose files no
+longer match it (a truncated weight file, a missing state file), is skipped by every resume path."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 
 STATE_DIR = "rloo_state"
 REFERENCE_FILE = "ref_model.pt"
+MARKER = "complete.json"
 CHECKPOINT = re.compile(r"checkpoint-[0-9]+")
 
 
@@ -23,15 +27,99 @@ def atomic_save(obj, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def is_complete(checkpoint: str) -> bool:
-    """transformers writes trainer_state.json last (after weights, optimizer, RNG and rloo state): a checkpoint
-    whose trainer_state.json is missing or unreadable was interrupted while being saved."""
+def marker_path(checkpoint: str) -> str:
+    return os.path.join(checkpoint, STATE_DIR, MARKER)
+
+
+def _files(checkpoint: str) -> dict[str, int]:
+    found = {}
+    for directory, _, names in os.walk(checkpoint):
+        for name in names:
+            path = os.path.join(directory, name)
+            relative = os.path.relpath(path, checkpoint)
+            if relative != os.path.join(STATE_DIR, MARKER) and not name.endswith(".tmp"):
+                found[relative] = os.path.getsize(path)
+    return found
+
+
+def problem(checkpoint: str) -> str | None:
+    """Why a checkpoint cannot be resumed from (None: it is complete)."""
     try:
-        with open(os.path.join(checkpoint, "trainer_state.json")) as handle:
-            json.load(handle)
-        return True
-    except (OSError, ValueError):
-        return False
+        with open(marker_path(checkpoint)) as handle:
+            files = json.load(handle)["files"]
+    except (OSError, ValueError, KeyError):
+        return "no completion marker (its save was interrupted)"
+    for relative, size in files.items():
+        path = os.path.join(checkpoint, relative)
+        if not os.path.exists(path):
+            return f"{relative} is missing"
+        if os.path.getsize(path) != size:
+            return f"{relative} has {os.path.getsize(path)} bytes, {size} were written (truncated?)"
+    return None
+
+
+def is_complete(checkpoint: str) -> bool:
+    return problem(checkpoint) is None
+
+
+def save_complete(trainer, trial, save) -> None:
+    """Run the Trainer's checkpoint save `save()` so that the checkpoint becomes complete only when every rank's
+    files are written (the marker goes last), and save_total_limit's rotation runs only after that: whatever
+    moment a save is interrupted at, the previous complete checkpoint is still there."""
+    from transformers.trainer_utils import rotate_checkpoints
+    args = trainer.args
+    run_dir = trainer._get_output_dir(trial=trial)
+    folder = os.path.join(run_dir, f"checkpoint-{trainer.state.global_step}")
+    if args.should_save and os.path.exists(marker_path(folder)):
+        os.remove(marker_path(folder))  # a folder being written again is not complete until it is done
+    limit, args.save_total_limit = args.save_total_limit, None
+    try:
+        save()
+    finally:
+        args.save_total_limit = limit
+    trainer.accelerator.wait_for_everyone()
+    if args.should_save:
+        _hook("before-marker")
+        os.makedirs(os.path.join(folder, STATE_DIR), exist_ok=True)
+        with open(marker_path(folder) + ".tmp", "w") as handle:
+            json.dump({"files": _files(folder), "global_step": trainer.state.global_step}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(marker_path(folder) + ".tmp", marker_path(folder))
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+
+
+def finished_run(trainer, path: str):
+    """When the checkpoint is already at max_steps (a run killed after its last step, before it exited), the run is
+    over: transformers would train one step past max_steps; instead load the checkpoint's weights and state and
+    return its TrainOutput. None when there is training left."""
+    from transformers import TrainerState
+    from transformers.trainer_utils import TrainOutput
+    state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
+    if trainer.args.max_steps <= 0 or state.global_step < trainer.args.max_steps:
+        return None
+    if trainer.is_deepspeed_enabled:
+        raise ValueError(f"{path} is at step {state.global_step} = max_steps: that run had finished. Resuming a "
+                         "finished DeepSpeed run is not supported; its weights are in that checkpoint (raise max_steps "
+                         "to train on).")
+    warnings.warn(f"{path} is at step {state.global_step} = max_steps: the run had finished; its weights are loaded "
+                  "and nothing more is trained.")
+    trainer._load_from_checkpoint(path)
+    trainer.state = state
+    losses = [log["loss"] for log in state.log_history if "loss" in log]
+    return TrainOutput(state.global_step, sum(losses) / len(losses) if losses else 0.0, {})
+
+
+def _hook(point: str) -> None:
+    """Fault-injection tests (tests/faults): RLOO_TEST_PAUSE_AT=<point> sleeps here for RLOO_TEST_PAUSE_S seconds,
+    after touching <output_dir>/.paused-<point>, so that a kill lands at that point."""
+    if os.environ.get("RLOO_TEST_PAUSE_AT") == point:
+        import time
+        flag = os.environ.get("RLOO_TEST_PAUSE_FLAG")
+        if flag:
+            open(flag, "w").close()
+        time.sleep(float(os.environ.get("RLOO_TEST_PAUSE_S", "30")))
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
@@ -43,10 +131,10 @@ def latest_checkpoint(output_dir: str) -> str | None:
              and os.path.isdir(os.path.join(output_dir, name))]
     for name in sorted(found, key=lambda n: int(n.split("-")[1]), reverse=True):
         path = os.path.join(output_dir, name)
-        if is_complete(path):
+        why = problem(path)
+        if why is None:
             return path
-        warnings.warn(f"{path} is incomplete (no readable trainer_state.json: its save was interrupted); resuming "
-                      "from the checkpoint before it.")
+        warnings.warn(f"{path} cannot be resumed from: {why}; using the checkpoint before it.")
     return None
 
 
@@ -102,4 +190,8 @@ def resolve_resume(value, output_dir: str, missing_ok: bool = False):
             raise ValueError(f"resume_from_checkpoint=True but {output_dir} holds no checkpoint-N folder. Fix: start "
                              "without resume_from_checkpoint, or point it at a checkpoint.")
         return found
+    why = problem(value) if os.path.isdir(value) else "no such folder"
+    if why is not None:
+        raise ValueError(f"resume_from_checkpoint={value!r} cannot be resumed from: {why}. Fix: use 'latest' (the "
+                         "newest complete checkpoint) or another checkpoint.")
     return value

@@ -355,7 +355,11 @@ class RLOOTrainer(Trainer):
         self._log_completions()
 
     # ------------------------------------------------------------------ checkpoints (state: rloo.checkpoint)
+    def _save_checkpoint(self, model, trial) -> None:
+        checkpoint.save_complete(self, trial, lambda: super(RLOOTrainer, self)._save_checkpoint(model, trial))
+
     def _save_rng_state(self, output_dir: str) -> None:
+        checkpoint._hook("mid-save")  # weights and optimizer written, RNG / RLOO / trainer state not yet
         super()._save_rng_state(output_dir)
         checkpoint.save_state(output_dir, self.accelerator.process_index, {
             "step": self._step, "buffered_inputs": self._buffered_inputs, "model": self._model_identity,
@@ -369,14 +373,15 @@ class RLOOTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
               **kwargs):
-        # Check the checkpoint against this run before any weight is loaded (the DeepSpeed and plain paths load
-        # at different moments), so a mismatch is a clear error, not a state-dict one.
+        # The checkpoint checked against this run before any weight loads: a mismatch is a clear error.
         resume_from_checkpoint = checkpoint.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint:
             state = checkpoint.read_state(resume_from_checkpoint, self.accelerator.process_index)
             if state is not None:
                 checkpoint.check_compatible(resume_from_checkpoint, state, self.args.num_generations,
                                             self.args.generation_batch_size, self._model_identity)
+            if (done := checkpoint.finished_run(self, resume_from_checkpoint)) is not None:
+                return done
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 

@@ -17,3 +17,12 @@ def tokenizer():
 @pytest.fixture
 def model(tokenizer):
     return tiny_causal_lm(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server (SQLite store) for one test module."""
+    from services import MlflowServer
+    server = MlflowServer(str(tmp_path_factory.mktemp("mlflow"))).start()
+    yield server
+    server.stop()

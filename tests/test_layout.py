@@ -28,3 +28,9 @@ def test_product_code_does_not_import_test_helpers():
 
 def test_slurm_launcher_does_not_import_the_local_one():
     assert "infra.launch" not in (ROOT / "infra" / "slurm.py").read_text()
+
+
+def test_every_mlflow_call_of_the_pipeline_is_in_infra_tracking():
+    hits = [str(p.relative_to(ROOT)) for package in ("infra", "tasks", "flows") for p in (ROOT / package).rglob("*.py")
+            if re.search(r"^\s*(import mlflow|from mlflow)", p.read_text(), re.M)]
+    assert hits == ["infra/tracking.py"]

@@ -12,7 +12,6 @@ import time
 import pytest
 
 from hub_standin import HubStandin
-from services import MlflowServer
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,13 +27,6 @@ def prefect_api():
     from prefect.testing.utilities import prefect_test_harness
     with prefect_test_harness(server_startup_timeout=180):
         yield prefect.settings.get_current_settings().api.url
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    server = MlflowServer(str(tmp_path_factory.mktemp("mlflow"))).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,6 @@ def prefect_api():
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    server = MlflowServer(str(tmp_path_factory.mktemp("mlflow"))).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def run_root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("runs"))
 

@@ -115,8 +115,14 @@ def test_flow_parameters_make_a_ui_form():
     schema = parameter_schema(rloo_pipeline).model_dump()
     properties = schema["properties"]
     assert properties["recipe"]["type"] == "string" and properties["recipe"]["default"] == "configs/quickstart.yaml"
+    assert {"configs/quickstart.yaml", "configs/tiny.yaml"} <= set(properties["recipe"]["enum"])  # a choice
     assert properties["overrides"]["type"] == "array" and properties["overrides"]["items"]["type"] == "string"
-    assert "training.max_steps" in properties["overrides"]["description"]
+    assert "key=value" in properties["overrides"]["description"]
+    fields = schema["definitions"]["RunSettings"]["properties"]  # the typed settings, with descriptions and bounds
+    assert {"model", "max_steps", "learning_rate", "num_generations", "max_completion_length", "beta", "lora_r",
+            "executor", "nproc_per_node", "trainer_nodes", "generation_nodes"} == set(fields)
+    assert fields["max_steps"]["anyOf"][0]["minimum"] == 1 and "optimizer steps" in fields["max_steps"]["description"]
+    assert fields["executor"]["anyOf"][0]["enum"] == ["local", "slurm"]
 
 
 def test_validate_command(tmp_path, capsys):
@@ -258,7 +264,7 @@ def test_a_bad_training_value_fails_the_flow_before_any_stage(tmp_path):
     overrides = [f"run_root={tmp_path}", f"data.source={ROOT}/data/arithmetic.jsonl",
                  "training.max_completion_length=0"]
     with pytest.raises(ValueError, match="max_completion_length=0"):
-        asyncio.run(rloo_pipeline.fn(TINY, overrides))
+        asyncio.run(rloo_pipeline.fn(TINY, overrides=overrides))
     assert os.listdir(tmp_path) == []
 
 

@@ -1,6 +1,7 @@
 """Exact resume: an interrupted-and-resumed run ends with the same weights as an uninterrupted one."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -82,16 +83,39 @@ def test_resume_refuses_a_different_model(tmp_path, tokenizer):
     assert not os.path.exists(tmp_path / "b" / "out" / "checkpoint-2")
 
 
-def test_latest_checkpoint_skips_one_whose_save_was_interrupted(tmp_path):
-    """A save killed before trainer_state.json (transformers writes it last) leaves a folder resume must not take."""
-    import json
-
-    from rloo.checkpoint import latest_checkpoint
-    for step in (2, 4, 6):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
-    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
-    (tmp_path / "checkpoint-6" / "trainer_state.json").write_text('{"global_st')  # truncated mid-write
-    with pytest.warns(UserWarning, match="checkpoint-6 is incomplete"):
-        assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
+def test_resume_skips_incomplete_or_corrupt_checkpoints_and_rotation_keeps_a_complete_one(tmp_path, tokenizer):
+    """A checkpoint counts once its completion marker (written last, after every file) is there and its files
+    still match it; save_total_limit rotates only after the marker."""
+    from rloo.checkpoint import is_complete, latest_checkpoint, marker_path, resolve_resume
+    train(tmp_path, tokenizer, max_steps=3, save_strategy="steps", save_steps=1, save_total_limit=2)
+    out = tmp_path / "out"
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-3"]
+    assert is_complete(str(out / "checkpoint-2")) and is_complete(str(out / "checkpoint-3"))
+    os.remove(marker_path(str(out / "checkpoint-3")))  # as if killed before the marker
+    with pytest.warns(UserWarning, match="checkpoint-3 cannot be resumed from: no completion marker"):
+        assert latest_checkpoint(str(out)) == str(out / "checkpoint-2")
+    weights = next(out / "checkpoint-2" / f for f in os.listdir(out / "checkpoint-2") if f.endswith(".safetensors"))
+    with open(weights, "r+b") as handle:  # a truncated weight file
+        handle.truncate(os.path.getsize(weights) // 2)
+    with pytest.warns(UserWarning) as caught:
+        assert latest_checkpoint(str(out)) is None
+    assert "checkpoint-3 cannot be resumed from: no completion marker" in str(caught[0].message)
+    assert re.search(r"checkpoint-2 cannot be resumed from: .*safetensors has \d+ bytes, \d+ were written \(truncated",
+                     str(caught[1].message))
+    with pytest.raises(ValueError, match="cannot be resumed from: .*truncated"):
+        resolve_resume(str(out / "checkpoint-2"), str(out))
     assert latest_checkpoint(str(tmp_path / "missing")) is None
+
+
+def test_resuming_a_run_that_had_finished_trains_no_step_past_max_steps(tmp_path, tokenizer):
+    """Killed after its last step, before it exited: `latest` is checkpoint-max_steps, and transformers alone would
+    train one step more (global_step 3 and a checkpoint-3 in a 2-step run, seen before this fix)."""
+    full = train(tmp_path, tokenizer, max_steps=2, save_strategy="steps", save_steps=1)
+    with pytest.warns(UserWarning, match="checkpoint-2 is at step 2 = max_steps: the run had finished"):
+        resumed = train(tmp_path, tokenizer, resume=True, max_steps=2, save_strategy="steps", save_steps=1)
+    assert resumed.state.global_step == 2
+    assert sorted(d for d in os.listdir(tmp_path / "out") if d.startswith("checkpoint-")) == ["checkpoint-1",
+                                                                                             "checkpoint-2"]
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    assert [log["step"] for log in resumed.state.log_history if "reward" in log] == [1, 2]
