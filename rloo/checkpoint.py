@@ -16,6 +16,8 @@ import warnings
 
 import torch
 
+from rloo import faults
+
 STATE_DIR = "rloo_state"
 REFERENCE_FILE = "ref_model.pt"
 MARKER = "complete.json"
@@ -79,7 +81,7 @@ def save_complete(trainer, trial, save) -> None:
         args.save_total_limit = limit
     trainer.accelerator.wait_for_everyone()
     if args.should_save:
-        _hook("before-marker")
+        faults.point("before-marker")
         os.makedirs(os.path.join(folder, STATE_DIR), exist_ok=True)
         with open(marker_path(folder) + ".tmp", "w") as handle:
             json.dump({"files": _files(folder), "global_step": trainer.state.global_step}, handle)
@@ -109,17 +111,6 @@ def finished_run(trainer, path: str):
     trainer.state = state
     losses = [log["loss"] for log in state.log_history if "loss" in log]
     return TrainOutput(state.global_step, sum(losses) / len(losses) if losses else 0.0, {})
-
-
-def _hook(point: str) -> None:
-    """Fault-injection tests (tests/faults): RLOO_TEST_PAUSE_AT=<point> sleeps here for RLOO_TEST_PAUSE_S seconds,
-    after touching <output_dir>/.paused-<point>, so that a kill lands at that point."""
-    if os.environ.get("RLOO_TEST_PAUSE_AT") == point:
-        import time
-        flag = os.environ.get("RLOO_TEST_PAUSE_FLAG")
-        if flag:
-            open(flag, "w").close()
-        time.sleep(float(os.environ.get("RLOO_TEST_PAUSE_S", "30")))
 
 
 def latest_checkpoint(output_dir: str) -> str | None:

@@ -17,7 +17,7 @@ from accelerate.utils import gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, Trainer
 
-from rloo import algorithm, checkpoint, hub
+from rloo import algorithm, checkpoint, faults, hub
 from rloo.callbacks import MLflowCompletionsCallback, SyncRefModelCallback
 from rloo.checks import check_inputs, prepare_for_iterable_datasets
 from rloo.completion_log import CompletionLog, print_table
@@ -359,7 +359,7 @@ class RLOOTrainer(Trainer):
         checkpoint.save_complete(self, trial, lambda: super(RLOOTrainer, self)._save_checkpoint(model, trial))
 
     def _save_rng_state(self, output_dir: str) -> None:
-        checkpoint._hook("mid-save")  # weights and optimizer written, RNG / RLOO / trainer state not yet
+        faults.point("mid-save")  # weights and optimizer written, RNG / RLOO / trainer state not yet
         super()._save_rng_state(output_dir)
         checkpoint.save_state(output_dir, self.accelerator.process_index, {
             "step": self._step, "buffered_inputs": self._buffered_inputs, "model": self._model_identity,

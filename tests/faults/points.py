@@ -1,0 +1,24 @@
+"""What a kill test puts into a run through its recipe: a callback that reaches the named points of the training
+loop and a reward function that reaches 'generation' (it runs between sampling and the update). The points inside
+a checkpoint save ('mid-save', 'before-marker') are in rloo itself (rloo.faults)."""
+
+from transformers import TrainerCallback
+
+from rloo import faults
+
+
+class KillPoints(TrainerCallback):
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        faults.point("optimizer-step")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        faults.point("step-end")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        faults.point("train-end")  # after the last step, before `rloo train` saves the final model and exits
+
+
+def position_reward(completion_ids, **kwargs):
+    """Differs inside every group, so every step moves the weights."""
+    faults.point("generation")
+    return [float(i) for i in range(len(completion_ids))]
