@@ -30,22 +30,19 @@ def _load(config_path: str, assignments: list[str]):
 
 
 def cmd_validate(options) -> int:
-    from infra.stages import validate_recipe
-    from rloo.cli import resolve_reward
+    from infra.stages import check_config
     config = _load(options.config, options.set)
-    script, _ = validate_recipe(config)
-    for entry in script.reward_funcs:
-        resolve_reward(entry)
-    source = config.data.source
-    if source.endswith((".json", ".jsonl", ".csv", ".parquet")) and not os.path.isfile(source):
-        raise FileNotFoundError(f"data.source {source!r}: no such file.")
-    print(f"valid: {options.config} -> run {config.run_key} in {config.run_dir}")
+    rows = check_config(config, read_rows=True)
+    print(f"valid: {options.config} -> run {config.run_key} in {config.run_dir}" + (
+        "" if rows else f" (the rows of {config.data.source} are checked when the dataset stage loads them)"))
     return 0
 
 
 def cmd_run(options, config_path: str | None = None, assignments: list[str] | None = None) -> int:
     config = _load(config_path or options.config, assignments if assignments is not None else options.set)
+    from infra.stages import check_config
     from infra.tracking import check_reachable
+    check_config(config, read_rows=False)  # the rows: in the dataset stage, which reads them anyway
     check_reachable(config.tracking_uri)  # before Prefect starts and before any stage
     _prefect_environment(config.run_root)
     from flows.pipeline import rloo_pipeline

@@ -82,15 +82,10 @@ def prepare_dataset(config: RunConfig) -> dict:
     """Load, validate every row, hold out `eval_size` prompts, save both splits to the run directory."""
     import datasets
 
-    from rloo.data import load_prompt_dataset, validate_prompt_rows
     datasets.disable_progress_bars()  # one summary line per stage, not a bar per split
     record_execution(config, "dataset")
     data = config.data
-    dataset = load_prompt_dataset(data.source, data.config, data.split)
-    prompt_format = validate_prompt_rows(dataset, data.source)
-    if data.eval_size >= len(dataset):
-        raise ValueError(f"data.eval_size={data.eval_size} leaves no training prompts ({len(dataset)} rows in "
-                         f"{data.source}). Fix: a smaller data.eval_size.")
+    dataset, prompt_format = load_checked_rows(config)
     shuffled = dataset.shuffle(seed=data.seed)
     eval_split = shuffled.select(range(data.eval_size))
     train_split = shuffled.select(range(data.eval_size, len(shuffled)))
@@ -109,6 +104,44 @@ def prepare_dataset(config: RunConfig) -> dict:
               "num_eval": len(eval_split), "format": prompt_format, "columns": dataset.column_names,
               "source": data.source, "digest": dataset_digest(train_split, eval_split)}
     return save_stage_result(config, "dataset", result)
+
+
+def load_checked_rows(config: RunConfig):
+    """data.source loaded and every row checked (rloo.data), enough rows for data.eval_size: (dataset, format)."""
+    from rloo.data import load_prompt_dataset, validate_prompt_rows
+    data = config.data
+    dataset = load_prompt_dataset(data.source, data.config, data.split)
+    prompt_format = validate_prompt_rows(dataset, data.source)
+    if data.eval_size >= len(dataset):
+        raise ValueError(f"data.eval_size={data.eval_size} leaves no training prompts ({len(dataset)} rows in "
+                         f"{data.source}). Fix: a smaller data.eval_size.")
+    return dataset, prompt_format
+
+
+def check_config(config: RunConfig, read_rows: bool) -> bool:
+    """What needs no model and writes nothing, as one-line ConfigErrors: every recipe value (rloo.cli's checks),
+    the reward imports, data.source, and with `read_rows` every row of a local source (`rloo-pipeline validate`;
+    a Hub dataset's rows are checked by the dataset stage, nothing is downloaded here). True when rows were read."""
+    from infra.runconfig import ConfigError
+    from rloo.cli import resolve_reward
+    try:
+        script, _ = validate_recipe(config)
+        for entry in script.reward_funcs:
+            resolve_reward(entry)
+    except (ValueError, ImportError) as err:
+        raise ConfigError(f"training: {err}") from None
+    source = config.data.source
+    if source.endswith((".json", ".jsonl", ".csv", ".parquet")) and not os.path.isfile(source):
+        raise ConfigError(f"data.source {source!r}: no such file.")
+    if not (read_rows and os.path.exists(source)):
+        return False
+    import datasets
+    datasets.disable_progress_bars()
+    try:
+        load_checked_rows(config)
+    except ValueError as err:
+        raise ConfigError(f"data: {err}") from None
+    return True
 
 
 def dataset_digest(*splits) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib
+import argparse
 import os
 import sys
 from dataclasses import MISSING, dataclass, field, fields
@@ -107,12 +108,19 @@ def _parser() -> HfArgumentParser:
 
 
 def check_recipe_combinations(values: dict, prefix: str = "") -> None:
-    """What no single field can check: one weight per reward function, QLoRA only with LoRA. `prefix` names where
-    the recipe sits ('training.' in a pipeline config)."""
+    """What the dataclasses' fields cannot check alone: one weight per reward function, a LoRA rank with LoRA, a
+    local model path that exists, QLoRA only with LoRA. `prefix` names where the recipe sits ('training.' in a
+    pipeline config)."""
     weights, funcs = values.get("reward_weights"), values.get("reward_funcs") or []
     if weights is not None and len(weights) != len(funcs):
         raise ValueError(f"{prefix}reward_weights has {len(weights)} entries for {len(funcs)} {prefix}reward_funcs; "
                          "give one weight per reward.")
+    if values.get("use_peft") and values.get("lora_r", 1) < 1:
+        raise ValueError(f"{prefix}lora_r={values['lora_r']} must be >= 1 (the LoRA rank).")
+    model = str(values.get("model_name_or_path") or "")
+    if model.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(model)):
+        raise ValueError(f"{prefix}model_name_or_path={model!r}: no such folder. Fix: a local model folder, a Hub id "
+                         "(org/name) or an alias ('smollm2', 'tiny').")
     if values.get("load_in_4bit") and not values.get("use_peft"):
         raise ValueError(f"{prefix}load_in_4bit needs {prefix}use_peft: true (QLoRA trains an adapter on the 4-bit "
                          "base).")
@@ -129,7 +137,14 @@ def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArg
         if action.dest in recipe:
             action.required = False  # given by the recipe
     parser.set_defaults(**recipe)
-    outputs = parser.parse_args_into_dataclasses(args=list(argv or []), return_remaining_strings=True)
+    parser.exit_on_error = False
+    try:
+        outputs = parser.parse_args_into_dataclasses(args=list(argv or []), return_remaining_strings=True)
+    except argparse.ArgumentError as err:  # a value of the wrong type, in the recipe or a flag
+        name = (err.argument_name or "").split("/")[0].lstrip("-")
+        where = f"the recipe has {recipe[name]!r}" if name in recipe and f"--{name}" not in " ".join(argv or []) \
+            else "from the command line"
+        raise ValueError(f"{name}: {err.message} ({where}).") from None
     script_args, config, remaining = outputs[0], outputs[1], outputs[-1]  # (a Namespace holds --config)
     leftovers = [item for item in remaining if item.startswith("--")]
     if leftovers:

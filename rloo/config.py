@@ -221,6 +221,18 @@ class RLOOConfig(TrainingArguments):
             raise ValueError(f"num_generations_eval={self.num_generations_eval} must be >= 1 (or None).")
         if self.max_completion_length is None or self.max_completion_length <= 0:
             raise ValueError(f"max_completion_length={self.max_completion_length} must be a positive number of tokens.")
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1.0: no nucleus filtering).")
+        if self.max_steps == 0 or self.max_steps < -1:  # transformers would quietly train num_train_epochs instead
+            raise ValueError(f"max_steps={self.max_steps}: use a positive number of optimizer steps, or -1 to train "
+                             "for num_train_epochs.")
+        if str(getattr(self.save_strategy, "value", self.save_strategy)) == "steps" and self.save_steps <= 0:
+            raise ValueError(f"save_steps={self.save_steps} with save_strategy='steps' must be > 0.")
+        if self.learning_rate < 0:  # transformers would train uphill without a word
+            raise ValueError(f"learning_rate={self.learning_rate} is negative. Fix: a learning rate >= 0, e.g. 1e-6.")
         if self.vllm_mode not in VLLM_MODES:
             raise ValueError(f"vllm_mode={self.vllm_mode!r} is not supported. Fix: vllm_mode='server' or 'colocate'.")
         if self.vllm_peft_sync not in ("auto", "adapter", "merged"):

@@ -1,0 +1,100 @@
+"""Bad input through `rloo-pipeline validate`, as a new user would type it: every case exits 2 with an error (no
+traceback) that names the field or row, the bad value and (where there is one) the fix, before any model loads,
+and writes nothing (the run root stays empty)."""
+
+import json
+import os
+
+import pytest
+
+from flows.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+ROWS = {
+    "empty-prompt.jsonl": [{"prompt": ""}, {"prompt": "2+2?"}],
+    "no-prompt-column.jsonl": [{"question": "2+2?"}],
+    "bad-role.jsonl": [{"prompt": [{"role": "robot", "content": "2+2?"}]}],
+    "non-string-content.jsonl": [{"prompt": [{"role": "user", "content": 5}]}],
+    "empty-messages.jsonl": [{"prompt": []}],
+    "mixed-kinds.jsonl": [{"prompt": "2+2?"}, {"prompt": [{"role": "user", "content": "3+3?"}]}],
+    "two-rows.jsonl": [{"prompt": "2+2?"}, {"prompt": "3+3?"}],
+}
+
+CASES = [  # (id, --set overrides or a config file's text, what the one-line error must say)
+    ("config-missing", "missing", "no such file"),
+    ("yaml-syntax", "name: x\ndata: {source: data/arithmetic.jsonl\n", "is not valid YAML"),
+    ("flat-train-recipe", "model_name_or_path: tiny\nreward_funcs: [rloo.rewards.numeric_accuracy_reward]\n",
+     "is a flat `rloo train` recipe"),
+    ("misspelt-key", ["training.learnign_rate=0.1"], "learning_rate"),
+    ("unknown-section", ["trainning.max_steps=3"], "trainning: unknown key"),
+    ("moved-key", ["model.name_or_path=tiny"], "moved to training.model_name_or_path"),
+    ("set-by-pipeline", ["training.output_dir=/tmp/x"], "training.output_dir is set by the pipeline"),
+    ("bad-name", ["name=Bad_Name"], "name: String should match pattern"),
+    ("set-without-value", ["training.max_steps"], "expected key=value"),
+    ("batch-not-divisible", ["training.per_device_train_batch_size=6"], "is not divisible by training.num_generations"),
+    ("batch-zero", ["training.per_device_train_batch_size=0"], "per_device_train_batch_size=0 must be >= 1"),
+    ("one-generation", ["training.num_generations=1"], "num_generations=1: RLOO requires at least 2"),
+    ("completion-length-zero", ["training.max_completion_length=0"], "max_completion_length=0 must be a positive"),
+    ("negative-learning-rate", ["training.learning_rate=-1"], "learning_rate=-1 is negative"),
+    ("negative-beta", ["training.beta=-0.1"], "beta=-0.1 must be >= 0"),
+    ("zero-temperature", ["training.temperature=0"], "temperature=0 must be > 0"),
+    ("top-p-above-one", ["training.top_p=2"], "top_p=2 must be in (0, 1]"),
+    ("accumulation-zero", ["training.gradient_accumulation_steps=0"], "gradient_accumulation_steps=0 must be >= 1"),
+    ("max-steps-zero", ["training.max_steps=0"], "max_steps=0: use a positive number"),
+    ("max-steps-negative", ["training.max_steps=-5"], "max_steps=-5: use a positive number"),
+    ("save-steps-zero", ["training.save_steps=0"], "save_steps=0 with save_strategy='steps' must be > 0"),
+    ("iterations-zero", ["training.num_iterations=0"], "num_iterations=0 must be >= 1"),
+    ("negative-epsilon", ["training.epsilon=-1"], "epsilon=-1"),
+    ("lora-rank-zero", ["training.lora_r=0"], "training.lora_r=0 must be >= 1"),
+    ("qlora-without-lora", ["training.use_peft=false", "training.load_in_4bit=true"], "load_in_4bit needs"),
+    ("weights-per-reward", ["training.reward_weights=[1.0]"], "reward_weights has 1 entries for 2"),
+    ("reward-import", ["training.reward_funcs=[nope.module:fn]", "training.reward_weights=null"],
+     "reward function 'nope.module:fn': module 'nope.module' cannot be imported"),
+    ("model-path-missing", ["training.model_name_or_path=/nope/model"], "model_name_or_path='/nope/model': no such "
+                                                                         "folder"),
+    ("bf16-without-gpu", ["training.bf16=true", "training.use_cpu=false"], "bf16=True"),
+    ("wrong-type", ["training.max_steps=many"], "max_steps"),
+    ("data-file-missing", ["data.source=/nope/prompts.jsonl"], "data.source '/nope/prompts.jsonl': no such file"),
+    ("eval-size-negative", ["data.eval_size=-1"], "data.eval_size: Input should be greater than or equal to 0"),
+    ("eval-temperature-negative", ["evaluation.temperature=-1"], "evaluation.temperature: Input should be greater"),
+    ("unknown-executor", ["launch.executor=cluster"], "launch.executor: Input should be 'local' or 'slurm'"),
+    ("generation-nodes", ["launch.slurm.generation_nodes=2"], "launch.slurm.generation_nodes: Input should be less"),
+    ("registered-model-name", ["promotion.model_name=team/policy"], "not a valid MLflow registered-model name"),
+    ("hub-repo-id", ["promotion.hub_repo=noslash"], "is not a Hub repository id"),
+    ("empty-prompt", ["data.source={rows}/empty-prompt.jsonl"], "row 0, column 'prompt': empty prompt"),
+    ("no-prompt-column", ["data.source={rows}/no-prompt-column.jsonl"], "no 'prompt' column (columns: ['question'])"),
+    ("bad-role", ["data.source={rows}/bad-role.jsonl"], "row 0, column 'prompt', message 0: expected {'role'"),
+    ("non-string-content", ["data.source={rows}/non-string-content.jsonl"], "row 0, column 'prompt', message 0"),
+    ("empty-messages", ["data.source={rows}/empty-messages.jsonl"], "row 0, column 'prompt': empty message list"),
+    ("mixed-kinds", ["data.source={rows}/mixed-kinds.jsonl"], "row 1, column 'prompt' is"),
+    ("eval-size-too-big", ["data.source={rows}/two-rows.jsonl"], "data.eval_size=8 leaves no training prompts"),
+]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("rows")
+    for name, lines in ROWS.items():
+        (folder / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(folder)
+
+
+@pytest.mark.parametrize("case,given,expected", CASES, ids=[case[0] for case in CASES])
+def test_bad_input_is_refused_in_one_line_and_writes_nothing(case, given, expected, rows, tmp_path, capsys):
+    run_root = tmp_path / "runs"
+    if isinstance(given, str):
+        config = str(tmp_path / "config.yaml")
+        if given != "missing":
+            (tmp_path / "config.yaml").write_text(given)
+        arguments = [config]
+    else:
+        arguments = [TINY, "--set", f"run_root={run_root}", "--set", f"data.source={ROOT}/data/arithmetic.jsonl"]
+        for assignment in given:
+            arguments += ["--set", assignment.format(rows=rows)]
+    assert main(["validate", *arguments]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("rloo-pipeline validate: error: ") and expected in error, error
+    assert "Traceback" not in error
+    assert not run_root.exists() or not any(run_root.iterdir())  # nothing written
