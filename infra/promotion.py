@@ -120,7 +120,7 @@ def candidate_metrics(candidate: Candidate) -> dict:
 
 
 def metric_tags(metrics: dict) -> dict[str, str]:
-    return {f"eval.{key}": repr(value) for key, value in metrics.items() if value is not None}
+    return {f"eval.{key}": repr(float(value)) for key, value in metrics.items() if value is not None}
 
 
 def tagged_metrics(tags: dict[str, str]) -> dict:
