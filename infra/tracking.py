@@ -236,12 +236,6 @@ def pipeline_runs(tracking_uri: str, experiment: str, run_key: str) -> dict:
     return latest
 
 
-def evaluation_metrics(tracking_uri: str, experiment: str, run_key: str) -> dict[str, float]:
-    """The latest evaluate stage's metrics of a pipeline run ({} when there is none)."""
-    run = pipeline_runs(tracking_uri, experiment, run_key).get("evaluate")
-    return dict(run.data.metrics) if run else {}
-
-
 def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     return [(m.step, m.value) for m in client(tracking_uri).get_metric_history(run_id, key)]
 
@@ -280,8 +274,6 @@ def register_version(uri: str, experiment: str, model_name: str, run_id: str, ta
     external LoggedModel of the run (tags name the path) registered as the version's source. Returns the version."""
     import mlflow
     from mlflow.exceptions import MlflowException
-    mlflow.set_tracking_uri(uri)  # the registry resolves `models:/<id>` through the current tracking store
-    mlflow.set_registry_uri(uri)
     mlflow_client = client(uri)
     try:
         mlflow_client.get_registered_model(model_name)
@@ -289,11 +281,33 @@ def register_version(uri: str, experiment: str, model_name: str, run_id: str, ta
         if err.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
         mlflow_client.create_registered_model(model_name, description=description)
-    logged = mlflow.create_external_model(name=model_name, source_run_id=run_id, tags=tags, model_type="rloo-policy",
-                                          experiment_id=experiment_id(uri, experiment))
-    version = mlflow_client.create_model_version(model_name, source=f"models:/{logged.model_id}", run_id=run_id,
-                                                 tags=tags, description=description, model_id=logged.model_id)
+    with _fluent_uri(uri):  # the registry resolves `models:/<id>` through the current tracking store
+        logged = mlflow.create_external_model(name=model_name, source_run_id=run_id, tags=tags,
+                                              model_type="rloo-policy", experiment_id=experiment_id(uri, experiment))
+        version = mlflow_client.create_model_version(model_name, source=f"models:/{logged.model_id}", run_id=run_id,
+                                                     tags=tags, description=description, model_id=logged.model_id)
     return str(version.version)
+
+
+@contextlib.contextmanager
+def _fluent_uri(uri: str):
+    """mlflow's process-wide tracking and registry URIs pointed at `uri` for a moment, then put back as they were
+    (set_tracking_uri also exports MLFLOW_TRACKING_URI, which every later subprocess would inherit)."""
+    import mlflow
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+    saved = tracking_utils._tracking_uri, registry_utils._registry_uri
+    environment = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved[0])
+        mlflow.set_registry_uri(saved[1])
+        os.environ.update({name: value for name, value in environment.items() if value is not None})
+        for name in (name for name, value in environment.items() if value is None):
+            os.environ.pop(name, None)
 
 
 def find_versions(uri: str, model_name: str, tags: dict[str, str]) -> list:
@@ -327,9 +341,8 @@ def tag_version(uri: str, model_name: str, version: str, tags: dict[str, str]) -
 
 
 def tag_run(uri: str, run_id: str, tags: dict[str, str]) -> None:
-    mlflow_client = client(uri)
     for key, value in tags.items():
-        mlflow_client.set_tag(run_id, key, value)
+        client(uri).set_tag(run_id, key, value)
 
 
 def log_text(uri: str, run_id: str, text: str, artifact_file: str) -> None:
