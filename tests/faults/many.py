@@ -20,7 +20,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--many", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-delay", type=float, default=16.0, help="kill within this many seconds of the start")
+    parser.add_argument("--max-delay", type=float, default=None, help="kill within this many seconds of the start "
+                        "(default: the uninterrupted run's wall time, so that every kill lands before it ends)")
     options = parser.parse_args()
     draw = random.Random(options.seed)
     folder = tempfile.mkdtemp(prefix="rloo-faults-")
@@ -28,10 +29,11 @@ def main() -> int:
     start = time.time()
     done = run(recipe, os.path.join(folder, "reference"))
     assert done.returncode == 0, done.stdout[-3000:]
+    max_delay = options.max_delay or time.time() - start
     weights, history = final_weights(os.path.join(folder, "reference")), reward_history(os.path.join(folder, "reference"))
     survived = 0
     for trial in range(options.many):
-        delay = draw.uniform(1.0, options.max_delay)
+        delay = draw.uniform(0.5, max_delay)
         output_dir = os.path.join(folder, f"trial-{trial}")
         killed = run(recipe, output_dir, kill_after_s=delay)
         resumed = run(recipe, output_dir)
