@@ -45,8 +45,8 @@ async def rloo_pipeline(
         overrides: More key=value settings, e.g. training.save_steps=10 or data.eval_size=100.
     """
     config = load_run_config(recipe, overrides)
-    if settings.assignments(config):
-        config = load_run_config(recipe, settings.assignments(config) + list(overrides))
+    if changed := settings.assignments(config):
+        config = load_run_config(recipe, changed + list(overrides))
     stages.validate_recipe(config)  # every RLOOConfig value, before any stage
     stages.write_config(config)
     tracking.check_reachable(config.tracking_uri)

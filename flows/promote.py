@@ -96,7 +96,7 @@ def rloo_promote(
             print(f"[promote] rejected{': ' + comment if comment else ''}; champion unchanged")
             return {"status": "rejected", **base}
     promotion.record_decision(candidate, version, "approved", comment)
-    result = publish.publish(candidate, version)
+    result = publish.publish(candidate, version, metrics)
     create_link_artifact(result["url"], link_text=f"{result['repo']} @ {result['tag']}",
                          key=f"{config.name}-hub")
     print(f"[promote] published {result['repo']} commit {result['commit']} (tag {result['tag']}"

@@ -49,7 +49,7 @@ def base_model_id(config) -> str | None:
     return name if "/" in name and not os.path.exists(os.path.expanduser(name)) else None
 
 
-def upload_folder(candidate: Candidate, version: str) -> str:
+def upload_folder(candidate: Candidate, version: str, metrics: dict) -> str:
     """`<run>/promotion/v<N>/upload`: what the Hub repository receives (built again at each attempt)."""
     config = candidate.config
     target = os.path.join(promotion_dir(candidate, version), "upload")
@@ -78,11 +78,11 @@ def upload_folder(candidate: Candidate, version: str) -> str:
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(tokenizer_dir, name)):
             shutil.copy2(os.path.join(tokenizer_dir, name), target)
-    model_card(candidate, version, merged).save(os.path.join(target, "README.md"))
+    model_card(candidate, version, merged, metrics).save(os.path.join(target, "README.md"))
     return target
 
 
-def model_card(candidate: Candidate, version: str, merged: bool):
+def model_card(candidate: Candidate, version: str, merged: bool, metrics: dict):
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     from infra.evaluation import format_number
@@ -92,10 +92,8 @@ def model_card(candidate: Candidate, version: str, merged: bool):
     base_id = base_model_id(config)
     source = config.data.source
     dataset_id = source if "/" in source and not os.path.exists(source) else None
-    trained, base = candidate.evaluation["trained"], candidate.evaluation["base"]
-    if candidate.checkpoint != "final":
-        trained = {key[len("eval."):]: float(value) for key, value in _version_tags(candidate, version).items()
-                   if key.startswith("eval.")}
+    trained, base = metrics, candidate.evaluation["base"]  # the candidate's held-out metrics (a checkpoint's too)
+
     def result(key: str, value: float, label: str) -> EvalResult:
         return EvalResult(task_type="text-generation", dataset_type=dataset_id or "local", dataset_name=
                           os.path.basename(source), dataset_split=f"held-out ({len(candidate.rows)} prompts)",
@@ -127,13 +125,7 @@ def model_card(candidate: Candidate, version: str, merged: bool):
         load_snippet=snippet)
 
 
-def _version_tags(candidate: Candidate, version: str) -> dict:
-    from infra.promotion import find_registered
-    found = find_registered(candidate)
-    return dict(found.tags) if found is not None and str(found.version) == version else {}
-
-
-def publish(candidate: Candidate, version: str) -> dict:
+def publish(candidate: Candidate, version: str, metrics: dict) -> dict:
     """Upload (unless this candidate's upload already went through), tag it with the run key, record the repo,
     commit and URL on the model version, and only then move `champion` to it."""
     from rloo.hub import get_publisher
@@ -147,7 +139,7 @@ def publish(candidate: Candidate, version: str) -> dict:
         record.get("commit") if record.get("repo") == repo else None)
     uploaded = commit is None
     if uploaded:
-        folder = upload_folder(candidate, version)
+        folder = upload_folder(candidate, version, metrics)
         # The repository holds exactly this model afterwards (a merged model beside an earlier adapter's
         # adapter_config.json would load as that adapter).
         commit = publisher.upload_folder(repo, folder, f"RLOO {config.run_key} ({candidate.checkpoint}, step "
