@@ -294,3 +294,12 @@ def test_an_air_gapped_cluster_promotes_into_a_directory(runs, mlflow_server, mo
     assert json.load(open(tmp_path / "hub" / REPO / "tags.json")) == {first: "0000"}
     version = registry(mlflow_server).get_model_version_by_alias("rloo-tiny-airgapped", "champion")
     assert version.tags["hub.url"].startswith("file://")
+
+
+def test_approval_is_required_by_default_with_a_server_only(monkeypatch):
+    from infra.runconfig import PromotionSettings
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert not PromotionSettings().approval_required()  # the embedded default publishes after the gate
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    assert PromotionSettings().approval_required()
+    assert not PromotionSettings(require_approval=False).approval_required()
