@@ -150,6 +150,12 @@ class RLOOConfig(TrainingArguments):
         default=False, metadata={"help": "Normalise advantages over the generation batch (mean 0, std 1)."})
     reward_clip_range: tuple[float, float] | None = field(
         default=None, metadata={"help": "Clamp the summed reward to (min, max)."})
+    reward_timeout: float | None = field(
+        default=None, metadata={"help": "Seconds one reward function's call may take (async ones are cancelled); "
+                                        "None: no limit."})
+    nonfinite_rewards: str = field(
+        default="error", metadata={"help": "A reward function returning NaN or inf: 'error' (names the function and "
+                                           "row) or 'none' (treated as None: does not apply)."})
     mask_truncated_completions: bool = field(
         default=False, metadata={"help": "Exclude completions without EOS from the loss."})
     sync_ref_model: bool = field(
@@ -237,6 +243,10 @@ class RLOOConfig(TrainingArguments):
             raise ValueError(f"vllm_mode={self.vllm_mode!r} is not supported. Fix: vllm_mode='server' or 'colocate'.")
         if self.vllm_peft_sync not in ("auto", "adapter", "merged"):
             raise ValueError(f"vllm_peft_sync={self.vllm_peft_sync!r}: use 'auto', 'adapter' or 'merged'.")
+        if self.reward_timeout is not None and not self.reward_timeout > 0:
+            raise ValueError(f"reward_timeout={self.reward_timeout} must be a positive number of seconds, or None.")
+        if self.nonfinite_rewards not in ("error", "none"):
+            raise ValueError(f"nonfinite_rewards={self.nonfinite_rewards!r}: use 'error' or 'none'.")
         if self.vllm_sync_on_mismatch not in ("error", "warn"):
             raise ValueError(f"vllm_sync_on_mismatch={self.vllm_sync_on_mismatch!r}: use 'error' or 'warn'.")
         if self.vllm_sync_verify_samples < 0:

@@ -85,10 +85,10 @@ class RLOOTrainer(Trainer):
                         else f for f in reward_funcs]
         reward_processing_classes = reward_tokenizers(reward_funcs, reward_processing_classes, args.trust_remote_code)
         self.reward_funcs = reward_funcs
-        self.reward_runner = RewardRunner(reward_funcs, reward_processing_classes, args.chat_template_kwargs)
+        self.reward_runner = RewardRunner(reward_funcs, reward_processing_classes, args.chat_template_kwargs,
+                                          args.reward_timeout, args.nonfinite_rewards)
         self.reward_func_names = self.reward_runner.names
-        weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(reward_funcs)
-        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs), dtype=torch.float32)
 
         if args.disable_dropout:
             disable_dropout(model)

@@ -1,16 +1,22 @@
 """The reward-function contract: called only on real completions with the live TrainerState; a wrong signature
 fails at construction without a call; a bad output or an exception at the first real call names function and row;
-image columns are refused until vision-language training exists."""
+NaN/inf refused naming function and row (or read as None on request); a call that hangs past reward_timeout is an
+error naming the function and the prompts (async ones cancelled); image columns are refused until vision-language
+training exists."""
 
+import asyncio
+import math
 import os
 import shutil
+import threading
+import time
 
 import pytest
 from datasets import Dataset
 from transformers import TrainerState
 
 from rloo import RLOOTrainer
-from rloo.rewards.runner import RewardFunctionError
+from rloo.rewards.runner import RewardFunctionError, RewardRunner, RewardTimeoutError
 
 from helpers import conversational, make_args
 
@@ -90,6 +96,66 @@ def test_exception_on_a_real_row_names_function_row_and_prompt(tmp_path, tokeniz
     with pytest.raises(RewardFunctionError, match="'fragile' raised KeyError.*on row 2 .*a big cat"):
         trainer.train()
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+
+def _score(runner, completions=("a", "b", "c")):
+    rows = len(completions)
+    return runner([f"prompt {i}" for i in range(rows)], list(completions), [[1]] * rows, {}, None)[0]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_nonfinite_reward_is_refused_naming_function_and_row(bad):
+    def shaky(completions, **kwargs):
+        return [1.0, bad, None]
+    with pytest.raises(RewardFunctionError, match=f"'shaky' returned {bad} for row 1 \\(prompt 'prompt 1'\\).*"
+                                                  "nonfinite_rewards='none'"):
+        _score(RewardRunner([shaky], [None]))
+    matrix = _score(RewardRunner([shaky], [None], nonfinite="none"))  # opted in: NaN / inf read as None
+    assert matrix[0, 0] == 1.0 and math.isnan(matrix[1, 0]) and math.isnan(matrix[2, 0])
+
+
+def test_a_hanging_reward_times_out_naming_function_and_prompts():
+    release, cancelled = threading.Event(), []
+
+    def stuck(completions, **kwargs):
+        release.wait(30)
+        return [0.0] * len(completions)
+
+    async def stuck_async(completions, **kwargs):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return [0.0] * len(completions)
+    for func, how in ((stuck, "abandoned in its thread"), (stuck_async, "cancelled")):
+        start = time.monotonic()
+        with pytest.raises(RewardTimeoutError, match=f"'{func.__name__}' did not return within reward_timeout=0.3 s "
+                                                     f"\\({how}\\).*'prompt 0', 'prompt 1', 'prompt 2'"):
+            _score(RewardRunner([func], [None], timeout=0.3))
+        assert time.monotonic() - start < 10
+    release.set()
+    time.sleep(0.2)
+    assert cancelled == [True]
+    assert _score(RewardRunner([stuck], [None], timeout=5)).tolist() == [[0.0]] * 3  # in time: the same result
+
+
+def test_reward_settings_reach_the_trainer(tmp_path, tokenizer, model):
+    def sometimes_nan(completions, **kwargs):
+        return [math.nan if i % 2 else 1.0 for i in range(len(completions))]
+    build(tmp_path, model, tokenizer, sometimes_nan, max_steps=1, nonfinite_rewards="none").train()
+
+    def slow(completions, **kwargs):
+        time.sleep(2)
+        return [0.0] * len(completions)
+    trainer = build(tmp_path / "slow", model, tokenizer, slow, max_steps=1, reward_timeout=0.2)
+    with pytest.raises(RewardTimeoutError, match="'slow' did not return within reward_timeout=0.2 s"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    with pytest.raises(ValueError, match="reward_timeout=0 must be a positive number of seconds"):
+        make_args(tmp_path, reward_timeout=0)
+    with pytest.raises(ValueError, match="nonfinite_rewards='skip': use 'error' or 'none'"):
+        make_args(tmp_path, nonfinite_rewards="skip")
 
 
 @pytest.mark.parametrize("column", ["image", "images"])

@@ -2,7 +2,10 @@
 
 A reward function is called with keyword arguments `prompts`, `completions`, `completion_ids`,
 `trainer_state`, `log_extra`, `log_metric` and every dataset column except `prompt`, and returns one
-float (or None: "does not apply") per completion. `async def` functions are awaited concurrently.
+float (or None: "does not apply") per completion. `async def` functions are awaited concurrently. NaN or inf is
+refused naming the function and row (or read as None with nonfinite="none"); with a timeout, a call that does not
+return in time is an error naming the function and the prompts (an async one is cancelled; a sync one, run in a
+worker thread, is abandoned there).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from rloo.data import is_conversational
 
 class RewardFunctionError(ValueError):
     """A reward function broke the contract; the message names the function and the row."""
+
+
+class RewardTimeoutError(RewardFunctionError, TimeoutError):
+    """A reward function did not return within reward_timeout."""
 
 
 def reward_function_name(func: Any) -> str:
@@ -73,7 +80,8 @@ class ExtraLog:
         self.metrics[name].append(float(value))
 
 
-def _check_output(name: str, output: Any, num_rows: int, rows_desc: Callable[[int], str]) -> list[float]:
+def _check_output(name: str, output: Any, num_rows: int, rows_desc: Callable[[int], str],
+                  nonfinite: str = "error") -> list[float]:
     if output is None or isinstance(output, (str, bytes)) or not hasattr(output, "__len__"):
         raise RewardFunctionError(f"reward function '{name}' returned {type(output).__name__}; it must return a list "
                                   f"with one float (or None) per completion ({num_rows} here).")
@@ -88,16 +96,23 @@ def _check_output(name: str, output: Any, num_rows: int, rows_desc: Callable[[in
         elif isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise RewardFunctionError(f"reward function '{name}' returned {value!r} ({type(value).__name__}) for row "
                                       f"{row} ({rows_desc(row)}); rewards must be numbers or None.")
+        elif not math.isfinite(float(value)) and nonfinite == "error":
+            raise RewardFunctionError(f"reward function '{name}' returned {float(value)} for row {row} "
+                                      f"({rows_desc(row)}). Fix: return a finite number, or None where the reward does "
+                                      "not apply (or set nonfinite_rewards='none' to read NaN/inf as None).")
         else:
-            result.append(float(value))
+            result.append(float(value) if math.isfinite(float(value)) else math.nan)
     return result
 
 
 class RewardRunner:
     """Turns completions into the (rows, functions) reward matrix, NaN where a function returned None."""
 
-    def __init__(self, reward_funcs: list, reward_processing_classes: list, chat_template_kwargs: dict | None = None):
+    def __init__(self, reward_funcs: list, reward_processing_classes: list, chat_template_kwargs: dict | None = None,
+                 timeout: float | None = None, nonfinite: str = "error"):
         self.reward_funcs = reward_funcs
+        self.timeout = timeout
+        self.nonfinite = nonfinite
         self.processing_classes = reward_processing_classes
         self.names = [reward_function_name(f) for f in reward_funcs]
         self.chat_template_kwargs = chat_template_kwargs or {}
@@ -113,31 +128,70 @@ class RewardRunner:
         def describe(row: int) -> str:
             return f"prompt {str(prompts[row])[:60]!r}"
 
+        def late(index: int) -> RewardTimeoutError:
+            shown = list(dict.fromkeys(str(p)[:60] for p in prompts))
+            return RewardTimeoutError(
+                f"reward function '{self.names[index]}' did not return within reward_timeout={self.timeout} s "
+                f"({'cancelled' if is_async_reward(self.reward_funcs[index]) else 'abandoned in its thread'}) on a "
+                f"batch of {num_rows} completions of the prompts {shown[:3]}{' ...' if len(shown) > 3 else ''}. "
+                "Fix: make it faster (or async), or raise reward_timeout.")
+
         outputs: dict[int, list[float]] = {}
         async_indices = []
         for index, func in enumerate(self.reward_funcs):
             name = self.names[index]
             if isinstance(func, PreTrainedModel):
-                outputs[index] = self._score_with_model(func, self.processing_classes[index], prompts, completions)
+                output = self._score_with_model(func, self.processing_classes[index], prompts, completions)
             elif is_async_reward(func):
                 async_indices.append(index)
+                continue
             else:
                 try:
-                    output = func(**kwargs)
+                    output = self._call(func, kwargs, lambda: late(index))
+                except RewardTimeoutError:
+                    raise
                 except Exception as err:  # the user's code: name it and find the row
                     raise self._locate_failure(index, kwargs, num_rows, describe, err) from err
-                outputs[index] = _check_output(name, output, num_rows, describe)
+            outputs[index] = _check_output(name, output, num_rows, describe, self.nonfinite)
         if async_indices:
+            async def bounded(index):
+                try:
+                    return await asyncio.wait_for(self.reward_funcs[index](**kwargs), self.timeout)
+                except asyncio.TimeoutError:
+                    return late(index)
+
             async def gather():
-                return await asyncio.gather(*(self.reward_funcs[i](**kwargs) for i in async_indices),
-                                            return_exceptions=True)
+                return await asyncio.gather(*(bounded(i) for i in async_indices), return_exceptions=True)
             for index, output in zip(async_indices, self._loop.run(gather())):
+                if isinstance(output, RewardTimeoutError):
+                    raise output
                 if isinstance(output, BaseException):
                     raise RewardFunctionError(f"reward function '{self.names[index]}' raised "
                                               f"{type(output).__name__}: {output}") from output
-                outputs[index] = _check_output(self.names[index], output, num_rows, describe)
+                outputs[index] = _check_output(self.names[index], output, num_rows, describe, self.nonfinite)
         matrix = torch.tensor([outputs[i] for i in range(len(self.reward_funcs))], dtype=torch.float32).T
         return matrix.reshape(num_rows, len(self.reward_funcs)).to(device), extra
+
+    def _call(self, func, kwargs: dict, timed_out: Callable[[], Exception]):
+        """func(**kwargs); with a timeout, in a daemon thread (same grad mode) that is abandoned when it is late."""
+        if self.timeout is None:
+            return func(**kwargs)
+        outcome, grad = {}, torch.is_grad_enabled()
+
+        def target():
+            try:
+                with torch.set_grad_enabled(grad):
+                    outcome["value"] = func(**kwargs)
+            except BaseException as err:  # re-raised in the caller's thread
+                outcome["error"] = err
+        thread = threading.Thread(target=target, daemon=True, name="rloo-reward-call")
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            raise timed_out()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def _locate_failure(self, index: int, kwargs: dict, num_rows: int, describe, err: Exception) -> Exception:
         """Re-run the failing function one row at a time to name the first row that raises."""
@@ -148,7 +202,11 @@ class RewardRunner:
             row_kwargs["log_extra"] = lambda *a, **k: None
             row_kwargs["log_metric"] = lambda *a, **k: None
             try:
-                self.reward_funcs[index](**row_kwargs)
+                self._call(self.reward_funcs[index], row_kwargs, lambda: RewardTimeoutError(
+                    f"reward function '{name}' raised {type(err).__name__}: {err} on the batch, and re-running it on "
+                    f"row {row} ({describe(row)}) alone did not return within reward_timeout={self.timeout} s"))
+            except RewardTimeoutError:
+                raise
             except Exception as row_err:
                 return RewardFunctionError(f"reward function '{name}' raised {type(row_err).__name__}: {row_err} "
                                            f"on row {row} ({describe(row)}, completion "
