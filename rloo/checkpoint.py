@@ -9,9 +9,11 @@ longer match it (a truncated weight file, a missing state file), is skipped by e
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 import warnings
 
 import torch
@@ -22,6 +24,28 @@ STATE_DIR = "rloo_state"
 REFERENCE_FILE = "ref_model.pt"
 MARKER = "complete.json"
 CHECKPOINT = re.compile(r"checkpoint-[0-9]+")
+
+
+class DiskFull(OSError):
+    """A checkpoint save ran out of space; the partial checkpoint is gone, the previous complete one is intact."""
+
+
+def _disk_full(err: BaseException, folder: str, needed: int) -> bool:
+    """ENOSPC somewhere in the exception chain, or a failed write (torch.save and safetensors lose the errno) with
+    less free space left than a checkpoint takes."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(folder if os.path.isdir(folder) else os.path.dirname(folder)).free < max(needed, 1)
+    except OSError:
+        return False
+
+
+def _size(folder: str) -> int:
+    return sum(_files(folder).values()) if os.path.isdir(folder) else 0
 
 
 def atomic_save(obj, path: str) -> None:
@@ -75,8 +99,21 @@ def save_complete(trainer, trial, save) -> None:
     if args.should_save and os.path.exists(marker_path(folder)):
         os.remove(marker_path(folder))  # a folder being written again is not complete until it is done
     limit, args.save_total_limit = args.save_total_limit, None
+    previous = latest_checkpoint(run_dir, quiet=True) if args.should_save else None
     try:
         save()
+    except Exception as err:
+        needed = max(_size(previous) if previous else 0, _size(folder))
+        if not (args.should_save and _disk_full(err, folder, needed)):
+            raise
+        written = _size(folder)
+        shutil.rmtree(folder, ignore_errors=True)  # no half-written checkpoint is left behind
+        free = shutil.disk_usage(run_dir).free
+        raise DiskFull(errno.ENOSPC, f"no space left on the device of {run_dir} while saving {folder}: "
+                       f"{written / 2**20:.1f} MiB were written, {free / 2**20:.1f} MiB are free, a checkpoint of "
+                       f"this run takes {'' if previous else 'more than '}{needed / 2**20:.1f} MiB"
+                       + (f" ({os.path.basename(previous)} is intact)" if previous else "")
+                       + ". Fix: free space (or lower save_total_limit), then resume.") from err
     finally:
         args.save_total_limit = limit
     trainer.accelerator.wait_for_everyone()
@@ -113,7 +150,7 @@ def finished_run(trainer, path: str):
     return TrainOutput(state.global_step, sum(losses) / len(losses) if losses else 0.0, {})
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
+def latest_checkpoint(output_dir: str, quiet: bool = False) -> str | None:
     """The newest complete `checkpoint-N` folder of output_dir, or None (also when output_dir does not exist); a
     newer incomplete one (a save that was killed) is skipped with a warning naming it."""
     if not os.path.isdir(output_dir):
@@ -125,7 +162,8 @@ def latest_checkpoint(output_dir: str) -> str | None:
         why = problem(path)
         if why is None:
             return path
-        warnings.warn(f"{path} cannot be resumed from: {why}; using the checkpoint before it.")
+        if not quiet:
+            warnings.warn(f"{path} cannot be resumed from: {why}; using the checkpoint before it.")
     return None
 
 

@@ -290,10 +290,20 @@ def _exit_before_native_teardown(code: int) -> None:
 
 def _run(trainer, script_args) -> int:
     config = trainer.args
-    from rloo.checkpoint import resolve_resume
+    from rloo.checkpoint import DiskFull, latest_checkpoint, resolve_resume
+    from rloo.rewards.runner import RewardFunctionError
     # 'latest' with nothing saved yet starts from scratch: a requeued job that was preempted before its first save.
     resume = resolve_resume(config.resume_from_checkpoint, config.output_dir, missing_ok=True)
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except (RewardFunctionError, DiskFull) as err:  # the run stops at this step; what is saved stays resumable
+        last = latest_checkpoint(config.output_dir, quiet=True)
+        step = f" in step {trainer.state.global_step + 1}" if isinstance(err, RewardFunctionError) else ""
+        print(f"rloo train: error{step}: {err}\n" + (
+            f"  {last} is complete: fix the cause and run the same command with --resume_from_checkpoint latest."
+            if last else "  No checkpoint was saved yet: fixing the cause and rerunning starts from the beginning."),
+            file=sys.stderr)
+        return 1
     preemption = next(c for c in trainer.callback_handler.callbacks if type(c).__name__ == "PreemptionCallback")
     if preemption.stopped_at is not None:  # not the final model: the requeued job resumes from the checkpoint
         print(f"rloo train: pre-termination signal; checkpoint saved at step {preemption.stopped_at}, stopping.")

@@ -45,8 +45,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def environment(**kill) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("RLOO_TEST_KILL_")}
+def environment(extra: dict | None = None, **kill) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("RLOO_TEST_KILL_",
+                                                                                   "RLOO_TEST_REWARD_"))}
+    env.update(extra or {})
     env.update({f"RLOO_TEST_KILL_{key.upper()}": str(value) for key, value in kill.items()})
     env["PYTHONPATH"] = os.pathsep.join([HERE, ROOT, env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -54,9 +56,10 @@ def environment(**kill) -> dict[str, str]:
 
 
 def run(recipe: str, output_dir: str, nproc: int = 1, kill_after_s: float | None = None, timeout_s: float = 300,
-        **kill) -> subprocess.CompletedProcess:
-    """One `rloo train` (a kill point in `kill`, or SIGKILL to the whole process group after `kill_after_s`)."""
-    process = subprocess.Popen(command(recipe, output_dir, nproc), cwd=ROOT, env=environment(**kill),
+        env: dict | None = None, **kill) -> subprocess.CompletedProcess:
+    """One `rloo train` (a kill point in `kill`, or SIGKILL to the whole process group after `kill_after_s`; `env`:
+    more variables, e.g. points.py's RLOO_TEST_REWARD_RAISES_AT)."""
+    process = subprocess.Popen(command(recipe, output_dir, nproc), cwd=ROOT, env=environment(env, **kill),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     if kill_after_s is not None:
         try:
@@ -88,3 +91,17 @@ def reward_history(output_dir: str) -> list[tuple[int, float]]:
     with open(os.path.join(latest_checkpoint(output_dir), "trainer_state.json")) as handle:
         logs = json.load(handle)["log_history"]
     return [(log["step"], log["reward"]) for log in logs if "reward" in log]
+
+
+def assert_same_as_reference(output_dir: str, reference: tuple) -> None:
+    """The same final weights as the uninterrupted run, and its reward at every step, each step logged once."""
+    import pytest
+    import torch
+    weights, history = reference
+    got = final_weights(output_dir)
+    assert got.keys() == weights.keys()
+    for key in weights:
+        assert torch.allclose(got[key], weights[key], atol=1e-6), key
+    steps = [step for step, _ in reward_history(output_dir)]
+    assert steps == list(range(1, MAX_STEPS + 1))  # none missing, none doubled
+    assert [r for _, r in reward_history(output_dir)] == pytest.approx([r for _, r in history])

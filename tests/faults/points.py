@@ -1,6 +1,9 @@
 """What a kill test puts into a run through its recipe: a callback that reaches the named points of the training
 loop and a reward function that reaches 'generation' (it runs between sampling and the update). The points inside
-a checkpoint save ('mid-save', 'before-marker') are in rloo itself (rloo.faults)."""
+a checkpoint save ('mid-save', 'before-marker') are in rloo itself (rloo.faults). With RLOO_TEST_REWARD_RAISES_AT=n
+the reward function raises at its n-th call only (a flaky grading service)."""
+
+import os
 
 from transformers import TrainerCallback
 
@@ -18,7 +21,13 @@ class KillPoints(TrainerCallback):
         faults.point("train-end")  # after the last step, before `rloo train` saves the final model and exits
 
 
+_calls = [0]
+
+
 def position_reward(completion_ids, **kwargs):
     """Differs inside every group, so every step moves the weights."""
     faults.point("generation")
+    _calls[0] += 1
+    if str(_calls[0]) == os.environ.get("RLOO_TEST_REWARD_RAISES_AT"):
+        raise ConnectionError("the grading service dropped the connection")
     return [float(i) for i in range(len(completion_ids))]

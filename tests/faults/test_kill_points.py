@@ -3,25 +3,10 @@ run, no step missing or doubled (tests/faults/harness.py). `python tests/faults/
 kill moments instead, for a long local run."""
 
 import pytest
-import torch
 
-from harness import MAX_STEPS, final_weights, reward_history, run, write_recipe
+from harness import assert_same_as_reference, run
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("reference")
-    recipes = {nproc: write_recipe(str(folder), nproc) for nproc in (1, 2)}
-    runs = {}
-    for nproc, recipe in recipes.items():
-        output_dir = str(folder / f"out-{nproc}")
-        done = run(recipe, output_dir, nproc)
-        assert done.returncode == 0, done.stdout[-3000:]
-        runs[nproc] = (final_weights(output_dir), reward_history(output_dir))
-    return recipes, runs
-
 
 POINTS = [  # (id, processes, kill settings, what the killed run's exit looks like)
     ("during-generation", 1, dict(point="generation", at=3)),
@@ -43,11 +28,4 @@ def test_killed_and_resumed_matches_the_uninterrupted_run(reference, tmp_path, n
     assert killed.returncode != 0, killed.stdout[-3000:]  # it really died there
     resumed = run(recipes[nproc], output_dir, nproc)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    weights, history = runs[nproc]
-    got = final_weights(output_dir)
-    assert got.keys() == weights.keys()
-    for key in weights:
-        assert torch.allclose(got[key], weights[key], atol=1e-6), key
-    steps = [step for step, _ in reward_history(output_dir)]
-    assert steps == list(range(1, MAX_STEPS + 1))  # none missing, none doubled
-    assert [r for _, r in reward_history(output_dir)] == pytest.approx([r for _, r in history])
+    assert_same_as_reference(output_dir, runs[nproc])
