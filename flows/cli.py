@@ -44,10 +44,13 @@ def cmd_run(options, config_path: str | None = None, assignments: list[str] | No
     from infra.tracking import check_reachable
     check_config(config, read_rows=False)  # the rows: in the dataset stage, which reads them anyway
     check_reachable(config.tracking_uri)  # before Prefect starts and before any stage
+    from infra.writer import sole_writer
+    with sole_writer(config.run_dir, options.if_running, probe=True):  # the flow holds it; this fails (or waits) early
+        pass
     _prefect_environment(config.run_root)
     from flows.pipeline import rloo_pipeline
     start = time.time()
-    summary = asyncio.run(rloo_pipeline(config_path or options.config,
+    summary = asyncio.run(rloo_pipeline(config_path or options.config, if_running=options.if_running,
                                         overrides=assignments if assignments is not None else options.set))
     evaluation = summary.get("evaluate") or {}
     print("")
@@ -272,6 +275,12 @@ def cmd_serve(options) -> int:
     return 0
 
 
+def _if_running_option(command) -> None:
+    command.add_argument("--if-running", choices=("refuse", "wait"), default="refuse",
+                         help="when another process is writing this run's directory (the same config): refuse "
+                              "(default) or wait for it to finish")
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="rloo-pipeline", description="The RLOO pipeline (Prefect + MLflow).")
     commands = root.add_subparsers(dest="command", required=True)
@@ -280,12 +289,16 @@ def parser() -> argparse.ArgumentParser:
         command.add_argument("config")
         command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                              help="override a config key, e.g. --set training.max_steps=20")
+        if name == "run":
+            _if_running_option(command)
     for name, helptext in (("status", "stage states of the runs"), ("resume", "run a run's pipeline again "
                                                                               "(finished stages are skipped)"),
                            ("sync", "upload metrics kept while MLflow was unreachable")):
         command = commands.add_parser(name, help=helptext)
         command.add_argument("run", nargs="?" if name == "status" else None)
         command.add_argument("--run-root", default=DEFAULT_ROOT)
+        if name == "resume":
+            _if_running_option(command)
     compare = commands.add_parser("compare", help="config differences, held-out metrics and reward curves of runs "
                                                   "(from MLflow)")
     compare.add_argument("runs", nargs="*")
@@ -318,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
                 "promote": cmd_promote}
     from infra.runconfig import ConfigError
     from infra.tracking import TrackingUnavailable
+    from infra.writer import RunDirBusy
     try:
         return handlers[options.command](options)
-    except (ConfigError, TrackingUnavailable, FileNotFoundError) as err:
+    except (ConfigError, TrackingUnavailable, FileNotFoundError, RunDirBusy) as err:
         print(f"rloo-pipeline {options.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Annotated
+from typing import Annotated, Literal
 
 from prefect import flow
 from prefect.artifacts import create_link_artifact
@@ -16,6 +16,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from infra import stages, tracking
+from infra.writer import sole_writer
 from infra.runconfig import RunSettings, load_run_config, resolved_dict, shipped_recipes
 from tasks.dataset import dataset_task
 from tasks.evaluate import evaluate_task
@@ -36,6 +37,7 @@ async def rloo_pipeline(
     recipe: Annotated[str, Field(json_schema_extra={"enum": shipped_recipes()})] = "configs/quickstart.yaml",
     settings: RunSettings = RunSettings(),
     overrides: list[str] = (),
+    if_running: Literal["refuse", "wait"] = "refuse",
 ) -> dict:
     """The RLOO pipeline: dataset, model, train, evaluate.
 
@@ -43,11 +45,17 @@ async def rloo_pipeline(
         recipe: A pipeline config (configs/*.yaml; from the command line, any path).
         settings: What people change between runs; empty fields keep the recipe's value.
         overrides: More key=value settings, e.g. training.save_steps=10 or data.eval_size=100.
+        if_running: When another run is writing this run's directory (same config): refuse, or wait for it.
     """
     config = load_run_config(recipe, overrides)
     if changed := settings.assignments(config):
         config = load_run_config(recipe, changed + list(overrides))
     stages.validate_recipe(config)  # every RLOOConfig value, before any stage
+    with sole_writer(config.run_dir, if_running, str(flow_run.id) if flow_run.id else None):
+        return await _stages(config, recipe)
+
+
+async def _stages(config, recipe: str) -> dict:
     stages.write_config(config)
     tracking.check_reachable(config.tracking_uri)
     # What MLflow's run list and compare view filter on (rloo.promoted turns true when a promotion publishes it).

@@ -77,28 +77,51 @@ def test_every_deployment_form_is_prefilled_with_its_recipes_values():
         assert set(parameters["settings"]) >= {"model", "max_steps", "learning_rate", "num_generations"}
 
 
-def test_a_run_started_like_the_ui_run_button_completes_and_lands_in_mlflow(served):
+def test_runs_started_like_the_ui_run_button_run_at_once_each_in_its_own_mlflow_run(served):
+    """Five flow runs created at once, as five clicks on the Run button do: four configs (learning rates), each
+    completes with its own MLflow run and nothing of another's; the fifth repeats the first config, so one of that
+    pair refuses to write the run directory the other is writing."""
+    from mlflow import MlflowClient
+
+    from infra.runconfig import load_run_config
     base, tiny = served["base"], served["deployments"]["tiny"]
-    parameters = dict(tiny["parameters"], settings={**tiny["parameters"]["settings"], "max_steps": 2})
-    started = time.time()
-    status, created = api(base, f"/deployments/{tiny['id']}/create_flow_run", {
-        "parameters": parameters, "state": {"type": "SCHEDULED", "message": "Run from the Prefect UI"}})
-    assert status == 201, created
-    deadline = time.time() + 300
-    while (state := api(base, f"/flow_runs/{created['id']}")[1]["state_type"]) not in ("COMPLETED", "FAILED",
-                                                                                         "CRASHED"):
+    rates = [0.001, 0.002, 0.003, 0.004, 0.001]
+    started, created = time.time(), []
+    for rate in rates:
+        parameters = dict(tiny["parameters"], settings={**tiny["parameters"]["settings"], "max_steps": 2,
+                                                        "learning_rate": rate})
+        status, run = api(base, f"/deployments/{tiny['id']}/create_flow_run", {
+            "parameters": parameters, "state": {"type": "SCHEDULED", "message": "Run from the Prefect UI"}})
+        assert status == 201, run
+        created.append(run["id"])
+    deadline, states = time.time() + 600, {}
+    while len(states) < len(created):
         assert time.time() < deadline, open(served["log"]).read()[-4000:]
         time.sleep(2)
-    assert state == "COMPLETED", open(served["log"]).read()[-4000:]
-    print(f"deployment-started tiny run: {time.time() - started:.0f} s from the Run button to Completed")
-    from infra.runconfig import load_run_config
-    config = load_run_config(os.path.join(ROOT, "configs", "tiny.yaml"), [f"run_root={served['run_root']}",
-                                                                          "training.max_steps=2"])
-    summary = json.load(open(os.path.join(config.run_dir, "summary.json")))  # RLOO_RUN_ROOT of the worker
-    from mlflow import MlflowClient
-    run = MlflowClient(served["mlflow"]).get_run(summary["mlflow_run_id"])  # through `serve`'s MLflow UI
-    assert run.data.tags["prefect.flow_run_id"] == created["id"] and run.data.tags["rloo.run_key"] == config.run_key
-    assert run.data.params["training.max_steps"] == "2" and run.info.status == "FINISHED"
+        for run_id in created:
+            run = api(base, f"/flow_runs/{run_id}")[1]
+            if run["state_type"] in ("COMPLETED", "FAILED", "CRASHED"):
+                states[run_id] = run["state"]
+    print(f"five deployment-started tiny runs at once: {time.time() - started:.0f} s from the Run buttons to done")
+    pair = [created[0], created[4]]
+    assert [states[i]["type"] for i in created[1:4]] == ["COMPLETED"] * 3, open(served["log"]).read()[-4000:]
+    assert sorted(states[i]["type"] for i in pair) == ["COMPLETED", "FAILED"], [states[i] for i in pair]
+    winner, loser = pair if states[pair[0]]["type"] == "COMPLETED" else pair[::-1]
+    assert "is being written by process" in states[loser]["message"]
+    assert f"Prefect flow run {winner}" in states[loser]["message"]
+
+    client = MlflowClient(served["mlflow"])  # through `serve`'s MLflow UI
+    for run_id, rate in zip([winner, *created[1:4]], rates):
+        config = load_run_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+            f"run_root={served['run_root']}", "training.max_steps=2", f"training.learning_rate={rate}"])
+        summary = json.load(open(os.path.join(config.run_dir, "summary.json")))  # RLOO_RUN_ROOT of the worker
+        run = client.get_run(summary["mlflow_run_id"])
+        assert run.data.tags["prefect.flow_run_id"] == run_id and run.data.tags["rloo.run_key"] == config.run_key
+        assert run.data.params["training.learning_rate"] == str(rate) and run.info.status == "FINISHED"
+        train = client.search_runs([run.info.experiment_id], filter_string=f"tags.`rloo.run_key` = "
+                                   f"'{config.run_key}' and tags.`rloo.stage` = 'train'")
+        assert len(train) == 1 and train[0].data.params["training.learning_rate"] == str(rate)
+        assert [m.step for m in client.get_metric_history(train[0].info.run_id, "reward")] == [1, 2]  # its own only
 
 
 def test_invalid_form_values_are_refused_before_any_work(served):
@@ -147,7 +170,7 @@ def test_the_browser_shows_the_typed_form_and_the_finished_run(served, tmp_path)
     os.makedirs(IMAGES, exist_ok=True)
     chromium(f"--screenshot={IMAGES}/deployment-form.png", form_url, profile=tmp_path / "b")
     finished = [run for run in flow_runs(base, tiny["id"], ["COMPLETED"])]
-    assert finished, "run test_a_run_started_like_the_ui_run_button_completes_and_lands_in_mlflow first"
+    assert finished, "run test_runs_started_like_the_ui_run_button_run_at_once_each_in_its_own_mlflow_run first"
     run_url = f"{base}/v2/runs/flow-run/{finished[0]['id']}"
     page = chromium("--dump-dom", run_url, profile=tmp_path / "c").stdout
     assert finished[0]["name"] in page and "Completed" in page and "evaluate" in page
