@@ -50,8 +50,18 @@ def cmd_run(options, config_path: str | None = None, assignments: list[str] | No
     _prefect_environment(config.run_root)
     from flows.pipeline import rloo_pipeline
     start = time.time()
-    summary = asyncio.run(rloo_pipeline(config_path or options.config, if_running=options.if_running,
-                                        overrides=assignments if assignments is not None else options.set))
+    try:
+        summary = asyncio.run(rloo_pipeline(config_path or options.config, if_running=options.if_running,
+                                            overrides=assignments if assignments is not None else options.set))
+    except Exception as err:
+        if not _prefect_unreachable(err):
+            raise
+        root = "" if config.run_root == DEFAULT_ROOT else f" --run-root {config.run_root}"
+        api = os.environ.get("PREFECT_API_URL") or "the ephemeral one"
+        print(f"rloo-pipeline {options.command}: error: the Prefect API ({api}) went away ({type(err).__name__}: {str(err)[:120]}). A training job already started "
+              f"trains on; when the API is back, `rloo-pipeline resume {config.run_key}{root}` picks the run up.",
+              file=sys.stderr)
+        return 1
     evaluation = summary.get("evaluate") or {}
     print("")
     print(f"Done in {time.time() - start:.0f} s: {summary['run_dir']}")
@@ -66,6 +76,15 @@ def cmd_run(options, config_path: str | None = None, assignments: list[str] | No
     print(f"  Next: rloo-pipeline promote {config.run_key}{root}   (registry, gate, Hub); rloo-pipeline serve{root}"
           "   (start runs from the UI)")
     return 0
+
+
+def _prefect_unreachable(err: BaseException) -> bool:
+    import httpx
+    while err is not None:
+        if isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout)) or "Failed to reach API" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _run_dirs(run_root: str) -> list[str]:
@@ -232,16 +251,16 @@ def cmd_promote(options) -> int:
 
 
 def cmd_sync(options) -> int:
-    from infra import tracking
+    from infra import job_tracking, tracking
     from infra.runconfig import load_run_config
     config = load_run_config(_run_config_file(options.run_root, options.run))
     train_dir = os.path.join(config.run_dir, "train")
     with open(os.path.join(train_dir, "job.json")) as handle:
         run_id = json.load(handle)["mlflow_run_id"]
-    before = tracking.pending_count(train_dir)
+    before = job_tracking.pending_count(train_dir)
     tracking.check_reachable(config.tracking_uri)
-    ok = tracking.flush_pending(train_dir, config.tracking_uri, run_id)
-    after = tracking.pending_count(train_dir)
+    ok = job_tracking.flush_pending(train_dir, config.tracking_uri, run_id)
+    after = job_tracking.pending_count(train_dir)
     print(f"uploaded {before - after} pending item(s) to MLflow run {run_id}; {after} left")
     return 0 if ok else 1
 

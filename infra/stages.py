@@ -125,7 +125,7 @@ def check_config(config: RunConfig, read_rows: bool) -> bool:
     from infra.runconfig import ConfigError
     from rloo.cli import resolve_reward
     try:
-        script, _ = validate_recipe(config)
+        script, args = validate_recipe(config)
         for entry in script.reward_funcs:
             resolve_reward(entry)
     except (ValueError, ImportError) as err:
@@ -138,10 +138,26 @@ def check_config(config: RunConfig, read_rows: bool) -> bool:
     import datasets
     datasets.disable_progress_bars()
     try:
-        load_checked_rows(config)
+        dataset, _ = load_checked_rows(config)
+        check_enough_prompts(config, args, len(dataset) - config.data.eval_size)
     except ValueError as err:
         raise ConfigError(f"data: {err}") from None
     return True
+
+
+def check_enough_prompts(config: RunConfig, args, num_train: int) -> None:
+    """One generation batch of the whole launch (every process) takes generation_batch_size / num_generations
+    distinct prompts: fewer training prompts than that and no step could be drawn."""
+    if config.data.max_train_samples is not None:
+        num_train = min(num_train, config.data.max_train_samples)
+    needed = args.generation_batch_size // args.num_generations
+    if num_train < needed:
+        world = config.launch.nproc_per_node * (config.launch.slurm.trainer_nodes
+                                                if config.launch.executor == "slurm" else 1)
+        raise ValueError(f"{num_train} training prompts, but one generation batch of this launch ({world} "
+                         f"process(es) x training.per_device_train_batch_size / num_generations x steps per "
+                         f"generation) takes {needed} distinct prompts. Fix: more prompts (data.max_train_samples, "
+                         "a smaller data.eval_size), fewer processes, or a smaller per_device_train_batch_size.")
 
 
 def dataset_digest(*splits) -> str:
@@ -188,7 +204,7 @@ def job_recipe(config: RunConfig, model_result: dict, dataset_path: str) -> dict
     recipe = dict(config.training)
     recipe.update(model_name_or_path=model_result["policy"], dataset_name=dataset_path,
                   output_dir=stage_path(config, "train", "output"), report_to="none",
-                  callbacks=[*(recipe.get("callbacks") or []), "infra.tracking:RunDirTrackingCallback"])
+                  callbacks=[*(recipe.get("callbacks") or []), "infra.job_tracking:RunDirTrackingCallback"])
     if model_result.get("tokenizer"):
         recipe["tokenizer_name_or_path"] = model_result["tokenizer"]
     return recipe
@@ -242,6 +258,7 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
     policy, tokenizer_source = resolve_model_source(config)
     script, args = build_training_args(config, job_recipe(config, {"policy": policy, "tokenizer": tokenizer_source},
                                                           dataset_result["train_path"]))
+    check_enough_prompts(config, args, dataset_result["num_train"])
     if script.load_in_4bit:
         check_quantization_supported(type("Q", (), {"quant_method": "bitsandbytes"})())
     rewards = [resolve_reward(entry) for entry in script.reward_funcs]
@@ -279,15 +296,17 @@ def write_train_recipe(config: RunConfig, dataset_result: dict, model_result: di
 
 def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_result: dict,
                                mlflow_run_id: str | None) -> dict:
-    """A running job (from an earlier attempt) is reattached; otherwise a job is submitted, resuming from the
-    newest checkpoint when there is one. Returns the job record (also in train/job.json)."""
+    """A job of an earlier attempt that is still running, or that trained to max_steps while nobody followed it
+    (its orchestrator lost: the Prefect API away, the process killed), is reattached; otherwise a job is
+    submitted, resuming from the newest checkpoint when there is one. Returns the job record (train/job.json)."""
     from infra.launch import JobHandle, TrainJob, job_state, submit_local
-    from infra.tracking import job_environment
+    from infra.job_tracking import tracking_environment
     job_file = stage_path(config, "train", "job.json")
     previous = read_json(job_file)
     if previous is not None:
         state, _ = job_state(JobHandle.from_dict(previous["handle"]))
-        if state == "RUNNING":
+        step, max_steps, _ = training_progress(config)
+        if state == "RUNNING" or (state == "COMPLETED" and max_steps and step >= max_steps):
             return {**previous, "reattached": True}
     record_execution(config, "train")
     output_dir = stage_path(config, "train", "output")
@@ -295,7 +314,7 @@ def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_re
     checkpoint = latest_checkpoint(output_dir)
     recipe = write_train_recipe(config, dataset_result, model_result, resume=checkpoint is not None)
     run_id = (previous or {}).get("mlflow_run_id") or mlflow_run_id
-    env = job_environment(config.tracking_uri, run_id, train_dir(config)) if run_id else \
+    env = tracking_environment(config.tracking_uri, run_id, train_dir(config)) if run_id else \
         {"RLOO_TRAIN_DIR": train_dir(config)}
     workdir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if config.launch.executor == "slurm":

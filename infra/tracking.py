@@ -1,8 +1,7 @@
-"""Every MLflow call of the pipeline: runs (one parent per pipeline run, one nested run per stage, opened and
-closed FINISHED / FAILED by `stage_run`), what each stage logs (`tracked_stage` with the stage's record), params
-without secrets, dataset inputs, artifacts, the comparison query; and the training job's callback, which keeps
-every metric in the run directory first and sends it to MLflow when it can (an outage loses nothing:
-`rloo-pipeline sync RUN` uploads the rest)."""
+"""Every MLflow call of the pipeline's own process: runs (one parent per pipeline run, one nested run per stage,
+opened and closed FINISHED / FAILED by `stage_run`), what each stage logs (`tracked_stage` with the stage's record),
+params without secrets, dataset inputs, artifacts, the comparison query, the model registry. The training job's
+side (its callback and the queue of what MLflow refused) is infra.job_tracking."""
 
 from __future__ import annotations
 
@@ -14,13 +13,8 @@ import os
 import time
 from typing import Any
 
-from transformers import TrainerCallback
-
 from rloo.hub import is_secret
 
-ENV_RUN_ID = "RLOO_MLFLOW_RUN_ID"  # not MLFLOW_RUN_ID: mlflow consumes and deletes that one
-ENV_TRAIN_DIR = "RLOO_TRAIN_DIR"
-PENDING = "mlflow-pending.jsonl"
 QUICK_FAIL = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 
 
@@ -107,9 +101,11 @@ def numeric_metrics(logs: dict) -> dict[str, float]:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))}
 
 
-def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
+def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int,
+                timestamp_ms: int | None = None) -> None:
+    """A given timestamp makes a retry idempotent: MLflow keeps one row per (key, timestamp, step, value)."""
     from mlflow.entities import Metric
-    now = int(time.time() * 1000)
+    now = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
     items = [Metric(key, value, now, step) for key, value in metrics.items()]
     mlflow_client = client(tracking_uri)
     for start in range(0, len(items), 200):
@@ -347,104 +343,3 @@ def tag_run(uri: str, run_id: str, tags: dict[str, str]) -> None:
 
 def log_text(uri: str, run_id: str, text: str, artifact_file: str) -> None:
     client(uri).log_text(run_id, text, artifact_file)
-
-
-def job_environment(tracking_uri: str, run_id: str, train_dir: str) -> dict[str, str]:
-    """What the training job needs to log into the train stage's run (rank 0 only), failing fast on outages."""
-    return {"MLFLOW_TRACKING_URI": tracking_uri, ENV_RUN_ID: run_id, ENV_TRAIN_DIR: train_dir,
-            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-
-
-# ---------------------------------------------------------------------------------------------- training job side
-class RunDirTrackingCallback(TrainerCallback):
-    """On global rank 0: every log line goes to `<train_dir>/metrics.jsonl`, then to the MLflow run named by
-    RLOO_MLFLOW_RUN_ID; completion tables to `<train_dir>/completions/` then MLflow; each checkpoint is recorded
-    as a small artifact (its location). Whatever MLflow refuses is queued in `mlflow-pending.jsonl`."""
-
-    def __init__(self):
-        self.train_dir = os.environ.get(ENV_TRAIN_DIR)
-        self.run_id = os.environ.get(ENV_RUN_ID)
-        self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
-
-    def _active(self, state) -> bool:
-        return state.is_world_process_zero and self.train_dir is not None
-
-    def _send(self, item: dict) -> None:
-        if not (self.run_id and self.tracking_uri):
-            return
-        if flush_pending(self.train_dir, self.tracking_uri, self.run_id) and _upload(item, self.tracking_uri,
-                                                                                      self.run_id):
-            return
-        _append(os.path.join(self.train_dir, PENDING), item)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not self._active(state) or not logs:
-            return
-        record = {"step": state.global_step, "time": time.time(), **logs}
-        _append(os.path.join(self.train_dir, "metrics.jsonl"), record)
-        metrics = numeric_metrics(logs)
-        if metrics:
-            self._send({"kind": "metrics", "step": state.global_step, "metrics": metrics})
-
-    def on_completions(self, args, state, control, rows=None, **kwargs):
-        if not self._active(state) or not rows:
-            return
-        path = os.path.join(self.train_dir, "completions", f"step_{state.global_step:07d}.json")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        columns = {key: [row[key] for row in rows] for key in rows[0]}
-        with open(path, "w") as handle:
-            json.dump(columns, handle, default=str)
-        self._send({"kind": "table", "path": path, "artifact_file": f"completions/{os.path.basename(path)}"})
-
-    def on_save(self, args, state, control, **kwargs):
-        if not self._active(state):
-            return
-        checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        self._send({"kind": "dict", "artifact_file": f"checkpoints/checkpoint-{state.global_step}.json",
-                    "payload": {"path": checkpoint, "global_step": state.global_step, "time": time.time()}})
-
-
-def _append(path: str, item: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a") as handle:
-        handle.write(json.dumps(item, default=str) + "\n")
-
-
-def _upload(item: dict, tracking_uri: str, run_id: str) -> bool:
-    try:
-        mlflow_client = client(tracking_uri)
-        if item["kind"] == "metrics":
-            log_metrics(tracking_uri, run_id, item["metrics"], item["step"])
-        elif item["kind"] == "table":
-            with open(item["path"]) as handle:
-                mlflow_client.log_table(run_id, data=json.load(handle), artifact_file=item["artifact_file"])
-        elif item["kind"] == "dict":
-            mlflow_client.log_dict(run_id, item["payload"], item["artifact_file"])
-        return True
-    except Exception:
-        return False
-
-
-def flush_pending(train_dir: str, tracking_uri: str, run_id: str) -> bool:
-    """Upload queued items in order; True when the queue is empty afterwards."""
-    path = os.path.join(train_dir, PENDING)
-    if not os.path.exists(path):
-        return True
-    with open(path) as handle:
-        items = [json.loads(line) for line in handle if line.strip()]
-    for index, item in enumerate(items):
-        if not _upload(item, tracking_uri, run_id):
-            with open(path + ".tmp", "w") as handle:
-                handle.writelines(json.dumps(rest) + "\n" for rest in items[index:])
-            os.replace(path + ".tmp", path)
-            return False
-    os.remove(path)
-    return True
-
-
-def pending_count(train_dir: str) -> int:
-    path = os.path.join(train_dir, PENDING)
-    if not os.path.exists(path):
-        return 0
-    with open(path) as handle:
-        return sum(1 for line in handle if line.strip())

@@ -26,15 +26,21 @@ def say(stage: str, message: str) -> None:
 def progress_reporter(config: RunConfig, every_s: float = 30.0):
     """on_progress(step, max_steps, reward) for follow_training: updates the Prefect progress artifact at each new
     step and logs `[train] step 12/40, reward 0.312, ETA 4m10s` at most every `every_s` seconds (and at the end),
-    a plain line that reads the same in a terminal, a pipe or the Prefect UI."""
+    a plain line that reads the same in a terminal, a pipe or the Prefect UI. The Prefect API going away stops the
+    artifact updates, not the following."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
     artifact = create_progress_artifact(0.0, key=f"{config.name}-training-progress",
                                         description=f"Optimizer steps of {config.run_key}", _sync=True)
     start, state = time.time(), {"logged": 0.0, "first": None}
 
     def on_progress(step: int, max_steps: int | None, reward: float | None) -> None:
-        if max_steps:
-            update_progress_artifact(artifact, 100.0 * step / max_steps, _sync=True)
+        if max_steps and not state.get("api_away"):
+            try:
+                update_progress_artifact(artifact, 100.0 * step / max_steps, _sync=True)
+            except Exception as err:  # the Prefect API away: the job trains on, followed through its files
+                state["api_away"] = True
+                say("train", f"the Prefect API is unreachable ({type(err).__name__}); following the job without "
+                             "progress updates. If this process ends, `rloo-pipeline resume RUN` picks the job up.")
         now = time.time()
         if step and state["first"] is None:
             state["first"] = (step, now)  # ETA from the pace after the first step (it includes start-up)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from infra import stages, tracking
+from infra import job_tracking, stages, tracking
 from infra.runconfig import RunConfig, resolved_dict
 from tasks.common import cache_key, progress_reporter, say
 
@@ -21,6 +21,6 @@ async def train_task(config: RunConfig, dataset_result: dict, model_result: dict
         on_progress = progress_reporter(config)
         result = await stages.follow_training(config, record, on_progress)
         if run_id:  # what MLflow refused during the run (an outage) goes now, before the run is closed
-            tracking.flush_pending(stages.train_dir(config), config.tracking_uri, run_id)
+            job_tracking.flush_pending(stages.train_dir(config), config.tracking_uri, run_id)
     say("train", f"{result['global_step']} optimizer steps done; model in {result['output_dir']}")
     return result

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rloo.checkpoint import latest_checkpoint
-from infra import stages, tracking
+from infra import job_tracking, stages, tracking
 from infra.launch import JobHandle, TrainingFailed, cancel, job_state
 from infra.runconfig import load_run_config
 from services import MlflowServer
@@ -149,6 +149,9 @@ def test_reattach_then_resume_after_the_job_is_killed(run_root, monkeypatch):
     assert result["global_step"] == 6
     steps = [json.loads(line)["step"] for line in open(result["metrics_path"]) if '"reward"' in line]
     assert steps[-1] == 6 and int(checkpoint.rsplit("-", 1)[1]) + 1 in steps
+    # finished while nobody followed it (the orchestrator lost): reattached, not trained again
+    finished = stages.start_or_reattach_training(config, dataset, model, None)
+    assert finished["reattached"] and finished["handle"]["job_id"] == resumed["handle"]["job_id"]
 
 
 def test_mlflow_unreachable_at_start_fails_before_any_stage(run_root, capsys):
@@ -166,10 +169,10 @@ def test_mlflow_outage_mid_run_loses_nothing(tmp_path, monkeypatch):
     server = MlflowServer(str(tmp_path / "mlflow")).start()
     run_id = tracking.start_run(server.uri, "outage", "train", {})
     train_dir = str(tmp_path / "train")
-    for key, value in tracking.job_environment(server.uri, run_id, train_dir).items():
+    for key, value in job_tracking.tracking_environment(server.uri, run_id, train_dir).items():
         monkeypatch.setenv(key, value)
     from transformers import TrainerControl, TrainerState, TrainingArguments
-    callback = tracking.RunDirTrackingCallback()
+    callback = job_tracking.RunDirTrackingCallback()
     state = TrainerState()
     args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none")
     state.global_step = 1
@@ -179,14 +182,14 @@ def test_mlflow_outage_mid_run_loses_nothing(tmp_path, monkeypatch):
         state.global_step = step
         callback.on_log(args, state, TrainerControl(), logs={"reward": 0.1 * step, "loss": 0.0})
     callback.on_completions(args, state, TrainerControl(), rows=[{"step": 3, "prompt": "p", "completion": "c"}])
-    assert tracking.pending_count(train_dir) == 3
+    assert job_tracking.pending_count(train_dir) == 3
     lines = [json.loads(line) for line in open(os.path.join(train_dir, "metrics.jsonl"))]
     assert [line["step"] for line in lines] == [1, 2, 3]  # kept in the run directory all along
     server.start()  # back, same store
-    assert tracking.flush_pending(train_dir, server.uri, run_id)
+    assert job_tracking.flush_pending(train_dir, server.uri, run_id)
     history = tracking.client(server.uri).get_metric_history(run_id, "reward")
     assert [(m.step, round(m.value, 3)) for m in history] == [(1, 0.1), (2, 0.2), (3, 0.3)]
-    assert tracking.pending_count(train_dir) == 0
+    assert job_tracking.pending_count(train_dir) == 0
     server.stop()
 
 

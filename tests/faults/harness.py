@@ -22,10 +22,10 @@ RECIPE = {"model_name_or_path": "tiny", "dataset_name": os.path.join(ROOT, "data
           "save_steps": 1, "save_total_limit": 2, "report_to": "none", "disable_tqdm": True, "beta": 0.0, "seed": 0}
 
 
-def write_recipe(folder: str, nproc: int) -> str:
+def write_recipe(folder: str, nproc: int, **changes) -> str:
     path = os.path.join(folder, f"recipe-{nproc}.yaml")
     with open(path, "w") as handle:
-        yaml.safe_dump(RECIPE, handle)
+        yaml.safe_dump({**RECIPE, **changes}, handle)
     return path
 
 
@@ -59,8 +59,7 @@ def run(recipe: str, output_dir: str, nproc: int = 1, kill_after_s: float | None
         env: dict | None = None, **kill) -> subprocess.CompletedProcess:
     """One `rloo train` (a kill point in `kill`, or SIGKILL to the whole process group after `kill_after_s`; `env`:
     more variables, e.g. points.py's RLOO_TEST_REWARD_RAISES_AT)."""
-    process = subprocess.Popen(command(recipe, output_dir, nproc), cwd=ROOT, env=environment(env, **kill),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = start(recipe, output_dir, nproc, env, **kill)
     if kill_after_s is not None:
         try:
             process.wait(timeout=kill_after_s)
@@ -69,6 +68,12 @@ def run(recipe: str, output_dir: str, nproc: int = 1, kill_after_s: float | None
     output, _ = process.communicate(timeout=timeout_s)
     _reap(process)
     return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+def start(recipe: str, output_dir: str, nproc: int = 1, env: dict | None = None, **kill) -> subprocess.Popen:
+    """`rloo train` started in its own process group, its output in a pipe."""
+    return subprocess.Popen(command(recipe, output_dir, nproc), cwd=ROOT, env=environment(env, **kill),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _reap(process) -> None:

@@ -1,9 +1,11 @@
 """What a kill test puts into a run through its recipe: a callback that reaches the named points of the training
 loop and a reward function that reaches 'generation' (it runs between sampling and the update). The points inside
 a checkpoint save ('mid-save', 'before-marker') are in rloo itself (rloo.faults). With RLOO_TEST_REWARD_RAISES_AT=n
-the reward function raises at its n-th call only (a flaky grading service)."""
+the reward function raises at its n-th call only (a flaky grading service); SlowSteps makes each step last
+RLOO_TEST_STEP_SLEEP seconds longer (room for faults outside the run while it trains)."""
 
 import os
+import time
 
 from transformers import TrainerCallback
 
@@ -22,6 +24,11 @@ class KillPoints(TrainerCallback):
 
 
 _calls = [0]
+
+
+class SlowSteps(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(float(os.environ.get("RLOO_TEST_STEP_SLEEP", "0")))
 
 
 def position_reward(completion_ids, **kwargs):

@@ -1,0 +1,131 @@
+"""The training job's side of tracking: on global rank 0, `RunDirTrackingCallback` keeps every log line in the run
+directory first (`train/metrics.jsonl`) and sends it to the train stage's MLflow run when it can; whatever MLflow
+refuses (an outage, a restart, a server paused past the client timeout) is queued in `mlflow-pending.jsonl` and sent
+in order later (`flush_pending`: at the next log line, when the stage ends, `rloo-pipeline sync RUN`). Metrics carry
+the time they were logged, so a resend of one that had in fact arrived adds nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from transformers import TrainerCallback
+
+from infra.tracking import client, log_metrics, numeric_metrics
+
+ENV_RUN_ID = "RLOO_MLFLOW_RUN_ID"  # not MLFLOW_RUN_ID: mlflow consumes and deletes that one
+ENV_TRAIN_DIR = "RLOO_TRAIN_DIR"
+PENDING = "mlflow-pending.jsonl"
+
+
+def tracking_environment(tracking_uri: str, run_id: str, train_dir: str) -> dict[str, str]:
+    """What the training job needs to log into the train stage's run (rank 0 only), failing fast on outages."""
+    return {"MLFLOW_TRACKING_URI": tracking_uri, ENV_RUN_ID: run_id, ENV_TRAIN_DIR: train_dir,
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+class RunDirTrackingCallback(TrainerCallback):
+    """On global rank 0: every log line goes to `<train_dir>/metrics.jsonl`, then to the MLflow run named by
+    RLOO_MLFLOW_RUN_ID; completion tables to `<train_dir>/completions/` then MLflow; each checkpoint is recorded
+    as a small artifact (its location). Whatever MLflow refuses is queued in `mlflow-pending.jsonl`."""
+
+    def __init__(self):
+        self.train_dir = os.environ.get(ENV_TRAIN_DIR)
+        self.run_id = os.environ.get(ENV_RUN_ID)
+        self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
+
+    def _active(self, state) -> bool:
+        return state.is_world_process_zero and self.train_dir is not None
+
+    def _send(self, item: dict) -> None:
+        if not (self.run_id and self.tracking_uri):
+            return
+        if flush_pending(self.train_dir, self.tracking_uri, self.run_id) and _upload(item, self.tracking_uri,
+                                                                                      self.run_id):
+            return
+        enqueue(self.train_dir, item)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._active(state) or not logs:
+            return
+        record = {"step": state.global_step, "time": time.time(), **logs}
+        _append(os.path.join(self.train_dir, "metrics.jsonl"), record)
+        item = metrics_item(record)
+        if item["metrics"]:
+            self._send(item)
+
+    def on_completions(self, args, state, control, rows=None, **kwargs):
+        if not self._active(state) or not rows:
+            return
+        path = os.path.join(self.train_dir, "completions", f"step_{state.global_step:07d}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        columns = {key: [row[key] for row in rows] for key in rows[0]}
+        with open(path, "w") as handle:
+            json.dump(columns, handle, default=str)
+        self._send({"kind": "table", "path": path, "artifact_file": f"completions/{os.path.basename(path)}"})
+
+    def on_save(self, args, state, control, **kwargs):
+        if not self._active(state):
+            return
+        checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        self._send({"kind": "dict", "artifact_file": f"checkpoints/checkpoint-{state.global_step}.json",
+                    "payload": {"path": checkpoint, "global_step": state.global_step, "time": time.time()}})
+
+
+def metrics_item(record: dict) -> dict:
+    """What is sent (or queued) for one metrics.jsonl record, stamped with the time it was logged: a resend of an
+    item that had in fact arrived (its answer lost) adds nothing."""
+    logs = {key: value for key, value in record.items() if key not in ("step", "time")}
+    return {"kind": "metrics", "step": record["step"], "metrics": numeric_metrics(logs),
+            "time_ms": int(record["time"] * 1000)}
+
+
+def enqueue(train_dir: str, item: dict) -> None:
+    _append(os.path.join(train_dir, PENDING), item)
+
+
+def _append(path: str, item: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as handle:
+        handle.write(json.dumps(item, default=str) + "\n")
+
+
+def _upload(item: dict, tracking_uri: str, run_id: str) -> bool:
+    try:
+        mlflow_client = client(tracking_uri)
+        if item["kind"] == "metrics":
+            log_metrics(tracking_uri, run_id, item["metrics"], item["step"], item.get("time_ms"))
+        elif item["kind"] == "table":
+            with open(item["path"]) as handle:
+                mlflow_client.log_table(run_id, data=json.load(handle), artifact_file=item["artifact_file"])
+        elif item["kind"] == "dict":
+            mlflow_client.log_dict(run_id, item["payload"], item["artifact_file"])
+        return True
+    except Exception:
+        return False
+
+
+def flush_pending(train_dir: str, tracking_uri: str, run_id: str) -> bool:
+    """Upload queued items in order; True when the queue is empty afterwards."""
+    path = os.path.join(train_dir, PENDING)
+    if not os.path.exists(path):
+        return True
+    with open(path) as handle:
+        items = [json.loads(line) for line in handle if line.strip()]
+    for index, item in enumerate(items):
+        if not _upload(item, tracking_uri, run_id):
+            with open(path + ".tmp", "w") as handle:
+                handle.writelines(json.dumps(rest) + "\n" for rest in items[index:])
+            os.replace(path + ".tmp", path)
+            return False
+    os.remove(path)
+    return True
+
+
+def pending_count(train_dir: str) -> int:
+    path = os.path.join(train_dir, PENDING)
+    if not os.path.exists(path):
+        return 0
+    with open(path) as handle:
+        return sum(1 for line in handle if line.strip())
