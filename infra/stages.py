@@ -198,6 +198,31 @@ def check_lora_targets(model_source: str, targets, trust_remote_code: bool) -> i
     return sum(p.numel() for p in skeleton.parameters())
 
 
+def check_tokenizer_fits(policy: str, tokenizer, args, dataset_result: dict) -> None:
+    """From the model's config (no weights): every token id of the tokenizer has an embedding row, and every
+    training prompt plus max_completion_length fits the model's context (prompts are never truncated)."""
+    import datasets
+    from transformers import AutoConfig
+    model_config = AutoConfig.from_pretrained(policy, trust_remote_code=args.trust_remote_code)
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    vocab, context = getattr(text_config, "vocab_size", None), getattr(text_config, "max_position_embeddings", None)
+    if vocab and len(tokenizer) > vocab:
+        raise ValueError(f"the tokenizer ({tokenizer.name_or_path}) has {len(tokenizer)} tokens but the model "
+                         f"{policy} embeds only {vocab}: ids from {vocab} on would index past its embedding. Fix: "
+                         "the model's own tokenizer (training.tokenizer_name_or_path), or a model resized to it.")
+    if not context:
+        return
+    for index, prompt in enumerate(datasets.load_from_disk(dataset_result["train_path"])["prompt"]):
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                             **(args.chat_template_kwargs or {})) if isinstance(prompt, list) else prompt
+        length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if length + args.max_completion_length > context:
+            raise ValueError(f"data: training prompt {index} ({str(text)[:50]!r}...) is {length} tokens; with "
+                             f"training.max_completion_length={args.max_completion_length} it exceeds the context of "
+                             f"{policy} ({context} tokens, max_position_embeddings). Fix: drop or shorten the long "
+                             "prompts, or a smaller max_completion_length.")
+
+
 def job_recipe(config: RunConfig, model_result: dict, dataset_path: str) -> dict:
     """The `rloo train` recipe the job runs: `training:` unchanged, plus what the pipeline sets (the resolved model
     alias, the prepared dataset, output_dir, report_to, its tracking callback)."""
@@ -267,6 +292,7 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
         raise ValueError(f"the dataset's prompts are conversational but the tokenizer of {policy!r} has no chat "
                          "template. Fix: use an instruct model, set training.tokenizer_name_or_path to one with a "
                          "template, or give plain-text prompts.")
+    check_tokenizer_fits(policy, tokenizer, args, dataset_result)
     targets = (script.lora_target_modules or "all-linear") if script.use_peft else "all-linear"
     num_parameters = check_lora_targets(policy, targets, args.trust_remote_code)
     peft = {"enabled": script.use_peft, "r": script.lora_r, "alpha": script.lora_alpha,

@@ -121,6 +121,10 @@ def check_recipe_combinations(values: dict, prefix: str = "") -> None:
     if model.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(model)):
         raise ValueError(f"{prefix}model_name_or_path={model!r}: no such folder. Fix: a local model folder, a Hub id "
                          "(org/name) or an alias ('smollm2', 'tiny').")
+    if os.path.isdir(os.path.expanduser(model)):
+        from rloo.models import local_model_problem
+        if problem := local_model_problem(os.path.expanduser(model)):
+            raise ValueError(f"{prefix}model_name_or_path={model!r}: {problem}.")
     if values.get("load_in_4bit") and not values.get("use_peft"):
         raise ValueError(f"{prefix}load_in_4bit needs {prefix}use_peft: true (QLoRA trains an adapter on the 4-bit "
                          "base).")
@@ -203,6 +207,9 @@ def resolve_reward(entry: str):
     """An import path resolves to a callable; anything that names a model directory or looks like a Hub id
     ('org/name' without a module) is a reward model."""
     if os.path.isdir(os.path.expanduser(entry)):
+        from rloo.models import local_model_problem
+        if problem := local_model_problem(os.path.expanduser(entry), reward_model=True):
+            raise ValueError(f"reward function {entry!r}: {problem}.")
         return entry
     try:
         return resolve_callable(entry)
@@ -234,6 +241,8 @@ def build_trainer(argv: list[str]):
     from rloo.data import load_prompt_dataset
     from rloo.trainer import RLOOTrainer
     script_args, config = parse_arguments(argv)
+    from rloo.checkpoint import resolve_resume
+    resolve_resume(config.resume_from_checkpoint, config.output_dir, missing_ok=True)  # a bad path: now, not later
     model_path, alias_tokenizer = resolve_model_alias(script_args.model_name_or_path)
     tokenizer_source = script_args.tokenizer_name_or_path or alias_tokenizer
     reward_funcs = [resolve_reward(entry) for entry in script_args.reward_funcs]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -143,4 +144,10 @@ def validate_prompt_rows(dataset, source: str = "dataset") -> str:
                                          f"{kind}; use one format for the whole dataset.")
     if kind is None:
         raise DatasetValidationError(f"{source}: the dataset is empty.")
+    for column in dataset.column_names:  # what reward functions receive: a NaN is a missing value, not a number
+        for index, value in enumerate(dataset[column] if column != "prompt" else ()):
+            if isinstance(value, float) and math.isnan(value):
+                raise DatasetValidationError(
+                    f"{source}: row {index}, column {column!r}: NaN (a missing value; reward functions would get it "
+                    "as a number). Fix: fill it in, or drop the row.")
     return kind

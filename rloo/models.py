@@ -28,6 +28,34 @@ def check_model_source(name: str, what: str = "model") -> None:
                                 "save_pretrained, or a Hugging Face Hub model id such as 'Qwen/Qwen2-0.5B-Instruct'.")
 
 
+def local_model_problem(path: str, reward_model: bool = False) -> str | None:
+    """Why a local model folder cannot serve as a policy (or, with reward_model, as a reward model), from its files
+    alone: no config.json, no weights, or not a one-label sequence classifier. None: no problem seen."""
+    import json
+    names = os.listdir(path)
+    if "adapter_config.json" in names and not reward_model:
+        return None  # a PEFT adapter folder: its base model is named inside
+    if "config.json" not in names:
+        return f"no config.json in {path} (is it a model folder written by save_pretrained?)"
+    if not any(name.endswith((".safetensors", ".bin", ".index.json", ".pt", ".gguf")) for name in names):
+        return f"no weights in {path} (no *.safetensors or *.bin file: an interrupted download or copy?)"
+    with open(os.path.join(path, "config.json")) as handle:
+        try:
+            config = json.load(handle)
+        except ValueError as err:
+            return f"{path}/config.json is not valid JSON ({err})"
+    if reward_model:
+        architectures = config.get("architectures") or []
+        if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+            return (f"{path} is a {architectures[0]}, not a reward model: loading it as one would score with an "
+                    "untrained head. A reward model is a sequence classifier with one label "
+                    "(AutoModelForSequenceClassification, num_labels=1)")
+        labels = len(config["id2label"]) if config.get("id2label") else config.get("num_labels", 1)
+        if labels != 1:
+            return f"{path} classifies into {labels} labels; a reward model has one (num_labels=1)"
+    return None
+
+
 def _from_pretrained(loader, name: str, what: str, **kwargs):
     check_model_source(name, what)
     try:

@@ -1,9 +1,13 @@
-"""Bad input through `rloo-pipeline validate`, as a new user would type it: every case exits 2 with an error (no
-traceback) that names the field or row, the bad value and (where there is one) the fix, before any model loads,
-and writes nothing (the run root stays empty)."""
+"""Bad input as a new user would type it: through `rloo-pipeline validate` (recipe, rows, launch, model folders) and
+`rloo train` (its flags), every case exits 2 with an error (no traceback) that names the field or row, the bad value
+and (where there is one) the fix, before any model loads, and writes nothing (the run root or output directory
+stays absent or empty). What needs the tokenizer (its vocabulary against the model's, prompts against the model's
+context) is refused by the model stage, from the model's config, before any weight loads."""
 
 import json
+import math
 import os
+import shutil
 
 import pytest
 
@@ -20,6 +24,7 @@ ROWS = {
     "empty-messages.jsonl": [{"prompt": []}],
     "mixed-kinds.jsonl": [{"prompt": "2+2?"}, {"prompt": [{"role": "user", "content": "3+3?"}]}],
     "two-rows.jsonl": [{"prompt": "2+2?"}, {"prompt": "3+3?"}],
+    "nan-column.jsonl": [{"prompt": "2+2?", "answer": 4.0}, {"prompt": "3+3?", "answer": math.nan}],
 }
 
 CASES = [  # (id, --set overrides or a config file's text, what the one-line error must say)
@@ -70,14 +75,40 @@ CASES = [  # (id, --set overrides or a config file's text, what the one-line err
     ("empty-messages", ["data.source={rows}/empty-messages.jsonl"], "row 0, column 'prompt': empty message list"),
     ("mixed-kinds", ["data.source={rows}/mixed-kinds.jsonl"], "row 1, column 'prompt' is"),
     ("eval-size-too-big", ["data.source={rows}/two-rows.jsonl"], "data.eval_size=8 leaves no training prompts"),
+    ("nan-in-a-column", ["data.source={rows}/nan-column.jsonl"], "row 1, column 'answer': NaN (a missing value"),
+    ("fewer-prompts-than-a-step", ["data.source={rows}/two-rows.jsonl", "data.eval_size=0", "launch.nproc_per_node=2"],
+     "2 training prompts, but one generation batch of this launch (2 process(es)"),
+    ("processes-zero", ["launch.nproc_per_node=0"], "launch.nproc_per_node: Input should be greater than or equal to 1"),
+    ("trainer-nodes-zero", ["launch.executor=slurm", "launch.slurm.trainer_nodes=0"],
+     "launch.slurm.trainer_nodes: Input should be greater than or equal to 1"),
+    ("batch-across-nodes", ["launch.executor=slurm", "launch.slurm.trainer_nodes=3", "training.num_generations=16"],
+     "x trainer nodes = 24 is not divisible by training.num_generations = 16"),
+    ("model-folder-without-config", ["training.model_name_or_path={rows}/no-config"], "no config.json in"),
+    ("model-folder-without-weights", ["training.model_name_or_path={rows}/no-weights"], "no weights in"),
+    ("reward-model-is-a-causal-lm", ["training.reward_funcs=[{rows}/causal-lm]", "training.reward_weights=null"],
+     "is a LlamaForCausalLM, not a reward model"),
+    ("reward-model-with-two-labels", ["training.reward_funcs=[{rows}/two-labels]", "training.reward_weights=null"],
+     "classifies into 2 labels; a reward model has one"),
 ]
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
+    """The bad rows, and bad model folders built from the tiny model's files."""
+    from rloo.assets import resolve_model_alias
     folder = tmp_path_factory.mktemp("rows")
     for name, lines in ROWS.items():
         (folder / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    model, _ = resolve_model_alias("tiny", str(folder / "assets"))
+    shutil.copytree(model, folder / "causal-lm")
+    os.makedirs(folder / "no-config")
+    shutil.copy(os.path.join(model, "model.safetensors"), folder / "no-config")
+    os.makedirs(folder / "no-weights")
+    shutil.copy(os.path.join(model, "config.json"), folder / "no-weights")
+    shutil.copytree(model, folder / "two-labels")
+    config = json.load(open(os.path.join(model, "config.json")))
+    config.update(architectures=["LlamaForSequenceClassification"], id2label={"0": "bad", "1": "good"})
+    (folder / "two-labels" / "config.json").write_text(json.dumps(config))
     return str(folder)
 
 
@@ -98,3 +129,70 @@ def test_bad_input_is_refused_in_one_line_and_writes_nothing(case, given, expect
     assert error.startswith("rloo-pipeline validate: error: ") and expected in error, error
     assert "Traceback" not in error
     assert not run_root.exists() or not any(run_root.iterdir())  # nothing written
+
+
+FLAGS = [  # `rloo train` flags on a valid recipe: (id, flags, what the one-line error must say)
+    ("flag-wrong-type", ["--max_steps", "many"], "max_steps: invalid int value: 'many' (from the command line)"),
+    ("flag-misspelt", ["--learnign_rate", "0.1"], "unknown field '--learnign_rate'. Did you mean 'learning_rate'?"),
+    ("flag-bad-value", ["--num_generations", "1"], "num_generations=1: RLOO requires at least 2"),
+    ("flag-resume-missing", ["--resume_from_checkpoint", "/nope/checkpoint-3"],
+     "resume_from_checkpoint='/nope/checkpoint-3' cannot be resumed from: no such folder"),
+    ("flag-reward-timeout", ["--reward_timeout", "-1"], "reward_timeout=-1.0 must be a positive number of seconds"),
+    ("flag-config-missing", ["--config", "/nope/recipe.yaml"], "/nope/recipe.yaml"),
+]
+
+
+@pytest.mark.parametrize("case,flags,expected", FLAGS, ids=[case[0] for case in FLAGS])
+def test_bad_train_flags_are_refused_in_one_line_and_write_nothing(case, flags, expected, tmp_path, capsys):
+    from rloo.cli import main as rloo_main
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: tiny\ndataset_name: {ROOT}/data/arithmetic.jsonl\nreward_funcs: "
+                      "[rloo.rewards.numeric_accuracy_reward]\nuse_cpu: true\nbf16: false\nmax_steps: 2\n")
+    output = tmp_path / "out"
+    config = [] if "--config" in flags else ["--config", str(recipe)]
+    assert rloo_main(["train", *config, "--output_dir", str(output), *flags]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("rloo train: error: ") and expected in error, error
+    assert "Traceback" not in error and not output.exists()
+
+
+MODEL_STAGE = ["tokenizer-larger-than-the-embedding", "prompt-longer-than-the-context"]
+
+
+@pytest.mark.parametrize("case", MODEL_STAGE)
+def test_the_model_stage_refuses_what_needs_the_tokenizer_before_any_weight_loads(case, rows, tmp_path,
+                                                                                   monkeypatch):
+    from infra import stages
+    from infra.runconfig import load_run_config
+    from transformers import AutoTokenizer
+    from rloo.assets import resolve_model_alias
+    _, tokenizer_dir = resolve_model_alias("tiny", os.path.join(rows, "assets"))
+    assignments = [f"run_root={tmp_path}", "data.eval_size=2"]
+    if case == "tokenizer-larger-than-the-embedding":
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer.add_tokens([f"<extra_{i}>" for i in range(100)])
+        tokenizer.save_pretrained(tmp_path / "big-tokenizer")
+        assignments += [f"training.tokenizer_name_or_path={tmp_path}/big-tokenizer",
+                        f"data.source={ROOT}/data/arithmetic.jsonl"]
+        expected = "has 153 tokens but the model"
+    else:
+        long = [{"prompt": [{"role": "user", "content": "1+" * 200 + "1?"}]}] + [
+            {"prompt": [{"role": "user", "content": f"{i}+1?"}]} for i in range(12)]
+        (tmp_path / "long.jsonl").write_text("".join(json.dumps(row) + "\n" for row in long))
+        assignments += [f"data.source={tmp_path}/long.jsonl", "data.seed=1"]
+        expected = "tokens; with training.max_completion_length=8 it exceeds the context of"
+    config = load_run_config(TINY, assignments)
+    dataset = stages.prepare_dataset(config)
+    loaded = []
+    monkeypatch.setattr("transformers.PreTrainedModel.from_pretrained", lambda *a, **k: loaded.append(a))
+    with pytest.raises(ValueError, match=expected):
+        stages.prepare_model(config, dataset)
+    assert loaded == [] and stages.load_stage_result(config, "model") is None
+
+
+def test_the_readme_shows_every_case():
+    with open(os.path.join(ROOT, "README.md")) as handle:
+        readme = handle.read()
+    cases = [case[0] for case in CASES + FLAGS] + MODEL_STAGE
+    assert [case for case in cases if f"| {case} |" not in readme] == []
+    assert f"`tests/test_bad_input_matrix.py`, {len(cases)} cases" in readme.replace("\n", " ")
