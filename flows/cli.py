@@ -122,6 +122,8 @@ def _stage_states(run_root: str, run: str) -> dict[str, str]:
 def cmd_status(options) -> int:
     from rich.console import Console
     from rich.table import Table
+
+    from infra.job_tracking import read_metrics
     runs = [options.run] if options.run else _run_dirs(options.run_root)
     if not runs:
         print(f"no runs under {options.run_root}")
@@ -135,11 +137,8 @@ def cmd_status(options) -> int:
             raise FileNotFoundError(f"no run {run!r} under {options.run_root}")
         states = _stage_states(options.run_root, run)
         steps = gain = "-"
-        metrics = os.path.join(run_dir, "train", "metrics.jsonl")
-        if os.path.exists(metrics):
-            with open(metrics) as handle:
-                lines = [json.loads(line) for line in handle if line.strip()]
-            steps = str(max((line.get("step", 0) for line in lines), default=0))
+        if lines := read_metrics(os.path.join(run_dir, "train")):
+            steps = str(max(line.get("step", 0) for line in lines))
         evaluation = os.path.join(run_dir, "eval", "metrics.json")
         if os.path.exists(evaluation):
             with open(evaluation) as handle:
@@ -350,12 +349,17 @@ def main(argv: list[str] | None = None) -> int:
                 "promote": cmd_promote}
     from infra.runconfig import ConfigError
     from infra.tracking import TrackingUnavailable
+    from infra.jobs import TrainingFailed
     from infra.writer import RunDirBusy
     try:
         return handlers[options.command](options)
     except (ConfigError, TrackingUnavailable, FileNotFoundError, RunDirBusy) as err:
         print(f"rloo-pipeline {options.command}: error: {err}", file=sys.stderr)
         return 2
+    except TrainingFailed as err:  # the job died (killed, OOM, a node lost): what it saved is resumable
+        print(f"rloo-pipeline {options.command}: error: {err}\n  `rloo-pipeline resume RUN` trains on from the last "
+              "complete checkpoint (`rloo-pipeline status` lists the runs).", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -28,12 +28,15 @@ def tracking_environment(tracking_uri: str, run_id: str, train_dir: str) -> dict
 class RunDirTrackingCallback(TrainerCallback):
     """On global rank 0: every log line goes to `<train_dir>/metrics.jsonl`, then to the MLflow run named by
     RLOO_MLFLOW_RUN_ID; completion tables to `<train_dir>/completions/` then MLflow; each checkpoint is recorded
-    as a small artifact (its location). Whatever MLflow refuses is queued in `mlflow-pending.jsonl`."""
+    as a small artifact (its location). Whatever MLflow refuses is queued in `mlflow-pending.jsonl`. A resumed
+    attempt replays the steps after its checkpoint: a log line an earlier attempt already wrote (same step, same
+    keys) is not written or sent again, so every step is in metrics.jsonl and MLflow once."""
 
     def __init__(self):
         self.train_dir = os.environ.get(ENV_TRAIN_DIR)
         self.run_id = os.environ.get(ENV_RUN_ID)
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
+        self.logged = {_line_key(record) for record in read_metrics(self.train_dir)} if self.train_dir else set()
 
     def _active(self, state) -> bool:
         return state.is_world_process_zero and self.train_dir is not None
@@ -50,6 +53,8 @@ class RunDirTrackingCallback(TrainerCallback):
         if not self._active(state) or not logs:
             return
         record = {"step": state.global_step, "time": time.time(), **logs}
+        if _line_key(record) in self.logged:
+            return
         _append(os.path.join(self.train_dir, "metrics.jsonl"), record)
         item = metrics_item(record)
         if item["metrics"]:
@@ -71,6 +76,19 @@ class RunDirTrackingCallback(TrainerCallback):
         checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         self._send({"kind": "dict", "artifact_file": f"checkpoints/checkpoint-{state.global_step}.json",
                     "payload": {"path": checkpoint, "global_step": state.global_step, "time": time.time()}})
+
+
+def read_metrics(train_dir: str) -> list[dict]:
+    """The log lines of `<train_dir>/metrics.jsonl`, in order (none yet: [])."""
+    path = os.path.join(train_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _line_key(record: dict) -> tuple:
+    return record.get("step"), frozenset(key for key in record if key != "time")
 
 
 def metrics_item(record: dict) -> dict:

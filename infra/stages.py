@@ -361,16 +361,12 @@ def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_re
 
 def training_progress(config: RunConfig) -> tuple[int, int | None, float | None]:
     """(last logged optimizer step, max_steps, that step's mean reward) from the job's metrics file."""
-    path = stage_path(config, "train", "metrics.jsonl")
+    from infra.job_tracking import read_metrics
     step, reward = 0, None
-    if os.path.exists(path):
-        with open(path) as handle:
-            for line in handle:
-                if line.strip():
-                    record = json.loads(line)
-                    if record.get("step", 0) >= step:
-                        step = record.get("step", 0)
-                        reward = record.get("reward", reward)
+    for record in read_metrics(train_dir(config)):
+        if record.get("step", 0) >= step:
+            step = record.get("step", 0)
+            reward = record.get("reward", reward)
     max_steps = config.recipe_value("max_steps")
     return step, max_steps if max_steps and max_steps > 0 else None, reward
 

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from infra.job_tracking import read_metrics
 from services import free_port
 
 pytestmark = pytest.mark.slow
@@ -58,11 +59,7 @@ def wait_for_line(path: str, text: str, process, timeout_s: float = 180.0) -> No
 
 
 def _logged_step(train_dir: str) -> int:
-    path = os.path.join(train_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return 0
-    with open(path) as handle:
-        return max((json.loads(line).get("step", 0) for line in handle if line.strip()), default=0)
+    return max((record.get("step", 0) for record in read_metrics(train_dir)), default=0)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from harness import start, write_recipe
-from infra.job_tracking import enqueue, flush_pending, metrics_item, pending_count, tracking_environment
+from infra.job_tracking import (enqueue, flush_pending, metrics_item, pending_count, read_metrics,
+                                 tracking_environment)
 from infra.tracking import client, start_run
 from services import MlflowServer
 
@@ -21,11 +22,7 @@ STEPS = 100
 
 
 def _logged_step(train_dir: str) -> int:
-    path = os.path.join(train_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return 0
-    with open(path) as handle:
-        return max((json.loads(line).get("step", 0) for line in handle if line.strip()), default=0)
+    return max((record.get("step", 0) for record in read_metrics(train_dir)), default=0)
 
 
 def _wait_for_step(train_dir: str, step: int, process) -> None:
