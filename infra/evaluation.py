@@ -82,7 +82,8 @@ def score_policies(config: RunConfig, policy: str, tokenizer_name: str | None, r
     reward_funcs = [resolve_reward(entry) for entry in config.training["reward_funcs"]]
     reward_funcs = [load_reward_model(f, {}, trust) if isinstance(f, str) else f for f in reward_funcs]
     runner = RewardRunner(reward_funcs, reward_tokenizers(reward_funcs, None, trust),
-                          config.recipe_value("chat_template_kwargs"))
+                          config.recipe_value("chat_template_kwargs"), config.recipe_value("reward_timeout"),
+                          config.recipe_value("nonfinite_rewards"))
     tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_name or policy, trust))
     models = {label: load_policy(policy, path, trust) for label, path in weights.items()}
     eos = eos_token_ids(tokenizer, next(iter(models.values())))

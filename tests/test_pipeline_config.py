@@ -205,6 +205,21 @@ def test_evaluation_scores_one_rollout_with_the_training_state(tmp_path):
     assert prompt_lengths == [n + 1 for n in plain]  # 'hello ' (one token) from chat_template_kwargs
 
 
+def test_evaluation_applies_the_training_reward_settings(tmp_path, monkeypatch):
+    """reward_timeout (and nonfinite_rewards) of `training:` bound the evaluation's reward calls too."""
+    from infra.evaluation import score_policies
+    from rloo.assets import resolve_model_alias
+    from rloo.rewards.runner import RewardTimeoutError
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    monkeypatch.setenv("RLOO_TEST_REWARD_SLEEP", "5")
+    config = tiny(tmp_path, "training.reward_funcs=[pipeline_rewards:slow_length_reward]",
+                  "training.reward_weights=null", "training.reward_timeout=0.3")
+    policy, tokenizer = resolve_model_alias("tiny", str(tmp_path / "assets"))
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}]}]
+    with pytest.raises(RewardTimeoutError, match="'slow_length_reward' did not return within reward_timeout=0.3 s"):
+        score_policies(config, policy, tokenizer, rows, {"base": None}, {"base": 0}, 1)
+
+
 def test_validate_and_rloo_train_give_the_same_error_for_the_same_bad_key(tmp_path, capsys):
     import yaml
 
