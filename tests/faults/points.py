@@ -1,8 +1,8 @@
 """What a kill test puts into a run through its recipe: a callback that reaches the named points of the training
 loop and a reward function that reaches 'generation' (it runs between sampling and the update). The points inside
 a checkpoint save ('mid-save', 'before-marker') are in rloo itself (rloo.faults). With RLOO_TEST_REWARD_RAISES_AT=n
-the reward function raises at its n-th call only (a flaky grading service); SlowSteps makes each step last
-RLOO_TEST_STEP_SLEEP seconds longer (room for faults outside the run while it trains)."""
+the reward function raises at its n-th call only (a flaky grading service); SlowSteps makes room for faults outside
+the run while it trains."""
 
 import os
 import time
@@ -27,8 +27,14 @@ _calls = [0]
 
 
 class SlowSteps(TrainerCallback):
+    """Each step RLOO_TEST_STEP_SLEEP seconds longer; at step RLOO_TEST_HOLD_AT, held until the file
+    RLOO_TEST_HOLD_UNTIL exists (so a run cannot end before the faults a test inflicts are over)."""
+
     def on_step_end(self, args, state, control, **kwargs):
         time.sleep(float(os.environ.get("RLOO_TEST_STEP_SLEEP", "0")))
+        if str(state.global_step) == os.environ.get("RLOO_TEST_HOLD_AT"):
+            while not os.path.exists(os.environ["RLOO_TEST_HOLD_UNTIL"]):
+                time.sleep(0.1)
 
 
 def position_reward(completion_ids, **kwargs):
