@@ -31,8 +31,16 @@ def _wait_for_step(train_dir: str, step: int, process) -> None:
         time.sleep(0.2)
 
 
-def test_mlflow_killed_restarted_and_paused_mid_run_loses_and_doubles_no_metric(tmp_path):
+@pytest.fixture
+def server(tmp_path):
     server = MlflowServer(str(tmp_path / "mlflow")).start()
+    yield server
+    if server.process is not None and server.process.poll() is None:
+        os.killpg(server.process.pid, signal.SIGCONT)  # a test that failed mid-pause
+    server.stop()
+
+
+def test_mlflow_killed_restarted_and_paused_mid_run_loses_and_doubles_no_metric(tmp_path, server):
     run_id = start_run(server.uri, "tracking-faults", "train", {})
     train_dir = str(tmp_path / "train")
     recipe = write_recipe(str(tmp_path), 1, max_steps=STEPS, save_steps=50, callbacks=[
@@ -74,4 +82,3 @@ def test_mlflow_killed_restarted_and_paused_mid_run_loses_and_doubles_no_metric(
     for key, values in expected.items():
         history = sorted((m.step, m.value) for m in mlflow.get_metric_history(run_id, key))
         assert history == values, key  # each step once, with the value the run logged
-    server.stop()
