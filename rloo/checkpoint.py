@@ -35,7 +35,8 @@ def _disk_full(err: BaseException, folder: str, needed: int) -> bool:
     less free space left than a checkpoint takes."""
     seen = err
     while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT) or any(
+                text in str(seen) for text in ("No space left", "StorageFull")):
             return True
         seen = seen.__cause__ or seen.__context__
     try:
@@ -127,6 +128,32 @@ def save_complete(trainer, trial, save) -> None:
         os.replace(marker_path(folder) + ".tmp", marker_path(folder))
         rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                            best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+
+
+def save_final(trainer, output_dir: str) -> None:
+    """`trainer.save_model` into a staging folder inside output_dir, then moved in file by file: the final model is
+    never half-written over an earlier one. Out of space: the staging folder goes and DiskFull says so."""
+    staging = os.path.join(output_dir, ".final-model.tmp")
+    if trainer.args.should_save:
+        shutil.rmtree(staging, ignore_errors=True)
+    try:
+        trainer.save_model(staging)
+    except Exception as err:
+        if not (trainer.args.should_save and _disk_full(err, staging, _size(staging))):
+            raise
+        written = _size(staging)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise DiskFull(errno.ENOSPC, f"no space left on the device of {output_dir} while saving the final model: "
+                       f"{written / 2**20:.1f} MiB were written, {shutil.disk_usage(output_dir).free / 2**20:.1f} MiB "
+                       "are free. Fix: free space, then resume.") from err
+    trainer.accelerator.wait_for_everyone()
+    if trainer.args.should_save:
+        for name in os.listdir(staging):
+            target = os.path.join(output_dir, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            os.replace(os.path.join(staging, name), target)
+        os.rmdir(staging)
 
 
 def finished_run(trainer, path: str):

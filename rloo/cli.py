@@ -299,12 +299,15 @@ def _exit_before_native_teardown(code: int) -> None:
 
 def _run(trainer, script_args) -> int:
     config = trainer.args
-    from rloo.checkpoint import DiskFull, latest_checkpoint, resolve_resume
+    from rloo.checkpoint import DiskFull, latest_checkpoint, resolve_resume, save_final
     from rloo.rewards.runner import RewardFunctionError
     # 'latest' with nothing saved yet starts from scratch: a requeued job that was preempted before its first save.
     resume = resolve_resume(config.resume_from_checkpoint, config.output_dir, missing_ok=True)
     try:
         trainer.train(resume_from_checkpoint=resume)
+        preemption = next(c for c in trainer.callback_handler.callbacks if type(c).__name__ == "PreemptionCallback")
+        if preemption.stopped_at is None:  # else not the final model: the requeued job resumes from the checkpoint
+            save_final(trainer, config.output_dir)
     except (RewardFunctionError, DiskFull) as err:  # the run stops at this step; what is saved stays resumable
         last = latest_checkpoint(config.output_dir, quiet=True)
         step = f" in step {trainer.state.global_step + 1}" if isinstance(err, RewardFunctionError) else ""
@@ -313,11 +316,9 @@ def _run(trainer, script_args) -> int:
             if last else "  No checkpoint was saved yet: fixing the cause and rerunning starts from the beginning."),
             file=sys.stderr)
         return 1
-    preemption = next(c for c in trainer.callback_handler.callbacks if type(c).__name__ == "PreemptionCallback")
-    if preemption.stopped_at is not None:  # not the final model: the requeued job resumes from the checkpoint
+    if preemption.stopped_at is not None:
         print(f"rloo train: pre-termination signal; checkpoint saved at step {preemption.stopped_at}, stopping.")
         return 0
-    trainer.save_model(config.output_dir)
     if config.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     return 0

@@ -2,7 +2,8 @@
 loop and a reward function that reaches 'generation' (it runs between sampling and the update). The points inside
 a checkpoint save ('mid-save', 'before-marker') are in rloo itself (rloo.faults). With RLOO_TEST_REWARD_RAISES_AT=n
 the reward function raises at its n-th call only (a flaky grading service); SlowSteps makes room for faults outside
-the run while it trains."""
+the run while it trains; with RLOO_TEST_FILL_DISK_AT_END=<file>, that file fills the disk when training ends (before
+the final model is saved)."""
 
 import os
 import time
@@ -21,6 +22,13 @@ class KillPoints(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         faults.point("train-end")  # after the last step, before `rloo train` saves the final model and exits
+        if os.environ.get("RLOO_TEST_FILL_DISK_AT_END"):  # another writer takes the last free byte
+            try:
+                with open(os.environ["RLOO_TEST_FILL_DISK_AT_END"], "wb", buffering=0) as filler:
+                    while True:
+                        filler.write(b"\0" * 4096)
+            except OSError:  # full
+                pass
 
 
 _calls = [0]

@@ -1,4 +1,5 @@
-"""A disk that fills up during a checkpoint save, and a reward function that raises only sometimes: `rloo train`
+"""A disk that fills up during a checkpoint save or the final save, and a reward function that raises only
+sometimes: `rloo train`
 stops with an error naming the cause and how to go on, only complete checkpoints are left, and once the cause is
 gone the resumed run ends with the uninterrupted run's weights and rewards (tests/faults/harness.py)."""
 
@@ -46,6 +47,22 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_resumes(ref
     assert _checkpoints(output_dir) == ["checkpoint-1", "checkpoint-2"]  # the partial checkpoint-3 was removed
     assert all(is_complete(os.path.join(output_dir, name)) for name in _checkpoints(output_dir))
     subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)  # space freed
+    resumed = run(recipes[1], output_dir)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert_same_as_reference(output_dir, runs[1])
+
+
+def test_a_full_disk_at_the_final_save_leaves_no_partial_model_and_resumes(reference, small_disk):
+    recipes, runs = reference
+    output_dir, filler = str(small_disk / "out"), small_disk / "filler"
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
+    full = run(recipes[1], output_dir, env={"RLOO_TEST_FILL_DISK_AT_END": str(filler)})
+    assert full.returncode == 1, full.stdout[-3000:]
+    assert f"rloo train: error: [Errno 28] no space left on the device of {output_dir} while saving the final " \
+           "model" in full.stdout, full.stdout[-3000:]
+    assert "checkpoint-6 is complete" in full.stdout and "Traceback" not in full.stdout
+    assert not [name for name in os.listdir(output_dir) if not CHECKPOINT.fullmatch(name)]  # no partial model
+    filler.unlink()  # space freed
     resumed = run(recipes[1], output_dir)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert_same_as_reference(output_dir, runs[1])
