@@ -164,12 +164,18 @@ def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArg
 def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, RLOOConfig]:
     """`--config recipe.yaml` plus flags -> (ScriptArguments, RLOOConfig); flags win over the recipe."""
     recipe = {}
-    if "--config" in argv:
-        at = argv.index("--config")
-        if at + 1 >= len(argv):
+    given = [at for at, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
+    if len(given) > 1:
+        raise ValueError(f"--config is given {len(given)} times: one recipe per run. Fix: keep one --config and "
+                         "override its fields with flags (e.g. --learning_rate 1e-6).")
+    if given:
+        at = given[0]
+        path = argv[at].partition("=")[2] if argv[at].startswith("--config=") else (
+            argv[at + 1] if at + 1 < len(argv) else "")
+        if not path:
             raise ValueError("--config needs a path to a YAML recipe.")
-        recipe = read_recipe(argv[at + 1])
-        argv = argv[:at] + argv[at + 2:]
+        recipe = read_recipe(path)
+        argv = argv[:at] + argv[at + (1 if argv[at].startswith("--config=") else 2):]
     return parse_recipe(recipe, argv)
 
 

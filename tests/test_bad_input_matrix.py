@@ -139,6 +139,7 @@ FLAGS = [  # `rloo train` flags on a valid recipe: (id, flags, what the one-line
      "resume_from_checkpoint='/nope/checkpoint-3' cannot be resumed from: no such folder"),
     ("flag-reward-timeout", ["--reward_timeout", "-1"], "reward_timeout=-1.0 must be a positive number of seconds"),
     ("flag-config-missing", ["--config", "/nope/recipe.yaml"], "/nope/recipe.yaml"),
+    ("flag-config-twice", ["--config={recipe}", "--config", "{recipe}"], "--config is given 2 times: one recipe"),
 ]
 
 
@@ -149,7 +150,8 @@ def test_bad_train_flags_are_refused_in_one_line_and_write_nothing(case, flags, 
     recipe.write_text(f"model_name_or_path: tiny\ndataset_name: {ROOT}/data/arithmetic.jsonl\nreward_funcs: "
                       "[rloo.rewards.numeric_accuracy_reward]\nuse_cpu: true\nbf16: false\nmax_steps: 2\n")
     output = tmp_path / "out"
-    config = [] if "--config" in flags else ["--config", str(recipe)]
+    flags = [flag.format(recipe=recipe) for flag in flags]
+    config = [] if any(flag.startswith("--config") for flag in flags) else ["--config", str(recipe)]
     assert rloo_main(["train", *config, "--output_dir", str(output), *flags]) == 2
     error = capsys.readouterr().err
     assert error.startswith("rloo train: error: ") and expected in error, error
