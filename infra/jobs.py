@@ -28,10 +28,14 @@ class JobHandle:
 
 
 def tail(path: str, lines: int = 40) -> str:
+    """The last lines of a log, after `rloo train`'s own one-line errors from above them (torchrun's report of a
+    failed worker would otherwise push the cause out of view)."""
     if not os.path.exists(path):
         return "(no log)"
     with open(path, errors="replace") as handle:
-        return "".join(handle.readlines()[-lines:])
+        content = handle.readlines()
+    causes = [line for line in content[:-lines] if line.startswith("rloo train: error")]
+    return "".join(causes + (["...\n"] if causes else []) + content[-lines:])
 
 
 def job_environment(extra: dict[str, str], workdir: str) -> dict[str, str]:

@@ -236,12 +236,15 @@ CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "Signal
 
 
 def root_cause(log_path: str) -> str | None:
-    """The last exception a rank raised in this log, unless it only reports another rank's failure."""
+    """`rloo train`'s own one-line error in this log, else the last exception a rank raised in it, unless it only
+    reports another rank's failure."""
     import re
     pattern = re.compile(r"^(?:\[rank(\d+)\]: )?([A-Za-z_.]*(?:Error|Exception)): (.+)$")
     found = None
     with open(log_path, errors="replace") as handle:
         for line in handle:
+            if "rloo train: error" in line:
+                return f"{os.path.basename(log_path)}: {line.strip()[:400]}"
             match = pattern.match(line.strip())
             if match and not any(marker in line for marker in CONSEQUENCES):
                 rank = f"rank {match.group(1)}: " if match.group(1) else ""
