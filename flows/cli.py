@@ -44,9 +44,8 @@ def cmd_run(options, config_path: str | None = None, assignments: list[str] | No
     from infra.tracking import check_reachable
     check_config(config, read_rows=False)  # the rows: in the dataset stage, which reads them anyway
     check_reachable(config.tracking_uri)  # before Prefect starts and before any stage
-    from infra.writer import sole_writer
-    with sole_writer(config.run_dir, options.if_running, probe=True):  # the flow holds it; this fails (or waits) early
-        pass
+    from infra.writer import wait_until_free
+    wait_until_free(config.run_dir, options.if_running)  # the flow holds the lock; this fails (or waits) early
     _prefect_environment(config.run_root)
     from flows.pipeline import rloo_pipeline
     start = time.time()

@@ -49,6 +49,13 @@ def _size(folder: str) -> int:
     return sum(_files(folder).values()) if os.path.isdir(folder) else 0
 
 
+def _remove_partial(folder: str, device_of: str) -> str:
+    """Remove a save that ran out of space; says how much it had written and what is free now."""
+    written = _size(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    return f"{written / 2**20:.1f} MiB were written, {shutil.disk_usage(device_of).free / 2**20:.1f} MiB are free"
+
+
 def atomic_save(obj, path: str) -> None:
     torch.save(obj, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -107,12 +114,9 @@ def save_complete(trainer, trial, save) -> None:
         needed = max(_size(previous) if previous else 0, _size(folder))
         if not (args.should_save and _disk_full(err, folder, needed)):
             raise
-        written = _size(folder)
-        shutil.rmtree(folder, ignore_errors=True)  # no half-written checkpoint is left behind
-        free = shutil.disk_usage(run_dir).free
+        removed = _remove_partial(folder, run_dir)  # no half-written checkpoint is left behind
         raise DiskFull(errno.ENOSPC, f"no space left on the device of {run_dir} while saving {folder}: "
-                       f"{written / 2**20:.1f} MiB were written, {free / 2**20:.1f} MiB are free, a checkpoint of "
-                       f"this run takes {'' if previous else 'more than '}{needed / 2**20:.1f} MiB"
+                       f"{removed}, a checkpoint of this run takes {'' if previous else 'more than '}{needed / 2**20:.1f} MiB"
                        + (f" ({os.path.basename(previous)} is intact)" if previous else "")
                        + ". Fix: free space (or lower save_total_limit), then resume.") from err
     finally:
@@ -141,11 +145,8 @@ def save_final(trainer, output_dir: str) -> None:
     except Exception as err:
         if not (trainer.args.should_save and _disk_full(err, staging, _size(staging))):
             raise
-        written = _size(staging)
-        shutil.rmtree(staging, ignore_errors=True)
         raise DiskFull(errno.ENOSPC, f"no space left on the device of {output_dir} while saving the final model: "
-                       f"{written / 2**20:.1f} MiB were written, {shutil.disk_usage(output_dir).free / 2**20:.1f} MiB "
-                       "are free. Fix: free space, then resume.") from err
+                       f"{_remove_partial(staging, output_dir)}. Fix: free space, then resume.") from err
     trainer.accelerator.wait_for_everyone()
     if trainer.args.should_save:
         for name in os.listdir(staging):
