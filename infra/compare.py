@@ -22,10 +22,8 @@ def config_differences(configs: dict[str, RunConfig]) -> dict[str, dict[str, obj
 def plot_curves(curves: dict[str, list[tuple[int, float]]], target: str) -> str | None:
     if not any(curves.values()):
         return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    figure, axis = plt.subplots(figsize=(7, 4))
+    from infra.evaluation import figure, save_figure
+    plt, fig, axis = figure((7, 4))
     for run, points in curves.items():
         if points:
             axis.plot([step for step, _ in points], [value for _, value in points], marker="o", label=run)
@@ -34,10 +32,7 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], target: str) -> str 
     axis.set_title("Training reward")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(target, dpi=100)
-    plt.close(figure)
-    return target
+    return save_figure(plt, fig, target)
 
 
 def compare(configs: dict[str, RunConfig], out_dir: str) -> dict:

@@ -119,7 +119,8 @@ def held_out_rows(dataset_result: dict) -> list[dict]:
 
 def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict) -> dict:
     """Held-out prompts, base vs trained: mean reward per function, accuracy where a reward is 0/1, completion
-    lengths; a markdown report with a table, sample completions and the training reward curve."""
+    lengths; a markdown report with a table, sample completions, the training reward curve and the step-time
+    breakdown."""
     stages.record_execution(config, "evaluate")
     rows = held_out_rows(dataset_result)
     step = train_result["global_step"]
@@ -129,50 +130,77 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
     out = stages.stage_path(config, "eval")
     os.makedirs(out, exist_ok=True)
     plot = plot_reward_curve(train_result["metrics_path"], os.path.join(out, "reward_curve.png"))
-    report = render_report(config, dataset_result, base_metrics, trained_metrics, rows, results, plot)
+    timing_plot = plot_step_timing(train_result["metrics_path"], os.path.join(out, "step_timing.png"))
+    report = render_report(config, dataset_result, base_metrics, trained_metrics, rows, results, plot, timing_plot)
     with open(os.path.join(out, "report.md"), "w") as handle:
         handle.write(report)
     gain = None
     if base_metrics["reward"] is not None and trained_metrics["reward"] is not None:
         gain = trained_metrics["reward"] - base_metrics["reward"]
     result = {"base": base_metrics, "trained": trained_metrics, "reward_gain": gain, "num_prompts": len(rows),
-              "report_path": os.path.join(out, "report.md"), "plot_path": plot}
+              "report_path": os.path.join(out, "report.md"), "plot_path": plot, "timing_plot_path": timing_plot}
     stages.write_json(os.path.join(out, "metrics.json"), result)
     return stages.save_stage_result(config, "evaluate", result)
 
 
-def plot_reward_curve(metrics_path: str, target: str) -> str | None:
-    if not os.path.exists(metrics_path):
-        return None
+def _training_records(metrics_path: str) -> list[dict]:
+    from infra.job_tracking import read_metrics
+    return [r for r in read_metrics(os.path.dirname(metrics_path)) if "train_runtime" not in r]
+
+
+def figure(size=(6, 3.5)):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    steps, rewards = [], []
-    with open(metrics_path) as handle:
-        for line in handle:
-            record = json.loads(line)
-            if record.get("reward") is not None and "train_runtime" not in record:
-                steps.append(record["step"])
-                rewards.append(record["reward"])
-    if not steps:
+    return plt, *plt.subplots(figsize=size)
+
+
+def save_figure(plt, figure_, target: str) -> str:
+    figure_.tight_layout()
+    figure_.savefig(target, dpi=100)
+    plt.close(figure_)
+    return target
+
+
+def plot_reward_curve(metrics_path: str, target: str) -> str | None:
+    records = [r for r in _training_records(metrics_path) if r.get("reward") is not None]
+    if not records:
         return None
-    figure, axis = plt.subplots(figsize=(6, 3.5))
-    axis.plot(steps, rewards, marker="o")
+    plt, fig, axis = figure()
+    axis.plot([r["step"] for r in records], [r["reward"] for r in records], marker="o")
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("mean reward (training batch)")
     axis.set_title("Training reward")
     axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(target, dpi=100)
-    plt.close(figure)
-    return target
+    return save_figure(plt, fig, target)
+
+
+def plot_step_timing(metrics_path: str, target: str) -> str | None:
+    """A stacked bar per logged step: seconds in each timing/* section (rloo.timing), the step's wall time on top."""
+    from rloo.timing import SECTIONS
+    records = [r for r in _training_records(metrics_path) if "step_time" in r and "timing/train" in r]
+    if not records:
+        return None
+    plt, fig, axis = figure()
+    steps = [r["step"] for r in records]
+    bottom = [0.0] * len(records)
+    for name in SECTIONS:
+        heights = [r.get(f"timing/{name}") or 0.0 for r in records]
+        axis.bar(steps, heights, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    axis.plot(steps, [r["step_time"] for r in records], "k_", markersize=12, label="step_time")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("seconds")
+    axis.set_title("Where each step's time goes")
+    axis.legend(fontsize=7, ncol=4)
+    return save_figure(plt, fig, target)
 
 
 def format_number(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def render_report(config, dataset_result, base, trained, rows, results, plot) -> str:
+def render_report(config, dataset_result, base, trained, rows, results, plot, timing_plot=None) -> str:
     lines = [f"# Evaluation of `{config.run_key}`", "",
              f"{len(rows)} held-out prompts from `{dataset_result['source']}`, "
              f"{'greedy decoding' if config.evaluation.temperature == 0 else f'temperature {config.evaluation.temperature}'}.",
@@ -183,6 +211,8 @@ def render_report(config, dataset_result, base, trained, rows, results, plot) ->
                      f"{'-' if change is None else f'{change:+.3f}'} |")
     if plot:
         lines += ["", f"![training reward]({os.path.basename(plot)})"]
+    if timing_plot:
+        lines += ["", f"![step time by section]({os.path.basename(timing_plot)})"]
     lines += ["", "## Samples", "", "| prompt | base | trained |", "| --- | --- | --- |"]
     from rloo.completion_log import as_text
     for index in range(min(5, len(rows))):

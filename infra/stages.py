@@ -331,7 +331,7 @@ def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_re
     previous = read_json(job_file)
     if previous is not None:
         state, _ = job_state(JobHandle.from_dict(previous["handle"]))
-        step, max_steps, _ = training_progress(config)
+        step, max_steps = training_progress(config)[:2]
         if state == "RUNNING" or (state == "COMPLETED" and max_steps and step >= max_steps):
             return {**previous, "reattached": True}
     record_execution(config, "train")
@@ -359,16 +359,19 @@ def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_re
     return record
 
 
-def training_progress(config: RunConfig) -> tuple[int, int | None, float | None]:
-    """(last logged optimizer step, max_steps, that step's mean reward) from the job's metrics file."""
+def training_progress(config: RunConfig) -> tuple[int, int | None, float | None, str | None]:
+    """(last logged optimizer step, max_steps, that step's mean reward, its step-time breakdown as text) from the
+    job's metrics file."""
     from infra.job_tracking import read_metrics
-    step, reward = 0, None
+    from rloo.timing import timing_summary
+    step, reward, timing = 0, None, None
     for record in read_metrics(train_dir(config)):
         if record.get("step", 0) >= step:
             step = record.get("step", 0)
             reward = record.get("reward", reward)
+            timing = timing_summary(record) or timing
     max_steps = config.recipe_value("max_steps")
-    return step, max_steps if max_steps and max_steps > 0 else None, reward
+    return step, max_steps if max_steps and max_steps > 0 else None, reward, timing
 
 
 async def follow_training(config: RunConfig, record: dict, on_progress=None) -> dict:

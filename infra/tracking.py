@@ -197,8 +197,8 @@ def evaluation_record(result: dict, step: int) -> StageRecord:
                for key, value in result[label].items() if value is not None}
     if result["reward_gain"] is not None:
         metrics["reward_gain"] = result["reward_gain"]
-    artifacts = [(result["report_path"], "evaluation")] + ([(result["plot_path"], "evaluation")]
-                                                           if result["plot_path"] else [])
+    plots = [result.get("plot_path"), result.get("timing_plot_path")]
+    artifacts = [(result["report_path"], "evaluation")] + [(plot, "evaluation") for plot in plots if plot]
     return StageRecord(metrics=metrics, step=step, artifacts=artifacts, metrics_on_parent=True)
 
 

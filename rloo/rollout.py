@@ -21,6 +21,7 @@ from rloo import algorithm
 from rloo.data import as_completion, is_conversational, pad_rows, tokenize_prompts
 from rloo.metrics import nanmean, nanstd_value, tensor_stats
 from rloo.models import text_tokenizer_of
+from rloo.timing import NULL_TIMER, StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -109,17 +110,19 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
                   reward_runner: Callable, trainer_state: Any, policy_logps: Callable | None = None,
                   reference_logps: Callable | None = None, gather: Callable = _local,
                   gather_object: Callable | None = None, process_index: int = 0,
-                  device: torch.device | str = "cpu") -> Rollout:
+                  device: torch.device | str = "cpu", timer: StepTimer = NULL_TIMER) -> Rollout:
     """rows (dataset rows with 'prompt', this process's share, num_generations consecutive copies per prompt)
     -> Rollout.
 
     generate(prompt_id_lists) -> completion id lists (EOS included); policy_logps / reference_logps(input_ids,
     attention_mask, logits_to_keep) -> per-token log-probs (needed when beta != 0 or keep_old_logps);
-    gather(tensor) concatenates a tensor over processes; gather_object(list) does the same for Python lists."""
+    gather(tensor) concatenates a tensor over processes; gather_object(list) does the same for Python lists;
+    timer (rloo.timing) counts the generation, log-prob and reward sections."""
     prompts = [row["prompt"] for row in rows]
     conversational = is_conversational(prompts[0])
     prompt_id_lists = tokenize_prompts(processing_class, prompts, settings.chat_template_kwargs)
-    completion_id_lists = generate(prompt_id_lists)
+    with timer.section("generation"):
+        completion_id_lists = generate(prompt_id_lists)
 
     pad, multiple = settings.pad_token_id, settings.pad_to_multiple_of
     prompt_ids, prompt_mask = (t.to(device) for t in pad_rows(prompt_id_lists, pad, "left", multiple))
@@ -136,7 +139,7 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     logits_to_keep = completion_ids.size(1)
     old_per_token = ref_per_token = None
-    with torch.no_grad():
+    with torch.no_grad(), timer.section("logprobs"):
         if settings.keep_old_logps or settings.beta != 0.0:
             old_per_token = policy_logps(input_ids, attention_mask, logits_to_keep)
         if settings.beta != 0.0:
@@ -146,8 +149,9 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     completions = [as_completion(text, conversational) for text in texts]
     columns = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion",
                                                                               "completion_ids")}
-    local_rewards, extra = reward_runner(prompts, completions, completion_id_lists, columns, trainer_state,
-                                         device=device)
+    with timer.section("rewards"):
+        local_rewards, extra = reward_runner(prompts, completions, completion_id_lists, columns, trainer_state,
+                                             device=device)
     rewards_per_func = gather(local_rewards)
 
     kl = kl_mean = None

@@ -7,9 +7,9 @@ Transformers glue only: the rollout (generate, score, advantages) is `rloo.rollo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import time
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from rloo.models import (attach_adapter, create_reference_model, disable_dropout
 from rloo.rewards.runner import RewardRunner
 from rloo.rollout import Rollout, RolloutSettings, build_rollout, global_masked_mean, rollout_metrics
 from rloo.sampling import RepeatSampler, repeat_iterable, shuffle_rows, split_rows
+from rloo.timing import StepTimer, StepTimingCallback
 from rloo.zero import gathered_parameters, prepare_frozen, zero_stage
 
 logger = logging.getLogger(__name__)
@@ -131,14 +132,15 @@ class RLOOTrainer(Trainer):
 
         self.generator = make_generation_backend(args, self.accelerator, self.model, tokenizer, self.pad_token_id,
                                                  self.eos_token_ids, zero3=self._zero3)
-        self._metrics = MetricBuffer()
+        self._metrics, self._timer = MetricBuffer(), StepTimer()
+        self.generator.timer = self._timer
+        self.add_callback(StepTimingCallback(self._timer, self._metrics))
         self._logs = CompletionLog(args.generation_batch_size)
         self._logs_fresh = False
         self._eval_prefix = "eval"
         self._last_eval_metrics: dict[str, float | None] = {}
         self._step = 0
         self._buffered_inputs: list[Rollout] | None = None
-        self._step_time = 0.0
         # Old log-probs differ from the live ones only when a generation batch outlives an optimiser step.
         self._needs_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
         set_seed(args.seed, device_specific=True)  # duplicated prompts on different ranks sample differently
@@ -219,16 +221,12 @@ class RLOOTrainer(Trainer):
             for name, value in saved.items():
                 setattr(self.args, name, value)
 
-
     # ------------------------------------------------------------------ the step
     def training_step(self, model, inputs, num_items_in_batch=None):
-        start = time.perf_counter()
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        with self._timer.section("train"):  # the rollout's sections inside it count apart (rloo.timing)
+            loss = super().training_step(model, inputs, num_items_in_batch)
         self._step += 1
-        self._step_time += time.perf_counter() - start
-        if self._step % self.current_gradient_accumulation_steps == 0:
-            self._metrics.add("train", "step_time", self._step_time)
-            self._step_time = 0.0
+        self._timer.end_micro_step()
         return loss
 
     def _prepare_inputs(self, generation_batch) -> Rollout:
@@ -249,7 +247,9 @@ class RLOOTrainer(Trainer):
         gather_weights = self._zero3 and args.ds3_gather_for_generation and not args.use_vllm
 
         def generate(prompt_ids):
-            with gathered_parameters(unwrapped, gather_weights):
+            with contextlib.ExitStack() as stack:
+                with self._timer.section("weight_sync"):
+                    stack.enter_context(gathered_parameters(unwrapped, gather_weights))
                 return self.generator.generate(unwrapped, prompt_ids, num_generations, self.state.global_step)
 
         chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
@@ -266,7 +266,7 @@ class RLOOTrainer(Trainer):
             policy_logps=lambda *batch: self._chunked_logps(unwrapped, *batch, chunk),
             reference_logps=lambda *batch: self._reference_logps(unwrapped, *batch, chunk),
             gather=accelerator.gather, gather_object=gather_object if distributed else None,
-            process_index=accelerator.process_index, device=accelerator.device)
+            process_index=accelerator.process_index, device=accelerator.device, timer=self._timer)
         for name, value in self.generator.pop_metrics().items():
             self._metrics.add(mode, name, value)
         if mode == "train":

@@ -24,8 +24,9 @@ def say(stage: str, message: str) -> None:
 
 
 def progress_reporter(config: RunConfig, every_s: float = 30.0):
-    """on_progress(step, max_steps, reward) for follow_training: updates the Prefect progress artifact at each new
-    step and logs `[train] step 12/40, reward 0.312, ETA 4m10s` at most every `every_s` seconds (and at the end),
+    """on_progress(step, max_steps, reward, timing) for follow_training: updates the Prefect progress artifact at each
+    new step and logs `[train] step 12/40, reward 0.312, ETA 4m10s, 3.10 s/step (generation 1.90, train 0.80, ...)`
+    at most every `every_s` seconds (and at the end),
     a plain line that reads the same in a terminal, a pipe or the Prefect UI. The Prefect API going away stops the
     artifact updates, not the following."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -33,7 +34,7 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
                                         description=f"Optimizer steps of {config.run_key}", _sync=True)
     start, state = time.time(), {"logged": 0.0, "first": None}
 
-    def on_progress(step: int, max_steps: int | None, reward: float | None) -> None:
+    def on_progress(step: int, max_steps: int | None, reward: float | None, timing: str | None = None) -> None:
         if max_steps and not state.get("api_away"):
             try:
                 update_progress_artifact(artifact, 100.0 * step / max_steps, _sync=True)
@@ -55,5 +56,7 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
             remaining = (now - first[1]) / (step - first[0]) * (max_steps - step)
             parts.append(f"ETA {int(remaining // 60)}m{int(remaining % 60):02d}s")
         parts.append(f"{int(now - start)}s elapsed")
+        if timing:
+            parts.append(timing)
         say("train", ", ".join(parts))
     return on_progress

@@ -19,8 +19,9 @@ def evaluate_task(config: RunConfig, dataset_result: dict, model_result: dict, t
         lambda result: tracking.evaluation_record(result, train_result["global_step"]))
     with open(result["report_path"]) as handle:
         report = handle.read()
-    if result["plot_path"]:
-        report = report.replace(f"]({os.path.basename(result['plot_path'])})", f"]({result['plot_path']})")
+    for plot in (result["plot_path"], result.get("timing_plot_path")):
+        if plot:
+            report = report.replace(f"]({os.path.basename(plot)})", f"]({plot})")
     create_markdown_artifact(report, key=f"{config.name}-evaluation", description=f"Evaluation of {config.run_key}")
     create_table_artifact([{"metric": key, "base": result["base"][key], "trained": result["trained"].get(key)}
                            for key in result["base"]], key=f"{config.name}-evaluation-table")

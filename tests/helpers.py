@@ -36,3 +36,24 @@ def position_reward(completion_ids, **kwargs):
 
 def logged(trainer, key):
     return [log[key] for log in trainer.state.log_history if key in log]
+
+
+TIMING_KEYS = ["timing/generation", "timing/weight_sync", "timing/rewards", "timing/logprobs", "timing/train",
+               "timing/optimizer"]
+
+
+def assert_step_timing(records, generated=True):
+    """Every training log record carries the six timing/* sections, and they add up to step_time within 10 %.
+    Returns the records' timings as floats (a printed log has them as strings)."""
+    records = [{key: float(value) for key, value in r.items() if key in TIMING_KEYS or key == "step_time"}
+               for r in records if "step_time" in r]
+    assert records, "no training log record has step_time"
+    for record in records:
+        missing = [key for key in TIMING_KEYS if key not in record]
+        assert not missing, (missing, record)
+        total = sum(record[key] for key in TIMING_KEYS)
+        assert abs(total - record["step_time"]) <= 0.1 * record["step_time"], (total, record)
+        assert all(record[key] >= 0 for key in TIMING_KEYS), record
+    if generated:
+        assert sum(r["timing/generation"] for r in records) > 0 and sum(r["timing/train"] for r in records) > 0
+    return records

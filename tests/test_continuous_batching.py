@@ -6,7 +6,7 @@ import torch
 from rloo import RLOOTrainer
 from rloo.generation import ContinuousBatchingGenerator, TransformersGenerator
 
-from helpers import conversational, length_reward, logged, make_args, position_reward
+from helpers import assert_step_timing, conversational, length_reward, logged, make_args, position_reward
 
 
 def test_greedy_continuous_batching_equals_generate(tmp_path, tokenizer, model):
@@ -35,6 +35,7 @@ def test_trains_with_continuous_batching_and_user_config(tmp_path, tokenizer, mo
     trainer.train()
     assert len(logged(trainer, "reward")) == 2
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert_step_timing(trainer.state.log_history)
 
 
 def test_paged_alias_is_deprecated_but_works(tmp_path, tokenizer, model):

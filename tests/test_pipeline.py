@@ -12,6 +12,7 @@ from rloo.checkpoint import latest_checkpoint
 from infra import job_tracking, stages, tracking
 from infra.launch import JobHandle, TrainingFailed, cancel, job_state
 from infra.runconfig import load_run_config
+from helpers import TIMING_KEYS, assert_step_timing
 from services import MlflowServer
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,8 @@ def test_end_to_end_two_processes(prefect_api, mlflow_server, run_root):
     assert evaluation["num_prompts"] == 8 and "reward" in evaluation["base"] and "reward" in evaluation["trained"]
     report = open(evaluation["report_path"]).read()
     assert "| metric | base | trained | change |" in report and "reward_curve.png" in report
-    assert os.path.exists(evaluation["plot_path"])
+    assert "step_timing.png" in report  # the stacked bar per step of the timing/* sections
+    assert os.path.exists(evaluation["plot_path"]) and os.path.exists(evaluation["timing_plot_path"])
     assert task_states(state) == {"dataset": "Completed", "model": "Completed", "train": "Completed",
                                   "evaluate": "Completed"}
 
@@ -81,11 +83,16 @@ def test_end_to_end_two_processes(prefect_api, mlflow_server, run_root):
     train = children["train"]
     history = client.get_metric_history(train.info.run_id, "reward")
     assert [m.step for m in history] == [1, 2, 3]  # global rank 0 only: one value per step
+    timing = {key: {m.step: m.value for m in client.get_metric_history(train.info.run_id, key)}
+              for key in [*TIMING_KEYS, "step_time"]}
+    assert_step_timing([{key: timing[key][step] for key in timing} for step in (1, 2, 3)])
     artifacts = {a.path for a in client.list_artifacts(train.info.run_id)}
     assert {"checkpoints", "completions"} <= artifacts
     datasets = client.get_run(children["dataset"].info.run_id).inputs.dataset_inputs
     assert {d.dataset.name for d in datasets} == {"tiny-train", "tiny-eval"}
     assert children["evaluate"].data.metrics["trained_reward"] == pytest.approx(evaluation["trained"]["reward"])
+    shown = {a.path for a in client.list_artifacts(children["evaluate"].info.run_id, "evaluation")}
+    assert {"evaluation/report.md", "evaluation/reward_curve.png", "evaluation/step_timing.png"} <= shown
     for run in [*parent, *children.values()]:  # the token is in the config, and nowhere in MLflow
         assert SECRET not in json.dumps(client.get_run(run.info.run_id).data.to_dictionary())
     assert not [p for p in parent[0].data.params if "token" in p]

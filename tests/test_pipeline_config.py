@@ -296,7 +296,7 @@ def test_training_progress_line_has_step_reward_and_eta(tmp_path, monkeypatch):
     report = common.progress_reporter(tiny(tmp_path))
     for step, now in ((1, 1010.0), (2, 1020.0), (3, 1045.0), (4, 1050.0), (10, 1110.0)):
         clock["now"] = now
-        report(step, 10, 0.25 * step)
+        report(step, 10, 0.25 * step, "4.00 s/step (generation 3.00, train 1.00)" if step == 10 else None)
     assert lines == ["step 1/10, reward 0.250, 10s elapsed",
                      "step 3/10, reward 0.750, ETA 2m02s, 45s elapsed",  # 17.5 s/step since step 1, 7 left
-                     "step 10/10, reward 2.500, ETA 0m00s, 110s elapsed"]
+                     "step 10/10, reward 2.500, ETA 0m00s, 110s elapsed, 4.00 s/step (generation 3.00, train 1.00)"]

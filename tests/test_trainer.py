@@ -10,7 +10,7 @@ import torch
 from rloo import RLOOTrainer
 from rloo.testing import save_tiny, tiny_causal_lm, tiny_reward_model, tiny_tokenizer
 
-from helpers import conversational, length_reward, make_args, standard
+from helpers import assert_step_timing, conversational, length_reward, make_args, standard
 
 
 def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
@@ -117,6 +117,8 @@ def test_metrics_have_spec_names(tmp_path, tokenizer, model):
         assert key in log, key
     assert log["reward"] == pytest.approx(log["completions/mean_length"])
     assert trainer.state.log_history[1]["num_tokens"] > log["num_tokens"] > 0
+    assert_step_timing(trainer.state.log_history)  # beta 0.1: the reference forward is in timing/logprobs
+    assert all(record["timing/logprobs"] > 0 for record in trainer.state.log_history if "step_time" in record)
 
 
 def test_no_kl_and_no_reference_model_when_beta_zero(tmp_path, tokenizer, model):

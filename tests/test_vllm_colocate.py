@@ -15,6 +15,7 @@ import yaml
 from rloo import RLOOConfig
 from rloo.generation.vllm_colocate import ColocateEngine, VLLMColocateGenerator, check_colocate_possible, run_lengths
 from rloo.testing import save_servable, tiny_servable_causal_lm, tiny_tokenizer
+from helpers import assert_step_timing
 from services import VLLM_PYTHON
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,6 +66,7 @@ def test_colocate_trains_with_verified_in_place_syncs_and_noise_reaches_the_engi
     assert len(diffs) == 3 and max(diffs) < 1e-4
     rewards = [row["reward"] for row in check["log_history"] if "reward" in row]
     assert len(rewards) == 3
+    assert all(record["timing/weight_sync"] > 0 for record in assert_step_timing(check["log_history"]))
     assert check["tied"]
     assert check["after_last_step"] > 1e-2  # the engine holds the weights it generated with, not the final ones
     assert check["after_training"] < 1e-4

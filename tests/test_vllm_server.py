@@ -21,6 +21,7 @@ from rloo.generation.vllm_common import sampling_of
 from rloo.generation.vllm_server import VLLMServerClient, check_same_model
 from rloo.models import per_token_logps
 from rloo.testing import save_servable, tiny_causal_lm, tiny_servable_causal_lm, tiny_tokenizer
+from helpers import assert_step_timing
 from services import VLLM_PYTHON, vllm_cpu_server_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,6 +123,8 @@ def test_training_under_torchrun_with_verified_syncs(server, tmp_path):
         assert float(log["vllm/sync_bytes"]) > 0 and float(log["vllm/sync_seconds"]) > 0
         # every sampled token: the server's log-prob when it sampled it vs the trainer's in the loss
         assert float(log["vllm/logprob_diff_max"]) < 1e-4
+    # the push (and its check) each step is timing/weight_sync, apart from the generation it precedes
+    assert all(record["timing/weight_sync"] > 0 for record in assert_step_timing(logs))
     assert os.path.exists(tmp_path / "out" / "model.safetensors")
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from rloo.timing import NULL_TIMER
+
 
 class Completions(list):
     """Completion token ids, one list per row (it is a list: callers index it as one), plus `logprobs`: the sampler's
@@ -22,7 +24,10 @@ class GenerationBackend:
     `generate` is called by every rank with that rank's rows, `num_generations` consecutive rows per prompt and the
     optimizer step the weights belong to. Backends that hold their own copy of the weights (a vLLM server or
     engine) push them in `sync_weights` when that step changed; in-process backends use the live model and need
-    nothing. `sleep` / `wake_up` release and restore a backend's memory between generations where it has any."""
+    nothing. `sleep` / `wake_up` release and restore a backend's memory between generations where it has any.
+    `timer` (set by the trainer, rloo.timing) is where a backend counts its weight pushes (`weight_sync`)."""
+
+    timer = NULL_TIMER
 
     def generate(self, model: nn.Module, prompt_ids: list[list[int]], num_generations: int, step: int
                  ) -> list[list[int]]:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from rloo.generation.base import Completions, GenerationBackend
 from rloo.generation.vllm_common import (cut_at_eos, full_weights, judge_sync, max_logprob_diff, sampling_of,
                                          sync_tolerance, unwarped)
+from rloo.timing import timed
 
 
 class ColocateEngine:
@@ -239,6 +240,7 @@ class VLLMColocateGenerator(GenerationBackend):
             self.engine.sleep(level=2)
             self.weights_asleep = True
 
+    @timed("weight_sync")
     def sync_weights(self, model: torch.nn.Module, step: int) -> None:
         start = time.perf_counter()
         with full_weights(model, self.zero3) as weights:
@@ -292,6 +294,7 @@ class VLLMColocateGenerator(GenerationBackend):
         mine = slice(self.tp_rank * local, (self.tp_rank + 1) * local)
         return Completions(completions[mine], None if logprobs is None else logprobs[mine])
 
+    @timed("weight_sync")  # the check of a push is part of its cost
     def _verify(self, model: torch.nn.Module, rows: list[list[int]], completions: list[list[int]]) -> None:
         """A few of this group's samples scored by the engine and by the trainer. Under ZeRO-3 every rank scores the
         same number (the trainer's forwards gather collectively)."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rloo.generation.base import Completions, GenerationBackend
 from rloo.generation.vllm_common import (cut_at_eos, full_weights, judge_sync, max_logprob_diff, sampling_of,
                                          sync_tolerance, sync_weights_of, unwarped)
+from rloo.timing import timed
 from rloo_vllm.wire import CHUNK_BYTES, pack, plan_chunks
 
 
@@ -348,6 +349,7 @@ class VLLMServerGenerator(GenerationBackend):
         self.adapter_versions: list[str] = []
         self.tolerance = sync_tolerance(args, model)
 
+    @timed("weight_sync")
     def sync_weights(self, model: torch.nn.Module, step: int) -> None:
         if self.adapter_mode:
             self._sync_adapter(model, self.zero3, step)
@@ -425,6 +427,7 @@ class VLLMServerGenerator(GenerationBackend):
         return [{"prompt": prompts[i], "completion": rows[i]["ids"],
                  "vllm": self.client.score(self.model_id, prompts[i], rows[i]["ids"])} for i in picks]
 
+    @timed("weight_sync")  # the check of a push is part of its cost
     def _verify(self, model: torch.nn.Module, samples: list[dict]) -> None:
         """Every rank runs the same forward passes (ZeRO-3 gathers collectively); the main process judges."""
         worst = max_logprob_diff(model, samples)
