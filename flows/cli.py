@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 import time
 
 DEFAULT_ROOT = "runs"
@@ -24,6 +25,40 @@ def _prefect_environment(run_root: str) -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
+def _start_ephemeral_api() -> threading.Thread | None:
+    """The embedded default's ephemeral Prefect API, started in the background while the CLI finishes its checks and
+    imports (the start takes 7 s, 16 s on a new database); the flow finds it running: Prefect keeps one per process.
+    Join the thread before the flow starts. Nothing is started when PREFECT_API_URL names a server."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    def start() -> None:
+        try:
+            SubprocessASGIServer().start()
+        except Exception:  # noqa: BLE001 - the flow's own start raises it again, in the usual place
+            pass
+    thread = threading.Thread(target=start, name="prefect-ephemeral-start", daemon=True)
+    thread.start()
+    return thread
+
+
+def _stop_ephemeral_api(starting: threading.Thread | None) -> None:
+    """An early-started API that the run will not use (a check failed after it started): stopped at exit, once it
+    is up (its start may be migrating the database, which must not be cut short), after the error is printed."""
+    if starting is None:
+        return
+    import atexit
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    def stop() -> None:
+        starting.join()
+        SubprocessASGIServer().stop()
+    atexit.register(stop)
+
+
 def _load(config_path: str, assignments: list[str]):
     from infra.runconfig import load_run_config
     return load_run_config(config_path, assignments)
@@ -38,20 +73,63 @@ def cmd_validate(options) -> int:
     return 0
 
 
+def _known_run_root(config_path: str, assignments: list[str]) -> str | None:
+    """The run root a config names (its `run_root`, a `--set run_root=...`, RLOO_RUN_ROOT or the default) when that
+    root's Prefect database exists already, read from the YAML alone: no validation, no heavy import. Then the API
+    can start while the config is validated; on a first run nothing is created before the config is valid."""
+    import yaml
+    try:
+        with open(config_path) as handle:
+            data = yaml.safe_load(handle)
+        root = data.get("run_root") if isinstance(data, dict) else None
+        for assignment in assignments:
+            key, _, value = assignment.partition("=")
+            if key.strip() == "run_root":
+                root = yaml.safe_load(value)
+    except (OSError, yaml.YAMLError):
+        return None
+    root = root if isinstance(root, str) else os.environ.get("RLOO_RUN_ROOT", DEFAULT_ROOT)
+    home = os.environ.get("PREFECT_HOME", os.path.join(os.path.abspath(root), ".prefect"))
+    return root if os.path.exists(os.path.join(home, "prefect.db")) else None
+
+
 def cmd_run(options, config_path: str | None = None, assignments: list[str] | None = None) -> int:
-    config = _load(config_path or options.config, assignments if assignments is not None else options.set)
+    config_path = config_path or options.config
+    assignments = assignments if assignments is not None else options.set
+    starting = None
+    if (early_root := _known_run_root(config_path, assignments)) is not None:
+        _prefect_environment(early_root)
+        starting = _start_ephemeral_api()
+    try:
+        config = _load(config_path, assignments)
+        if early_root is not None and os.path.abspath(config.run_root) != os.path.abspath(early_root):
+            raise RuntimeError(f"run root read early ({early_root}) differs from the config's ({config.run_root})")
+        return _run_checked(options, config, config_path, assignments, starting)
+    except BaseException:
+        _stop_ephemeral_api(starting)
+        raise
+
+
+def _run_checked(options, config, config_path: str, assignments: list[str], starting) -> int:
     from infra.stages import check_config
     from infra.tracking import check_reachable
     check_config(config, read_rows=False)  # the rows: in the dataset stage, which reads them anyway
-    check_reachable(config.tracking_uri)  # before Prefect starts and before any stage
+    local_store = config.tracking_uri.startswith("sqlite:")
+    if not local_store:
+        check_reachable(config.tracking_uri)  # a server: fails fast, before anything starts
     from infra.writer import wait_until_free
     wait_until_free(config.run_dir, options.if_running)  # the flow holds the lock; this fails (or waits) early
-    _prefect_environment(config.run_root)
+    if starting is None:
+        _prefect_environment(config.run_root)
+        starting = _start_ephemeral_api()
+    if local_store:  # a new SQLite store creates its tables here (seconds), while the API starts
+        check_reachable(config.tracking_uri)
     from flows.pipeline import rloo_pipeline
+    if starting is not None:
+        starting.join()
     start = time.time()
     try:
-        summary = asyncio.run(rloo_pipeline(config_path or options.config, if_running=options.if_running,
-                                            overrides=assignments if assignments is not None else options.set))
+        summary = asyncio.run(rloo_pipeline(config_path, if_running=options.if_running, overrides=assignments))
     except Exception as err:
         if not _prefect_unreachable(err):
             raise
@@ -361,5 +439,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def entry() -> None:
+    """The `rloo-pipeline` command: main(), then an exit that skips the native teardown (seconds after torch)."""
+    from rloo.cli import exit_without_native_teardown
+    exit_without_native_teardown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -1,7 +1,5 @@
 """`python -m rloo train ...` (what `torchrun -m rloo train ...` runs on every process)."""
 
-import sys
+from rloo.cli import entry
 
-from rloo.cli import main
-
-sys.exit(main())
+entry()

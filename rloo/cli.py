@@ -286,16 +286,20 @@ def train(argv: list[str]) -> int:
             dist.destroy_process_group()
     from rloo.config import DEEPSPEED_ON_CPU
     if DEEPSPEED_ON_CPU["started"]:
-        _exit_before_native_teardown(code)
+        exit_without_native_teardown(code)
     return code
 
 
-def _exit_before_native_teardown(code: int) -> None:
-    """DeepSpeed on CPU leaves native threads behind that abort the interpreter's final teardown now and then
-    ("terminate called without an active exception", exit -6, after everything was saved: seen once in CI on
-    one of 4 ranks, which failed the whole job). Run Python's exit handlers, flush, and leave without it."""
+def exit_without_native_teardown(code: int) -> None:
+    """Exit as Python would (join the non-daemon threads, run the exit handlers, flush), without the interpreter's
+    final teardown of native modules: DeepSpeed on CPU leaves native threads behind that abort it now and then
+    ("terminate called without an active exception", exit -6, after everything was saved: seen once in CI on one
+    of 4 ranks, which failed the whole job), and after torch, transformers and Prefect were imported it takes
+    ~2.5 s that a command line spends doing nothing."""
     import atexit
     import logging
+    import threading
+    threading._shutdown()  # what the interpreter does first: threading's exit callbacks, non-daemon threads joined
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
@@ -335,6 +339,11 @@ USAGE = """usage: rloo train --config recipe.yaml [--field value ...]
 Commands:
   train    train a policy with RLOO from a recipe (`rloo train --help` lists every field)
 """
+
+
+def entry() -> None:
+    """The `rloo` command and `python -m rloo`: main(), then an exit that skips the native teardown."""
+    exit_without_native_teardown(main())
 
 
 def main(argv: list[str] | None = None) -> int:

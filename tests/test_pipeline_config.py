@@ -300,3 +300,41 @@ def test_training_progress_line_has_step_reward_and_eta(tmp_path, monkeypatch):
     assert lines == ["step 1/10, reward 0.250, 10s elapsed",
                      "step 3/10, reward 0.750, ETA 2m02s, 45s elapsed",  # 17.5 s/step since step 1, 7 left
                      "step 10/10, reward 2.500, ETA 0m00s, 110s elapsed, 4.00 s/step (generation 3.00, train 1.00)"]
+
+
+def _prefect_servers_of(home) -> list[int]:
+    """Ephemeral Prefect API processes whose PREFECT_HOME is `home`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                cmdline = handle.read()
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                environ = handle.read().split(b"\0")
+        except OSError:
+            continue
+        if b"prefect.server.api.server:create_app" in cmdline and f"PREFECT_HOME={home}".encode() in environ:
+            found.append(int(pid))
+    return found
+
+
+def test_an_invalid_config_in_a_used_run_root_stops_the_api_started_early(tmp_path):
+    """In a run root that has a Prefect database, `rloo-pipeline run` starts the ephemeral API while it validates the
+    config (the two take seconds each); a config that then fails is one error line, the API is stopped once it is up
+    (not in the middle of migrating its database), and none is left running."""
+    import subprocess
+    import sys
+    home = tmp_path / ".prefect"
+    home.mkdir()
+    (home / "prefect.db").touch()  # an empty SQLite database: the API migrates it as it starts
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "run", TINY, f"--set=run_root={tmp_path}",
+                             "--set=training.learning_rate=fast"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "learning_rate: invalid float value: 'fast'" in result.stderr and "Traceback" not in result.stderr
+    assert _prefect_servers_of(home) == []
+    import sqlite3
+    with sqlite3.connect(home / "prefect.db") as database:  # it did start early: the empty database was migrated
+        assert database.execute("select count(*) from alembic_version").fetchone()[0] == 1
+    assert sorted(os.listdir(tmp_path)) == [".prefect"]  # no run directory, no MLflow store

@@ -1,0 +1,101 @@
+"""Generation tokens/s: the trainer's in-process backend vs plain `model.generate` vs this machine's limit.
+
+SmolLM2-135M-Instruct, fp32, sampling at temperature 1, a fixed number of new tokens (min = max), batch 8 and 32.
+The limit is estimated from two rates measured in the same run: memory bandwidth (a large tensor copy: every weight
+is read once per decode step) and the fp32 matmul rate (a large square matmul: 2 x parameters FLOPs per token);
+a decode step cannot be faster than max(weight bytes / bandwidth, FLOPs / matmul rate).
+
+    .venv/bin/python benchmarks/bench_generation.py [--batches 8,32] [--tokens 48] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def measured_limits() -> tuple[float, float]:
+    """(bytes/s read+written by a large copy, FLOP/s of a large fp32 matmul), best of a few."""
+    source = torch.empty(64 * 2**20 // 4)  # 64 MiB, far beyond the caches
+    target = torch.empty_like(source)
+    copies = []
+    for _ in range(5):
+        start = time.perf_counter()
+        target.copy_(source)
+        copies.append(time.perf_counter() - start)
+    bandwidth = 2 * source.numel() * 4 / min(copies)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    matmuls = []
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        matmuls.append(time.perf_counter() - start)
+    return bandwidth, 2 * 1024**3 / min(matmuls)
+
+
+def prompts(tokenizer, batch: int) -> list[list[int]]:
+    import json
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data/arithmetic.jsonl")) as f:
+        rows = [json.loads(line) for line in f][:batch]
+    return [tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+            if isinstance(row["prompt"], list) else tokenizer(row["prompt"])["input_ids"] for row in rows]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", default="8,32")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    options = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rloo import RLOOConfig
+    from rloo.assets import smollm2_path
+    from rloo.data import pad_rows
+    from rloo.generation import make_generation_backend
+    from rloo.models import eos_token_ids
+    path = smollm2_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = eos_token_ids(tokenizer, model)
+    tokens = options.tokens
+    args = RLOOConfig(output_dir="/tmp/bench-generation", use_cpu=True, bf16=False, max_completion_length=tokens,
+                      generation_kwargs={"min_new_tokens": tokens}, report_to="none")
+    backend = make_generation_backend(args, None, model, tokenizer, tokenizer.pad_token_id, eos)
+    config = backend.generation_config if hasattr(backend, "generation_config") else None
+    bandwidth, flops = measured_limits()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"machine: {bandwidth / 1e9:.1f} GB/s copy bandwidth, {flops / 1e9:.0f} GFLOP/s fp32 matmul; model "
+          f"{parameters / 1e6:.0f}M parameters, {weight_bytes / 2**20:.0f} MiB")
+    print(f"\n{'batch':>5} {'generate tok/s':>15} {'backend tok/s':>14} {'ratio':>7} {'limit tok/s':>12} "
+          f"{'backend/limit':>13}")
+    for batch in (int(b) for b in options.batches.split(",")):
+        ids = prompts(tokenizer, batch)
+        input_ids, mask = pad_rows(ids, tokenizer.pad_token_id, "left")
+        plain, ours = [], []
+        for _ in range(options.repeats):
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+            plain.append(batch * tokens / (time.perf_counter() - start))
+            start = time.perf_counter()
+            backend.generate(model, ids, 1, 0)
+            ours.append(batch * tokens / (time.perf_counter() - start))
+        step_floor = max(weight_bytes / bandwidth, 2 * parameters * batch / flops)
+        limit = batch / step_floor
+        g, b = statistics.median(plain), statistics.median(ours)
+        print(f"{batch:5d} {g:15.1f} {b:14.1f} {b / g:6.2f}x {limit:12.0f} {b / limit:12.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
