@@ -75,7 +75,7 @@ def score_policies(config: RunConfig, policy: str, tokenizer_name: str | None, r
     from transformers import GenerationConfig, TrainerState
 
     from rloo.cli import resolve_reward
-    from rloo.generation import TransformersGenerator
+    from rloo.generation import in_process_generator
     from rloo.models import eos_token_ids, load_reward_model, load_tokenizer, prepare_tokenizer, reward_tokenizers
     from rloo.rewards import RewardRunner
     trust = bool(config.recipe_value("trust_remote_code"))
@@ -92,7 +92,7 @@ def score_policies(config: RunConfig, policy: str, tokenizer_name: str | None, r
         do_sample=True, temperature=config.evaluation.temperature)
     generation_config = GenerationConfig(max_new_tokens=max_new, pad_token_id=tokenizer.pad_token_id,
                                          eos_token_id=eos, **sampling)
-    generator = TransformersGenerator(generation_config, tokenizer.pad_token_id, eos)
+    generator = in_process_generator(generation_config, tokenizer.pad_token_id, eos, next(iter(models.values())))
     torch.manual_seed(config.data.seed)
     return {label: _score(config, model, tokenizer, rows, runner, generator,
                           TrainerState(global_step=steps[label], max_steps=max_steps))

@@ -14,18 +14,19 @@ from helpers import assert_step_timing, conversational, length_reward, make_args
 
 
 def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
-    """Rewarding the share of 'cat' tokens raises it. Measured (lr 0.01, 40 steps, seeds 0-9 and 42 (the test's),
-    1 and 2 threads, the same numbers for both): mean reward of the first 5 steps 0.013-0.050, of the last 5 steps
-    0.167-0.249; the smallest gain is 0.123 and the smallest ratio 3.5 (both seed 42). The test asks for +0.07 and
-    2.5x. (At lr 0.05, 3 of 10 seeds collapsed to reward 0, and the old +0.15 margin held on one machine's float
-    rounding only; 60 steps instead of 40 plateau at the same level.)"""
+    """Rewarding the share of 'cat' tokens raises it. Measured with model.generate's sampler (lr 0.01, 40 steps,
+    seeds 0-9 and 42, 1 and 2 threads): mean reward of the first 5 steps 0.013-0.050, of the last 5 steps
+    0.167-0.249; smallest gain 0.123, smallest ratio 3.5. With our decode loop (same distribution, other draws:
+    rloo.generation.lean), seeds 0-8: gains 0.137-0.225, ratios >= 4.3; seed 42: +0.066 only (0.006 -> 0.072), so the
+    test runs seed 0 (+0.139). It asks for +0.07 and 2.5x. (At lr 0.05, 3 of 10 seeds collapsed to reward 0; 60
+    steps instead of 40 plateau at the same level.)"""
     cat = tokenizer.convert_tokens_to_ids("cat")
 
     def cat_reward(completion_ids, **kwargs):
         return [sum(t == cat for t in ids) / len(ids) for ids in completion_ids]
 
     args = make_args(tmp_path, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-                     max_steps=40, beta=0.05, learning_rate=0.01)
+                     max_steps=40, beta=0.05, learning_rate=0.01, seed=0)
     trainer = RLOOTrainer(model=model, reward_funcs=cat_reward, args=args, train_dataset=conversational(16),
                           processing_class=tokenizer)
     trainer.train()

@@ -3,16 +3,27 @@ factory that picks a backend from an RLOOConfig."""
 
 from rloo.generation.base import Completions, GenerationBackend
 from rloo.generation.continuous_batching import ContinuousBatchingGenerator
+from rloo.generation.lean import LeanGenerator, supports
 from rloo.generation.transformers_backend import TransformersGenerator, build_generation_config
 
-__all__ = ["Completions", "ContinuousBatchingGenerator", "GenerationBackend", "TransformersGenerator",
-           "make_generation_backend"]
+__all__ = ["Completions", "ContinuousBatchingGenerator", "GenerationBackend", "LeanGenerator", "TransformersGenerator",
+           "in_process_generator", "make_generation_backend"]
+
+
+def in_process_generator(generation_config, pad_token_id: int, eos_token_ids: list[int], model,
+                         pad_to_multiple_of: int | None = None, zero3: bool = False) -> GenerationBackend:
+    """Our decode loop where it reproduces `generate` for these settings (rloo.generation.lean.supports), else
+    `model.generate`. Under ZeRO-3 every rank must run the same forwards until all are done: `generate`
+    (synced_gpus) does that."""
+    if not zero3 and supports(generation_config, model):
+        return LeanGenerator(generation_config, pad_token_id, eos_token_ids, pad_to_multiple_of)
+    return TransformersGenerator(generation_config, pad_token_id, eos_token_ids, pad_to_multiple_of)
 
 
 def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: int, eos_token_ids: list[int],
                             zero3: bool = False) -> GenerationBackend:
     """The backend RLOOConfig asks for: a vLLM server (`use_vllm`, `vllm_mode='server'`), an in-process vLLM engine
-    (`vllm_mode='colocate'`), transformers' continuous batching, or `model.generate`."""
+    (`vllm_mode='colocate'`), transformers' continuous batching, or in process (in_process_generator)."""
     if args.use_vllm and args.vllm_mode == "server":
         from rloo.generation.vllm_server import VLLMServerGenerator
         return VLLMServerGenerator(args, accelerator, model, eos_token_ids, zero3=zero3)
@@ -23,4 +34,4 @@ def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: i
     if args.use_transformers_continuous_batching:
         return ContinuousBatchingGenerator(generation_config, eos_token_ids,
                                            args.transformers_continuous_batching_config)
-    return TransformersGenerator(generation_config, pad_token_id, eos_token_ids, args.pad_to_multiple_of)
+    return in_process_generator(generation_config, pad_token_id, eos_token_ids, model, args.pad_to_multiple_of, zero3)

@@ -1,0 +1,140 @@
+"""Sampling completions with a decode loop of our own (the default in-process backend when the sampling settings
+allow it): the model's forward and KV cache, transformers' own logits processors in `generate`'s order, and an
+inverse-CDF draw instead of `torch.multinomial`.
+
+Same distribution as `model.generate`: the same logits (same forward, positions and mask), the same processors
+(repetition penalty, min_new_tokens, temperature, top-k, top-p, min-p), the same EOS handling; only the random
+draw differs: one uniform number per row against the cumulative probabilities (float64), where `multinomial`
+draws an exponential variate for every vocabulary entry (40 ms per token at batch 32 with a 49k vocabulary on
+2 CPU cores). Greedy decoding gives `generate`'s tokens. Settings it does not implement (beams, n-gram bans, bad
+words, a cache implementation, ...) keep `model.generate` (`supports`)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                                                    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from rloo.algorithm import completion_mask_after_eos
+from rloo.data import pad_rows
+from rloo.generation.base import GenerationBackend
+from rloo.models import eval_mode
+
+# GenerationConfig fields this loop implements; any other field set away from its default keeps model.generate.
+HANDLED = {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
+           "repetition_penalty", "pad_token_id", "bos_token_id", "eos_token_id", "disable_compile",
+           "cache_implementation", "transformers_version", "use_cache", "return_dict_in_generate",
+           "output_scores", "output_logits"}
+
+
+def supports(generation_config: GenerationConfig, model) -> bool:
+    """Whether this loop reproduces `generate` for these settings and this model (a decoder-only LM)."""
+    changed = set(generation_config.to_diff_dict())
+    plain = (generation_config.cache_implementation is None and (generation_config.num_beams or 1) == 1
+             and (generation_config.num_return_sequences or 1) == 1 and generation_config.max_new_tokens is not None)
+    config = getattr(model, "config", None)
+    decoder_only = config is not None and not getattr(config, "is_encoder_decoder", False)
+    return changed <= HANDLED and plain and decoder_only and _takes_decode_arguments(model)
+
+
+def _forward_parameters(model) -> set[str]:
+    import inspect
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(inspect.signature(base.forward).parameters)
+
+
+def _takes_decode_arguments(model) -> bool:
+    """A forward that takes what the loop passes (remote-code models may not)."""
+    names = _forward_parameters(model)
+    return {"attention_mask", "position_ids", "logits_to_keep", "use_cache"} <= names and bool(
+        names & {"cache", "past_key_values"})
+
+
+def sample_from(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from `probs` (rows sum to 1): the first index whose cumulative probability exceeds a
+    uniform draw scaled to the row's total. Entries of probability 0 are never drawn."""
+    cumulative = probs.double().cumsum(dim=-1)
+    draw = torch.rand(probs.size(0), 1, dtype=torch.float64, device=probs.device) * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, draw, right=True).clamp_(max=probs.size(-1) - 1).squeeze(1)
+
+
+def _cache_argument(model) -> str:
+    """The forward's name for the KV cache: `cache` in recent transformers, `past_key_values` in older ones."""
+    return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
+
+
+class LeanGenerator(GenerationBackend):
+    """Left-pads prompts, decodes step by step on the model's KV cache, and cuts each completion after its first EOS
+    (EOS included), like TransformersGenerator."""
+
+    def __init__(self, generation_config: GenerationConfig, pad_token_id: int, eos_ids: list[int],
+                 pad_to_multiple_of: int | None = None):
+        self.generation_config = generation_config
+        self.pad_token_id = pad_token_id
+        self.eos_ids = eos_ids
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def _processors(self, attention_mask: torch.Tensor, prompt_length: int, device) -> LogitsProcessorList:
+        """generate's processors for these settings, in generate's order (transformers 5.x _get_logits_processor)."""
+        config, found = self.generation_config, LogitsProcessorList()
+        if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+            padding = (attention_mask != 0).int().argmax(dim=1)
+            found.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, prompt_ignore_length=padding))
+        if config.min_new_tokens and self.eos_ids:
+            found.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens,
+                                                           torch.tensor(self.eos_ids, device=device), device=device))
+        if config.do_sample:
+            if config.temperature is not None and config.temperature != 1.0:
+                found.append(TemperatureLogitsWarper(config.temperature))
+            if config.top_k is not None and config.top_k != 0:
+                found.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
+            if config.top_p is not None and config.top_p < 1.0:
+                found.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
+            if config.min_p is not None:
+                found.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
+        return found
+
+    @torch.no_grad()
+    def generate(self, model: PreTrainedModel, prompt_ids: list[list[int]], num_generations: int = 1,
+                 step: int = 0) -> list[list[int]]:
+        device = next(model.parameters()).device
+        input_ids, attention_mask = (t.to(device) for t in pad_rows(prompt_ids, self.pad_token_id, "left",
+                                                                    self.pad_to_multiple_of))
+        with eval_mode(model):
+            completions = self._decode(model, input_ids, attention_mask).cpu()
+        if completions.size(1) == 0:
+            return [[] for _ in prompt_ids]
+        mask = completion_mask_after_eos(completions, self.eos_ids)
+        return [row[: int(length)].tolist() for row, length in zip(completions, mask.sum(dim=1))]
+
+    def _decode(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        from transformers import DynamicCache
+        config = self.generation_config
+        rows, prompt_length = input_ids.shape
+        processors = self._processors(attention_mask, prompt_length, input_ids.device)
+        eos = torch.tensor(self.eos_ids, device=input_ids.device)
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        arguments = {_cache_argument(model): DynamicCache(config=model.config)}  # filled in place by every forward
+        if hasattr(model.config, "output_router_logits"):  # MoE: no auxiliary loss while decoding (as generate)
+            arguments["output_router_logits"] = False
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                        logits_to_keep=1, **arguments)
+        sequences, unfinished = input_ids, torch.ones(rows, dtype=torch.bool, device=input_ids.device)
+        for index in range(config.max_new_tokens):
+            scores = processors(sequences, outputs.logits[:, -1].to(dtype=torch.float32))
+            if config.do_sample:
+                tokens = sample_from(torch.softmax(scores, dim=-1))
+            else:
+                tokens = scores.argmax(dim=-1)
+            tokens = torch.where(unfinished, tokens, torch.full_like(tokens, self.pad_token_id))
+            sequences = torch.cat([sequences, tokens[:, None]], dim=1)
+            unfinished &= ~torch.isin(tokens, eos)
+            if not unfinished.any() or index == config.max_new_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
+            positions = positions[:, -1:] + 1
+            outputs = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions,
+                            use_cache=True, **arguments)
+        return sequences[:, prompt_length:]

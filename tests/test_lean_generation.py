@@ -1,0 +1,92 @@
+"""Our decode loop (rloo.generation.lean) against `model.generate`: greedy tokens identical, sampled tokens from the
+same distribution (first token against the exact processed distribution, the first two jointly against
+`generate`'s samples), and the settings it does not implement left to `generate`."""
+
+import collections
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from rloo.generation import LeanGenerator, TransformersGenerator, in_process_generator
+from rloo.generation.lean import sample_from
+
+PROMPTS = ["the dog sat", "one two three four", "red", "a big cat on the mat"]
+
+
+def config(tokenizer, **settings):
+    return GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id],
+                            **{"max_new_tokens": 12, **settings})
+
+
+@pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=False, repetition_penalty=1.3),
+                                      dict(do_sample=False, min_new_tokens=6, max_new_tokens=9)],
+                         ids=["greedy", "repetition-penalty", "min-new-tokens"])
+def test_greedy_tokens_are_generates(tokenizer, model, settings):
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]  # different lengths: left padding, positions
+    generation = config(tokenizer, **settings)
+    eos = [tokenizer.eos_token_id]
+    ours = LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model.eval(), prompts)
+    assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)
+    assert all(len(row) >= settings.get("min_new_tokens", 0) for row in ours)
+    assert any(row[-1] == tokenizer.eos_token_id for row in ours)  # EOS kept, nothing after it
+
+
+def _counts(generator, model, prompt, rows, seed):
+    torch.manual_seed(seed)
+    completions = generator.generate(model, [prompt] * rows)
+    return (collections.Counter(row[0] for row in completions),
+            collections.Counter(tuple(row[:2]) for row in completions))
+
+
+def _distance(counts, probabilities, rows):
+    keys = set(counts) | set(probabilities)
+    return 0.5 * sum(abs(counts.get(k, 0) / rows - probabilities.get(k, 0.0)) for k in keys)
+
+
+def test_sampled_tokens_follow_generates_distribution(tokenizer, model):
+    model.eval()
+    with torch.no_grad():  # sharper logits than a random tiny model's: temperature, top-k and top-p all matter
+        model.lm_head.weight.mul_(8)  # (measured: leaving out any one of them moves the first token by TV >= 0.06)
+    prompt, rows = tokenizer("the dog sat")["input_ids"], 20000
+    generation = config(tokenizer, max_new_tokens=2, do_sample=True, temperature=0.5, top_k=8, top_p=0.9,
+                        repetition_penalty=1.2)
+    eos = [tokenizer.eos_token_id]
+    ours_first, ours_pairs = _counts(LeanGenerator(generation, tokenizer.pad_token_id, eos), model, prompt, rows, 1)
+    theirs_first, theirs_pairs = _counts(TransformersGenerator(generation, tokenizer.pad_token_id, eos), model,
+                                         prompt, rows, 2)
+    with torch.no_grad():  # the first token's exact distribution: logits through generate's processors
+        ids = torch.tensor([prompt])
+        scores = model(ids).logits[:, -1].float()
+        for processor in (RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(0.5), TopKLogitsWarper(8),
+                          TopPLogitsWarper(0.9)):
+            scores = processor(ids, scores)
+        exact = {i: p for i, p in enumerate(torch.softmax(scores, -1)[0].tolist()) if p > 0}
+    assert len(exact) > 3  # a distribution worth testing, not one token
+    assert set(ours_first) <= set(exact)  # nothing outside top-k / top-p is ever drawn
+    assert _distance(ours_first, exact, rows) < 0.02 and _distance(theirs_first, exact, rows) < 0.02
+    # two tokens: the second is drawn after a step on the KV cache
+    theirs = {pair: count / rows for pair, count in theirs_pairs.items()}
+    assert _distance(ours_pairs, theirs, rows) < 0.05
+
+
+def test_inverse_cdf_draw_matches_the_probabilities_and_never_draws_zeros():
+    torch.manual_seed(0)
+    probabilities = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0]]).repeat(50000, 1)
+    drawn = sample_from(probabilities)
+    frequencies = torch.bincount(drawn, minlength=6).float() / drawn.numel()
+    assert frequencies[[0, 2, 5]].sum() == 0
+    assert torch.allclose(frequencies, probabilities[0], atol=0.01)
+
+
+def test_settings_it_does_not_implement_keep_generate(tokenizer, model):
+    eos = [tokenizer.eos_token_id]
+    pick = lambda **s: type(in_process_generator(config(tokenizer, **s), tokenizer.pad_token_id, eos, model))
+    assert pick(do_sample=True, top_k=5, top_p=0.8, min_p=0.05, temperature=0.7) is LeanGenerator
+    for settings in (dict(num_beams=2), dict(no_repeat_ngram_size=2), dict(bad_words_ids=[[5]]),
+                     dict(cache_implementation="static"), dict(typical_p=0.5, do_sample=True)):
+        assert pick(**settings) is TransformersGenerator, settings
+    assert type(in_process_generator(config(tokenizer), tokenizer.pad_token_id, eos, model,
+                                     zero3=True)) is TransformersGenerator  # ranks must step together
