@@ -42,10 +42,11 @@ def measured_limits() -> tuple[float, float]:
 
 def prompts(tokenizer, batch: int) -> list[list[int]]:
     import json
+
+    from rloo.data import tokenize_prompts
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data/arithmetic.jsonl")) as f:
         rows = [json.loads(line) for line in f][:batch]
-    return [tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
-            if isinstance(row["prompt"], list) else tokenizer(row["prompt"])["input_ids"] for row in rows]
+    return tokenize_prompts(tokenizer, [row["prompt"] for row in rows], None)
 
 
 def main() -> int:

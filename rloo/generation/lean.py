@@ -12,15 +12,12 @@ words, a cache implementation, ...) keep `model.generate` (`supports`)."""
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig
 from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
                                                     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from rloo.algorithm import completion_mask_after_eos
-from rloo.data import pad_rows
-from rloo.generation.base import GenerationBackend
-from rloo.models import eval_mode
+from rloo.generation.transformers_backend import TransformersGenerator
 
 # GenerationConfig fields this loop implements; any other field set away from its default keeps model.generate.
 HANDLED = {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
@@ -65,16 +62,9 @@ def _cache_argument(model) -> str:
     return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
 
 
-class LeanGenerator(GenerationBackend):
-    """Left-pads prompts, decodes step by step on the model's KV cache, and cuts each completion after its first EOS
-    (EOS included), like TransformersGenerator."""
-
-    def __init__(self, generation_config: GenerationConfig, pad_token_id: int, eos_ids: list[int],
-                 pad_to_multiple_of: int | None = None):
-        self.generation_config = generation_config
-        self.pad_token_id = pad_token_id
-        self.eos_ids = eos_ids
-        self.pad_to_multiple_of = pad_to_multiple_of
+class LeanGenerator(TransformersGenerator):
+    """TransformersGenerator (left padding, the cut after the first EOS) with its `generate` call replaced by a
+    decode loop on the model's KV cache."""
 
     def _processors(self, attention_mask: torch.Tensor, prompt_length: int, device) -> LogitsProcessorList:
         """generate's processors for these settings, in generate's order (transformers 5.x _get_logits_processor)."""
@@ -96,20 +86,7 @@ class LeanGenerator(GenerationBackend):
                 found.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
         return found
 
-    @torch.no_grad()
-    def generate(self, model: PreTrainedModel, prompt_ids: list[list[int]], num_generations: int = 1,
-                 step: int = 0) -> list[list[int]]:
-        device = next(model.parameters()).device
-        input_ids, attention_mask = (t.to(device) for t in pad_rows(prompt_ids, self.pad_token_id, "left",
-                                                                    self.pad_to_multiple_of))
-        with eval_mode(model):
-            completions = self._decode(model, input_ids, attention_mask).cpu()
-        if completions.size(1) == 0:
-            return [[] for _ in prompt_ids]
-        mask = completion_mask_after_eos(completions, self.eos_ids)
-        return [row[: int(length)].tolist() for row, length in zip(completions, mask.sum(dim=1))]
-
-    def _decode(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         from transformers import DynamicCache
         config = self.generation_config
         rows, prompt_length = input_ids.shape

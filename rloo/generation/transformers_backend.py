@@ -39,10 +39,14 @@ class TransformersGenerator(GenerationBackend):
         device = next(model.parameters()).device
         input_ids, attention_mask = pad_rows(prompt_ids, self.pad_token_id, "left", self.pad_to_multiple_of)
         with eval_mode(model):
-            output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                    generation_config=self.generation_config)
-        completions = output[:, input_ids.size(1):].cpu()
+            completions = self._completions(model, input_ids.to(device), attention_mask.to(device)).cpu()
         if completions.size(1) == 0:
             return [[] for _ in prompt_ids]
         mask = completion_mask_after_eos(completions, self.eos_ids)
         return [row[: int(length)].tolist() for row, length in zip(completions, mask.sum(dim=1))]
+
+    def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(rows, new tokens) after the left-padded prompts, pad after a row's end."""
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                generation_config=self.generation_config)
+        return output[:, input_ids.size(1):]
