@@ -22,8 +22,7 @@ from rloo.generation.transformers_backend import TransformersGenerator
 # GenerationConfig fields this loop implements; any other field set away from its default keeps model.generate.
 HANDLED = {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
            "repetition_penalty", "pad_token_id", "bos_token_id", "eos_token_id", "disable_compile",
-           "cache_implementation", "transformers_version", "use_cache", "return_dict_in_generate",
-           "output_scores", "output_logits"}
+           "cache_implementation", "transformers_version", "use_cache"}
 
 
 def supports(generation_config: GenerationConfig, model) -> bool:
