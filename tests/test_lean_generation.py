@@ -88,5 +88,5 @@ def test_settings_it_does_not_implement_keep_generate(tokenizer, model):
     for settings in (dict(num_beams=2), dict(no_repeat_ngram_size=2), dict(bad_words_ids=[[5]]),
                      dict(cache_implementation="static"), dict(typical_p=0.5, do_sample=True)):
         assert pick(**settings) is TransformersGenerator, settings
-    assert type(in_process_generator(config(tokenizer), tokenizer.pad_token_id, eos, model,
-                                     zero3=True)) is TransformersGenerator  # ranks must step together
+    synced = in_process_generator(config(tokenizer), tokenizer.pad_token_id, eos, model, synced=True)
+    assert type(synced) is LeanGenerator and synced.synced  # ZeRO-3 layer by layer: ranks step together

@@ -11,12 +11,12 @@ __all__ = ["Completions", "ContinuousBatchingGenerator", "GenerationBackend", "L
 
 
 def in_process_generator(generation_config, pad_token_id: int, eos_token_ids: list[int], model,
-                         pad_to_multiple_of: int | None = None, zero3: bool = False) -> GenerationBackend:
+                         pad_to_multiple_of: int | None = None, synced: bool = False) -> GenerationBackend:
     """Our decode loop where it reproduces `generate` for these settings (rloo.generation.lean.supports), else
-    `model.generate`. Under ZeRO-3 every rank must run the same forwards until all are done: `generate`
-    (synced_gpus) does that."""
-    if not zero3 and supports(generation_config, model):
-        return LeanGenerator(generation_config, pad_token_id, eos_token_ids, pad_to_multiple_of)
+    `model.generate`. `synced`: ZeRO-3 without gathering for generation, where every rank must run the same
+    forwards until all are done (as generate's synced_gpus)."""
+    if supports(generation_config, model):
+        return LeanGenerator(generation_config, pad_token_id, eos_token_ids, pad_to_multiple_of, synced)
     return TransformersGenerator(generation_config, pad_token_id, eos_token_ids, pad_to_multiple_of)
 
 
@@ -34,4 +34,5 @@ def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: i
     if args.use_transformers_continuous_batching:
         return ContinuousBatchingGenerator(generation_config, eos_token_ids,
                                            args.transformers_continuous_batching_config)
-    return in_process_generator(generation_config, pad_token_id, eos_token_ids, model, args.pad_to_multiple_of, zero3)
+    return in_process_generator(generation_config, pad_token_id, eos_token_ids, model, args.pad_to_multiple_of,
+                                synced=zero3 and not args.ds3_gather_for_generation)

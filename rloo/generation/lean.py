@@ -63,7 +63,22 @@ def _cache_argument(model) -> str:
 
 class LeanGenerator(TransformersGenerator):
     """TransformersGenerator (left padding, the cut after the first EOS) with its `generate` call replaced by a
-    decode loop on the model's KV cache."""
+    decode loop on the model's KV cache. `synced` (ZeRO-3 without gathering: every forward is collective): every
+    rank steps until all ranks are done, a rank whose rows are done feeding pad without drawing (so its random
+    stream is the one it would have without the sync)."""
+
+    def __init__(self, generation_config: GenerationConfig, pad_token_id: int, eos_ids: list[int],
+                 pad_to_multiple_of: int | None = None, synced: bool = False):
+        super().__init__(generation_config, pad_token_id, eos_ids, pad_to_multiple_of)
+        self.synced = synced
+
+    def _anyone_unfinished(self, unfinished: torch.Tensor) -> bool:
+        if not self.synced:
+            return bool(unfinished.any())
+        import torch.distributed as dist
+        flag = unfinished.any().to(torch.int32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _processors(self, attention_mask: torch.Tensor, prompt_length: int, device) -> LogitsProcessorList:
         """generate's processors for these settings, in generate's order (transformers 5.x _get_logits_processor)."""
@@ -99,15 +114,14 @@ class LeanGenerator(TransformersGenerator):
                         logits_to_keep=1, **arguments)
         sequences, unfinished = input_ids, torch.ones(rows, dtype=torch.bool, device=input_ids.device)
         for index in range(config.max_new_tokens):
-            scores = processors(sequences, outputs.logits[:, -1].to(dtype=torch.float32))
-            if config.do_sample:
-                tokens = sample_from(torch.softmax(scores, dim=-1))
-            else:
-                tokens = scores.argmax(dim=-1)
-            tokens = torch.where(unfinished, tokens, torch.full_like(tokens, self.pad_token_id))
+            tokens = torch.full((rows,), self.pad_token_id, dtype=torch.long, device=input_ids.device)
+            if unfinished.any():  # (only a synced rank that is done has nothing to draw)
+                scores = processors(sequences, outputs.logits[:, -1].to(dtype=torch.float32))
+                drawn = sample_from(torch.softmax(scores, dim=-1)) if config.do_sample else scores.argmax(dim=-1)
+                tokens = torch.where(unfinished, drawn, tokens)
             sequences = torch.cat([sequences, tokens[:, None]], dim=1)
             unfinished &= ~torch.isin(tokens, eos)
-            if not unfinished.any() or index == config.max_new_tokens - 1:
+            if index == config.max_new_tokens - 1 or not self._anyone_unfinished(unfinished):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
             positions = positions[:, -1:] + 1
