@@ -13,7 +13,8 @@ import torch
 import yaml
 
 from rloo import RLOOConfig
-from rloo.generation.vllm_colocate import ColocateEngine, VLLMColocateGenerator, check_colocate_possible, run_lengths
+from rloo.generation.vllm_colocate import (CPU_SHM_MARK, SHM_DIR, ColocateEngine, VLLMColocateGenerator,
+                                           check_colocate_possible, remove_stale_cpu_shm, run_lengths)
 from rloo.testing import save_servable, tiny_servable_causal_lm, tiny_tokenizer
 from helpers import assert_step_timing
 from services import VLLM_PYTHON
@@ -95,8 +96,13 @@ def test_two_processes_each_with_an_engine_or_sharing_one(tmp_path, tensor_paral
     from services import free_port
     extra = {"deepspeed": os.path.join(ROOT, "configs", "deepspeed", "zero3.json"), "use_cpu": False} if zero3 else {}
     recipe = _recipe(tmp_path, per_device_train_batch_size=2, vllm_tensor_parallel_size=tensor_parallel, **extra)
+    if tensor_parallel > 1:
+        # What a killed TP launch leaves: vLLM's CPU all-reduce segment under the name every launch uses.
+        with open(os.path.join(SHM_DIR, "-tp:0-[0-1]-cpushm_0"), "wb") as handle:
+            handle.truncate(4096)
     result = _torchrun(recipe, free_port())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert not [name for name in os.listdir(SHM_DIR) if CPU_SHM_MARK in name]  # nothing left for the next launch
     assert "Invalid process group" not in result.stderr  # the engine shut down before the trainer's group
     logged = _logged(result)
     syncs = _syncs(logged)
@@ -266,6 +272,23 @@ def test_without_sleep_mode_weights_go_only_when_the_step_changed(tmp_path):
         generator.generate(policy, [[5, 6], [5, 6]], 2, step=step)
     assert [c[0] for c in engine.calls].count("load") == 3
     assert "sleep" not in [c[0] for c in engine.calls]
+
+
+def test_only_segments_that_no_live_process_maps_are_removed():
+    import mmap
+    live, stale = (os.path.join(SHM_DIR, f"rloo-test-{os.getpid()}-{which}-cpushm_0") for which in ("live", "stale"))
+    for path in (live, stale):
+        with open(path, "wb") as handle:
+            handle.truncate(4096)
+    try:
+        with open(live, "r+b") as handle, mmap.mmap(handle.fileno(), 4096):
+            removed = remove_stale_cpu_shm()
+            assert os.path.basename(stale) in removed and not os.path.exists(stale)
+            assert os.path.exists(live)  # mapped by this process: a running engine's
+    finally:
+        for path in (live, stale):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def test_consecutive_identical_prompts_become_one_request():

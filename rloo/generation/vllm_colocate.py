@@ -12,7 +12,13 @@ generates the group's rows with the same seeds, and keeps its own slice.
 Sleep mode (`vllm_enable_sleep_mode`): the engine sleeps at level 2 after every generation (weights and KV cache
 released), and the policy's current weights are pushed again after every wake-up, whether or not the optimizer
 step changed: level 2 discards them, and reloading the checkpoint from disk would generate from the initial
-model (TRL issue #5312)."""
+model (TRL issue #5312).
+
+vLLM's CPU all-reduce for a TP group lives in POSIX shared memory named after the group only ("-tp:0-[0-1]-cpushm_0",
+the same in every launch), which vLLM unlinks in a native destructor that a killed process, or one that exits
+without the interpreter's teardown, never runs: the next TP launch on that machine then fails with "create shm in
+SHMManager failed. errno: 17". So each rank unlinks its segment's name as soon as its group has mapped it (the
+memory lives on until the engine is gone), and a launch first removes segments that no live process maps."""
 
 from __future__ import annotations
 
@@ -166,6 +172,66 @@ def engine_folder(model: torch.nn.Module, tokenizer, need_tokenizer: bool) -> st
     return folder
 
 
+SHM_DIR = "/dev/shm"
+CPU_SHM_MARK = "-cpushm_"  # vLLM's CPU communicator: f"{ident}-{group}-[{ranks}]-cpushm_{rank}"
+
+
+def _mapped_shm_names() -> set[str]:
+    """Names under /dev/shm that a live, readable process maps (an unreadable one, like a container's init, runs
+    no vLLM engine of ours)."""
+    mapped: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as handle:
+                for line in handle:
+                    path = line.rstrip("\n").partition(f"{SHM_DIR}/")[2]
+                    if path:
+                        mapped.add(path.removesuffix(" (deleted)"))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # exited meanwhile, or not ours to read
+    return mapped
+
+
+def remove_stale_cpu_shm() -> list[str]:
+    """Unlink vLLM CPU-communicator segments of this user that no live process maps (left by a killed launch);
+    returns their names. Call on every rank before any of them starts an engine."""
+    if not os.path.isdir(SHM_DIR) or not os.path.isdir("/proc"):
+        return []
+    ours = [name for name in os.listdir(SHM_DIR)
+            if CPU_SHM_MARK in name and os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid()]
+    mapped = _mapped_shm_names() if ours else set()
+    removed = []
+    for name in ours:
+        if name not in mapped:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass  # another rank of this launch was first
+    return removed
+
+
+def unlink_own_cpu_shm() -> list[str]:
+    """After the engine started (every rank of its TP group has mapped every segment): unlink the name of this
+    rank's segment of vLLM's CPU communicator, so nothing outlives the processes; returns the names unlinked."""
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError:
+        return []
+    unlinked = []
+    for group in (parallel_state._TP, parallel_state._PP):
+        communicator = getattr(group, "device_communicator", None)
+        name = getattr(getattr(communicator, "dist_module", None), "group_name", None)
+        if name:
+            segment = f"{name.lstrip('/')}_{communicator.rank_in_group}"
+            try:
+                os.unlink(os.path.join(SHM_DIR, segment))
+                unlinked.append(segment)
+            except FileNotFoundError:
+                pass
+    return unlinked
+
+
 def start_engine(args, model: torch.nn.Module, tokenizer, rank: int, world_size: int) -> VLLMEngine:
     """`vllm.LLM` in this process: vllm_gpu_memory_utilization, vllm_max_model_length, vllm_tensor_parallel_size,
     vllm_model_impl, vllm_enable_sleep_mode, plus vllm_engine_kwargs (e.g. enforce_eager)."""
@@ -188,7 +254,9 @@ def start_engine(args, model: torch.nn.Module, tokenizer, rank: int, world_size:
         kwargs["distributed_executor_backend"] = "external_launcher"
     kwargs.update(args.vllm_engine_kwargs or {})
     try:
-        return VLLMEngine(LLM(**kwargs))
+        engine = VLLMEngine(LLM(**kwargs))
+        unlink_own_cpu_shm()
+        return engine
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -229,6 +297,9 @@ class VLLMColocateGenerator(GenerationBackend):
                 if first <= rank < first + tp:
                     self.tp_group = group
         self.tp_rank = rank % tp
+        if engine is None and tp > 1:
+            remove_stale_cpu_shm()
+            accelerator.wait_for_everyone()  # no rank creates its segment while another is still cleaning
         self.engine = engine if engine is not None else start_engine(args, model, tokenizer, rank, world)
         accelerator.wait_for_everyone()
         self.tolerance = sync_tolerance(args, model)
