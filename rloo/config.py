@@ -141,6 +141,11 @@ class RLOOConfig(TrainingArguments):
     # Training.
     beta: float = field(default=0.05, metadata={"help": "KL coefficient; 0.0 loads no reference model."})
     num_iterations: int = field(default=1, metadata={"help": "Optimisation passes per generation batch (mu)."})
+    kl_logps_from_generation: bool = field(
+        default=False, metadata={"help": "Take pi_old in the KL from the log-probs the in-process decode loop "
+                                         "computed while sampling, instead of a second no-grad forward: one forward "
+                                         "less per generation, equal up to float rounding (not bitwise). Needs the "
+                                         "in-process backend, beta != 0, an on-policy loss and no dropout."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping bound 1 - epsilon of the ratio."})
     epsilon_high: float | None = field(
         default=None, metadata={"help": "Upper clipping bound 1 + epsilon_high; None uses epsilon (DAPO: 0.28)."})
@@ -218,6 +223,22 @@ class RLOOConfig(TrainingArguments):
                              "use_transformers_continuous_batching=False.")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if self.kl_logps_from_generation:
+            self._check_kl_logps_from_generation()
+
+    def _check_kl_logps_from_generation(self) -> None:
+        reason = None
+        if self.beta == 0.0:
+            reason = "beta=0.0 computes no KL"
+        elif self.use_vllm or self.use_transformers_continuous_batching:
+            reason = ("vLLM and continuous batching sample with their own kernels (vLLM with its own copy of the "
+                      "weights): only the in-process decode loop computes the policy's own logits")
+        elif self.num_iterations > 1 or self.steps_per_generation > self.gradient_accumulation_steps:
+            reason = (f"num_iterations={self.num_iterations} / steps_per_generation={self.steps_per_generation} "
+                      "keep pi_old for later optimizer steps, where the clipped ratio needs the forward's exact "
+                      "log-probs")
+        if reason:
+            raise ValueError(f"kl_logps_from_generation=True: {reason}. Fix: kl_logps_from_generation=False.")
 
     def _check_rloo_fields(self) -> None:
         if self.num_generations is None or self.num_generations < 2:

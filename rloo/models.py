@@ -188,6 +188,17 @@ def disable_dropout(model: nn.Module) -> None:
             setattr(config, attribute, 0.0)
 
 
+def dropout_active(model: nn.Module) -> bool:
+    """Whether training mode draws dropout anywhere (a module's rate or an attention layer's functional one)."""
+    config = getattr(model, "config", None)
+    rates = [getattr(config, attribute, None) for attribute in DROPOUT_ATTRIBUTES]
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            rates.append(module.p)
+        rates.extend(getattr(module, attribute, None) for attribute in DROPOUT_ATTRIBUTES)
+    return any(isinstance(rate, float) and rate > 0 for rate in rates)
+
+
 def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[token] per position, one row at a time to bound memory."""
     if logits.dtype in (torch.float32, torch.float64):

@@ -114,8 +114,9 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     """rows (dataset rows with 'prompt', this process's share, num_generations consecutive copies per prompt)
     -> Rollout.
 
-    generate(prompt_id_lists) -> completion id lists (EOS included); policy_logps / reference_logps(input_ids,
-    attention_mask, logits_to_keep) -> per-token log-probs (needed when beta != 0 or keep_old_logps);
+    generate(prompt_id_lists) -> completion id lists (EOS included), or rloo.generation.base.Completions whose
+    `policy_logprobs` then stand for pi_old in the KL; policy_logps / reference_logps(input_ids, attention_mask,
+    logits_to_keep) -> per-token log-probs (needed when beta != 0 or keep_old_logps);
     gather(tensor) concatenates a tensor over processes; gather_object(list) does the same for Python lists;
     timer (rloo.timing) counts the generation, log-prob and reward sections."""
     prompts = [row["prompt"] for row in rows]
@@ -139,8 +140,12 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     logits_to_keep = completion_ids.size(1)
     old_per_token = ref_per_token = None
+    decoded = getattr(completion_id_lists, "policy_logprobs", None)  # the decode loop's, for the KL's pi_old
     with torch.no_grad(), timer.section("logprobs"):
-        if settings.keep_old_logps or settings.beta != 0.0:
+        if decoded is not None and settings.beta != 0.0 and not settings.keep_old_logps:
+            old_per_token = torch.zeros(completion_ids.shape, dtype=decoded.dtype, device=device)
+            old_per_token[:, :decoded.size(1)] = decoded.to(device)
+        elif settings.keep_old_logps or settings.beta != 0.0:
             old_per_token = policy_logps(input_ids, attention_mask, logits_to_keep)
         if settings.beta != 0.0:
             ref_per_token = reference_logps(input_ids, attention_mask, logits_to_keep)

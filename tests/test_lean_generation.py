@@ -90,3 +90,32 @@ def test_settings_it_does_not_implement_keep_generate(tokenizer, model):
         assert pick(**settings) is TransformersGenerator, settings
     synced = in_process_generator(config(tokenizer), tokenizer.pad_token_id, eos, model, synced=True)
     assert type(synced) is LeanGenerator and synced.synced  # ZeRO-3 layer by layer: ranks step together
+
+
+def test_policy_logprobs_kept_while_decoding_are_the_forwards(tokenizer, model):
+    """log softmax(logits / T) of every drawn token, kept by the loop, equals a no-grad forward over the finished
+    rows (rloo.models.per_token_logps: the trainer's pi_old), whatever processors shaped the draw; 0 after a row's
+    end."""
+    from rloo.algorithm import completion_mask_after_eos
+    from rloo.data import pad_rows
+    from rloo.generation import Completions
+    from rloo.models import per_token_logps
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS] * 2
+    generation = config(tokenizer, do_sample=True, temperature=0.7, top_k=6, min_new_tokens=2)
+    generator = LeanGenerator(generation, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    generator.policy_temperature = 0.9  # the trainer's temperature, not the sampler's warped distribution
+    torch.manual_seed(0)
+    completions = generator.generate(model.eval(), prompts)
+    assert isinstance(completions, Completions) and completions.policy_logprobs is not None
+    prompt_ids, prompt_mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
+    completion_ids, _ = pad_rows(list(completions), tokenizer.pad_token_id, "right")
+    mask = completion_mask_after_eos(completion_ids, [tokenizer.eos_token_id])
+    assert (mask.sum(dim=1) < completion_ids.size(1)).any()  # some row ended early: padding after it
+    with torch.no_grad():
+        forward = per_token_logps(model, torch.cat([prompt_ids, completion_ids], dim=1),
+                                  torch.cat([prompt_mask, mask], dim=1), completion_ids.size(1), 0.9).logps
+    kept = completions.policy_logprobs[:, :completion_ids.size(1)]
+    torch.testing.assert_close(kept, forward * mask, atol=1e-5, rtol=1e-5)
+    assert (kept[mask == 0] == 0).all()
+    generator.policy_temperature = None
+    assert not hasattr(generator.generate(model, prompts), "policy_logprobs")  # nothing kept unless asked

@@ -10,7 +10,7 @@ import torch
 from rloo import RLOOTrainer
 from rloo.testing import save_tiny, tiny_causal_lm, tiny_reward_model, tiny_tokenizer
 
-from helpers import assert_step_timing, conversational, length_reward, make_args, standard
+from helpers import assert_step_timing, conversational, length_reward, make_args, position_reward, standard
 
 
 def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
@@ -120,6 +120,48 @@ def test_metrics_have_spec_names(tmp_path, tokenizer, model):
     assert trainer.state.log_history[1]["num_tokens"] > log["num_tokens"] > 0
     assert_step_timing(trainer.state.log_history)  # beta 0.1: the reference forward is in timing/logprobs
     assert all(record["timing/logprobs"] > 0 for record in trainer.state.log_history if "step_time" in record)
+
+
+def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(tmp_path, tokenizer, model):
+    """kl_logps_from_generation=True: the KL's pi_old comes from the logits the decode loop computed, so each rollout
+    runs one log-prob forward (the reference's), not two; the run logs the KL of the default run (the forward) up
+    to float rounding and ends at its weights. Where it cannot hold, a clear error before training."""
+    results = {}
+    for decoded in (True, False):
+        policy = copy.deepcopy(model)
+        args = make_args(tmp_path / str(decoded), max_steps=3, beta=0.1, temperature=0.8, seed=5,
+                         kl_logps_from_generation=decoded)
+        trainer = RLOOTrainer(model=policy, reward_funcs=position_reward, args=args, train_dataset=conversational(),
+                              processing_class=tokenizer)
+        assert trainer.generator.policy_temperature == (0.8 if decoded else None)
+        forwards, chunked = [], trainer._chunked_logps
+        trainer._chunked_logps = lambda *a: forwards.append(1) or chunked(*a)
+        trainer.train()
+        results[decoded] = ([log["kl"] for log in trainer.state.log_history if "kl" in log], len(forwards),
+                            [p.detach().clone() for p in policy.parameters()])
+    (kl, forwards, weights), (kl_forward, forwards_forward, weights_forward) = results[True], results[False]
+    assert (forwards, forwards_forward) == (3, 6)  # per rollout: reference only / policy and reference
+    assert len(kl) == 3 and max(kl) > 0
+    assert kl == pytest.approx(kl_forward, rel=1e-4, abs=1e-7)
+    for mine, theirs in zip(weights, weights_forward):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
+    dropout = copy.deepcopy(model)
+    for module in dropout.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="the policy has dropout.*Fix: disable_dropout=True"):
+        RLOOTrainer(model=dropout, reward_funcs=position_reward, processing_class=tokenizer,
+                    args=make_args(tmp_path / "dropout", beta=0.1, kl_logps_from_generation=True),
+                    train_dataset=conversational())
+    with pytest.raises(ValueError, match="keep model.generate"):
+        RLOOTrainer(model=copy.deepcopy(model), reward_funcs=position_reward, processing_class=tokenizer,
+                    args=make_args(tmp_path / "beams", beta=0.1, kl_logps_from_generation=True,
+                                   generation_kwargs={"no_repeat_ngram_size": 2}), train_dataset=conversational())
+    for settings, message in ((dict(beta=0.0), "beta=0.0 computes no KL"),
+                              (dict(num_iterations=2), "num_iterations=2"),
+                              (dict(use_transformers_continuous_batching=True), "only the in-process decode loop")):
+        with pytest.raises(ValueError, match=message):
+            make_args(tmp_path, kl_logps_from_generation=True, **{"beta": 0.1, **settings})
 
 
 def test_no_kl_and_no_reference_model_when_beta_zero(tmp_path, tokenizer, model):

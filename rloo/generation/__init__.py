@@ -7,7 +7,7 @@ from rloo.generation.lean import LeanGenerator, supports
 from rloo.generation.transformers_backend import TransformersGenerator, build_generation_config
 
 __all__ = ["Completions", "ContinuousBatchingGenerator", "GenerationBackend", "LeanGenerator", "TransformersGenerator",
-           "in_process_generator", "make_generation_backend"]
+           "in_process_generator", "keep_policy_logprobs", "make_generation_backend"]
 
 
 def in_process_generator(generation_config, pad_token_id: int, eos_token_ids: list[int], model,
@@ -34,5 +34,23 @@ def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: i
     if args.use_transformers_continuous_batching:
         return ContinuousBatchingGenerator(generation_config, eos_token_ids,
                                            args.transformers_continuous_batching_config)
-    return in_process_generator(generation_config, pad_token_id, eos_token_ids, model, args.pad_to_multiple_of,
-                                synced=zero3 and not args.ds3_gather_for_generation)
+    generator = in_process_generator(generation_config, pad_token_id, eos_token_ids, model, args.pad_to_multiple_of,
+                                     synced=zero3 and not args.ds3_gather_for_generation)
+    if args.kl_logps_from_generation:  # pi_old for the KL from the decode loop, not a second forward
+        keep_policy_logprobs(generator, model, args.temperature)
+    return generator
+
+
+def keep_policy_logprobs(generator: GenerationBackend, model, temperature: float) -> None:
+    """kl_logps_from_generation: ask the decode loop to keep the policy's log-probs of its tokens (RLOOConfig has
+    refused the backends and losses where they cannot stand for pi_old); a clear error where they cannot here."""
+    from rloo.models import dropout_active
+    if not isinstance(generator, LeanGenerator):
+        raise ValueError("kl_logps_from_generation=True: these generation settings (generation_kwargs, "
+                         "cache_implementation or a model forward without cache arguments) keep model.generate, "
+                         "which keeps no log-probs. Fix: kl_logps_from_generation=False.")
+    if dropout_active(model):  # decoding runs in eval mode, the forward it replaces in training mode
+        raise ValueError("kl_logps_from_generation=True: the policy has dropout, so the decode loop's log-probs "
+                         "(eval mode) are not the training-mode forward's. Fix: disable_dropout=True, or "
+                         "kl_logps_from_generation=False.")
+    generator.policy_temperature = temperature

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from rloo.timing import NULL_TIMER
 
 
 class Completions(list):
-    """Completion token ids, one list per row (it is a list: callers index it as one), plus `logprobs`: the sampler's
-    log-probs of those same tokens, one list per row, from backends that sample with their own copy of the weights
-    (vLLM), when sampling is not warped (no top-k/top-p/min-p, repetition penalty or structured outputs, which
-    renormalise or mask the distribution); else None. The trainer compares them with its own log-probs every step."""
+    """Completion token ids, one list per row (it is a list: callers index it as one), plus per-token log-probs of
+    those same tokens, one list per row, where a backend has them:
+    - `logprobs`: the sampler's, from backends that sample with their own copy of the weights (vLLM), when sampling
+      is not warped (no top-k/top-p/min-p, repetition penalty or structured outputs, which renormalise or mask the
+      distribution); the trainer compares them with its own log-probs every step;
+    - `policy_logprobs`: the live policy's log softmax(logits / temperature) of each token, from the logits the
+      in-process decode loop computed anyway (whatever processors shaped the draw): what a no-grad forward over
+      the finished rows would give, so the rollout takes them for pi_old instead of running that forward."""
 
-    def __init__(self, ids: list[list[int]], logprobs: list[list[float]] | None = None):
+    def __init__(self, ids: list[list[int]], logprobs: list[list[float]] | None = None,
+                 policy_logprobs: torch.Tensor | None = None):
         super().__init__(ids)
         self.logprobs = logprobs
+        self.policy_logprobs = policy_logprobs  # (rows, longest completion), 0 after a row's end
 
 
 class GenerationBackend:

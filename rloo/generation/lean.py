@@ -7,7 +7,11 @@ Same distribution as `model.generate`: the same logits (same forward, positions 
 draw differs: one uniform number per row against the cumulative probabilities (float64), where `multinomial`
 draws an exponential variate for every vocabulary entry (40 ms per token at batch 32 with a 49k vocabulary on
 2 CPU cores). Greedy decoding gives `generate`'s tokens. Settings it does not implement (beams, n-gram bans, bad
-words, a cache implementation, ...) keep `model.generate` (`supports`)."""
+words, a cache implementation, ...) keep `model.generate` (`supports`).
+
+With `policy_temperature` set (by the trainer, when the KL needs pi_old and nothing else does), the loop also keeps
+log softmax(logits / temperature) of every drawn token, from the raw logits before any processor: the policy's
+own log-probs, which the rollout then takes instead of a second forward over the finished rows."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from rloo.generation.transformers_backend import TransformersGenerator
+from rloo.models import selective_log_softmax
 
 # GenerationConfig fields this loop implements; any other field set away from its default keeps model.generate.
 HANDLED = {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
@@ -56,6 +61,11 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cumulative, draw, right=True).clamp_(max=probs.size(-1) - 1).squeeze(1)
 
 
+def policy_logps_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(rows,) log softmax(logits / temperature)[token], computed as rloo.models.per_token_logps does."""
+    return selective_log_softmax((logits / temperature)[:, None], tokens[:, None])[:, 0]
+
+
 def _cache_argument(model) -> str:
     """The forward's name for the KV cache: `cache` in recent transformers, `past_key_values` in older ones."""
     return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
@@ -71,6 +81,8 @@ class LeanGenerator(TransformersGenerator):
                  pad_to_multiple_of: int | None = None, synced: bool = False):
         super().__init__(generation_config, pad_token_id, eos_ids, pad_to_multiple_of)
         self.synced = synced
+        self.policy_temperature: float | None = None  # keep the policy's log-probs of the drawn tokens
+        self._cache_name: str | None = None
 
     def _anyone_unfinished(self, unfinished: torch.Tensor) -> bool:
         if not self.synced:
@@ -100,25 +112,32 @@ class LeanGenerator(TransformersGenerator):
                 found.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
         return found
 
-    def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from transformers import DynamicCache
-        config = self.generation_config
+        config, temperature = self.generation_config, self.policy_temperature
+        if self._cache_name is None:
+            self._cache_name = _cache_argument(model)
         rows, prompt_length = input_ids.shape
         processors = self._processors(attention_mask, prompt_length, input_ids.device)
         eos = torch.tensor(self.eos_ids, device=input_ids.device)
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        arguments = {_cache_argument(model): DynamicCache(config=model.config)}  # filled in place by every forward
+        arguments = {self._cache_name: DynamicCache(config=model.config)}  # filled in place by every forward
         if hasattr(model.config, "output_router_logits"):  # MoE: no auxiliary loss while decoding (as generate)
             arguments["output_router_logits"] = False
         outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
                         logits_to_keep=1, **arguments)
         sequences, unfinished = input_ids, torch.ones(rows, dtype=torch.bool, device=input_ids.device)
+        logps: list[torch.Tensor] = []
         for index in range(config.max_new_tokens):
             tokens = torch.full((rows,), self.pad_token_id, dtype=torch.long, device=input_ids.device)
+            logits = outputs.logits[:, -1]
             if unfinished.any():  # (only a synced rank that is done has nothing to draw)
-                scores = processors(sequences, outputs.logits[:, -1].to(dtype=torch.float32))
+                scores = processors(sequences, logits.to(dtype=torch.float32))
                 drawn = sample_from(torch.softmax(scores, dim=-1)) if config.do_sample else scores.argmax(dim=-1)
                 tokens = torch.where(unfinished, drawn, tokens)
+            if temperature is not None:  # as rloo.models.per_token_logps: scaled in the model's dtype, then fp32
+                logps.append(policy_logps_of(logits, tokens, temperature))
             sequences = torch.cat([sequences, tokens[:, None]], dim=1)
             unfinished &= ~torch.isin(tokens, eos)
             if index == config.max_new_tokens - 1 or not self._anyone_unfinished(unfinished):
@@ -127,4 +146,4 @@ class LeanGenerator(TransformersGenerator):
             positions = positions[:, -1:] + 1
             outputs = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions,
                             use_cache=True, **arguments)
-        return sequences[:, prompt_length:]
+        return sequences[:, prompt_length:], (torch.stack(logps, dim=1) if logps else None)

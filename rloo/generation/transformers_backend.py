@@ -7,7 +7,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from rloo.algorithm import completion_mask_after_eos
 from rloo.data import pad_rows
-from rloo.generation.base import GenerationBackend
+from rloo.generation.base import Completions, GenerationBackend
 from rloo.models import eval_mode
 
 
@@ -39,14 +39,20 @@ class TransformersGenerator(GenerationBackend):
         device = next(model.parameters()).device
         input_ids, attention_mask = pad_rows(prompt_ids, self.pad_token_id, "left", self.pad_to_multiple_of)
         with eval_mode(model):
-            completions = self._completions(model, input_ids.to(device), attention_mask.to(device)).cpu()
+            completions, logps = self._completions(model, input_ids.to(device), attention_mask.to(device))
+        completions = completions.cpu()
         if completions.size(1) == 0:
             return [[] for _ in prompt_ids]
         mask = completion_mask_after_eos(completions, self.eos_ids)
-        return [row[: int(length)].tolist() for row, length in zip(completions, mask.sum(dim=1))]
+        ids = [row[: int(length)].tolist() for row, length in zip(completions, mask.sum(dim=1))]
+        if logps is None:
+            return ids
+        return Completions(ids, policy_logprobs=logps * mask.to(logps.device, logps.dtype))
 
-    def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(rows, new tokens) after the left-padded prompts, pad after a row's end."""
+    def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows, new tokens) after the left-padded prompts, pad after a row's end; and the policy's log-probs of
+        those tokens where this backend computes them (else None)."""
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                 generation_config=self.generation_config)
-        return output[:, input_ids.size(1):]
+        return output[:, input_ids.size(1):], None
