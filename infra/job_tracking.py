@@ -2,17 +2,26 @@
 directory first (`train/metrics.jsonl`) and sends it to the train stage's MLflow run when it can; whatever MLflow
 refuses (an outage, a restart, a server paused past the client timeout) is queued in `mlflow-pending.jsonl` and sent
 in order later (`flush_pending`: at the next log line, when the stage ends, `rloo-pipeline sync RUN`). Metrics carry
-the time they were logged, so a resend of one that had in fact arrived adds nothing."""
+the time they were logged, so a resend of one that had in fact arrived adds nothing.
+
+Sending is off the training step: every item is appended to that queue first (durable: a killed job leaves it for
+the stage to send), and a `Sender` thread empties the queue into MLflow while training goes on (a metrics line
+costs ~0.3 s and a completions table ~0.7 s of HTTP and serialisation on 2 cores, at every logging step)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import threading
 import time
 
 from transformers import TrainerCallback
 
 from infra.tracking import client, log_metrics, numeric_metrics
+
+logger = logging.getLogger(__name__)
 
 ENV_RUN_ID = "RLOO_MLFLOW_RUN_ID"  # not MLFLOW_RUN_ID: mlflow consumes and deletes that one
 ENV_TRAIN_DIR = "RLOO_TRAIN_DIR"
@@ -37,6 +46,7 @@ class RunDirTrackingCallback(TrainerCallback):
         self.run_id = os.environ.get(ENV_RUN_ID)
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
         self.logged = {_line_key(record) for record in read_metrics(self.train_dir)} if self.train_dir else set()
+        self.sender: Sender | None = None  # started at the first item to send
 
     def _active(self, state) -> bool:
         return state.is_world_process_zero and self.train_dir is not None
@@ -44,10 +54,17 @@ class RunDirTrackingCallback(TrainerCallback):
     def _send(self, item: dict) -> None:
         if not (self.run_id and self.tracking_uri):
             return
-        if flush_pending(self.train_dir, self.tracking_uri, self.run_id) and _upload(item, self.tracking_uri,
-                                                                                      self.run_id):
-            return
-        enqueue(self.train_dir, item)
+        if self.sender is None:
+            self.sender = Sender(self.train_dir, self.tracking_uri, self.run_id)
+        self.sender.put(item)
+
+    def wait_sent(self, timeout: float | None = None) -> bool:
+        """One more attempt at everything queued, waited for (False: still sending after `timeout` seconds)."""
+        return self.sender.wait_sent(timeout) if self.sender is not None else True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._active(state):
+            self.wait_sent(timeout=60)  # what is left (MLflow down, slow) stays queued for the stage to send
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self._active(state) or not logs:
@@ -76,6 +93,44 @@ class RunDirTrackingCallback(TrainerCallback):
         checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         self._send({"kind": "dict", "artifact_file": f"checkpoints/checkpoint-{state.global_step}.json",
                     "payload": {"path": checkpoint, "global_step": state.global_step, "time": time.time()}})
+
+
+class Sender:
+    """A daemon thread that sends the run directory's queue to MLflow whenever items are added, so the training
+    step never waits on the tracking server. `put` appends to the queue (the only write the step does); an
+    unreachable server leaves the queue as it is until the next `put` or `wait_sent`."""
+
+    def __init__(self, train_dir: str, tracking_uri: str, run_id: str):
+        self.train_dir, self.tracking_uri, self.run_id = train_dir, tracking_uri, run_id
+        self.condition = threading.Condition()  # its lock also guards the queue file
+        self.requested = self.attempted = 0
+        threading.Thread(target=self._loop, name="rloo-mlflow-sender", daemon=True).start()
+
+    def put(self, item: dict) -> None:
+        with self.condition:
+            enqueue(self.train_dir, item)
+            self.requested += 1
+            self.condition.notify_all()
+
+    def wait_sent(self, timeout: float | None = None) -> bool:
+        with self.condition:
+            self.requested += 1
+            target = self.requested
+            self.condition.notify_all()
+            return self.condition.wait_for(lambda: self.attempted >= target, timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self.condition:
+                self.condition.wait_for(lambda: self.requested > self.attempted)
+                target = self.requested
+            try:
+                flush_pending(self.train_dir, self.tracking_uri, self.run_id, lock=self.condition)
+            except Exception as err:  # a damaged queue line: the stage's flush reports it; training goes on
+                logger.warning("rloo: sending the MLflow queue %s failed: %s", self.train_dir, err)
+            with self.condition:
+                self.attempted = target
+                self.condition.notify_all()
 
 
 def read_metrics(train_dir: str) -> list[dict]:
@@ -124,21 +179,35 @@ def _upload(item: dict, tracking_uri: str, run_id: str) -> bool:
         return False
 
 
-def flush_pending(train_dir: str, tracking_uri: str, run_id: str) -> bool:
-    """Upload queued items in order; True when the queue is empty afterwards."""
-    path = os.path.join(train_dir, PENDING)
+def _read_queue(path: str) -> list[str]:
     if not os.path.exists(path):
-        return True
+        return []
     with open(path) as handle:
-        items = [json.loads(line) for line in handle if line.strip()]
-    for index, item in enumerate(items):
-        if not _upload(item, tracking_uri, run_id):
-            with open(path + ".tmp", "w") as handle:
-                handle.writelines(json.dumps(rest) + "\n" for rest in items[index:])
-            os.replace(path + ".tmp", path)
-            return False
-    os.remove(path)
-    return True
+        return [line for line in handle if line.strip()]
+
+
+def flush_pending(train_dir: str, tracking_uri: str, run_id: str, lock=None) -> bool:
+    """Upload queued items in order, stopping at the first refused; True when every item read was sent. `lock`
+    guards the queue file against a concurrent `enqueue` (held for reads and the rewrite, not the uploads)."""
+    lock = lock if lock is not None else contextlib.nullcontext()
+    path = os.path.join(train_dir, PENDING)
+    with lock:
+        lines = _read_queue(path)
+    sent = 0
+    for line in lines:
+        if not _upload(json.loads(line), tracking_uri, run_id):
+            break
+        sent += 1
+    if sent:
+        with lock:
+            rest = _read_queue(path)[sent:]  # items appended meanwhile stay, after the unsent ones
+            if rest:
+                with open(path + ".tmp", "w") as handle:
+                    handle.writelines(rest)
+                os.replace(path + ".tmp", path)
+            else:
+                os.remove(path)
+    return sent == len(lines)
 
 
 def pending_count(train_dir: str) -> int:

@@ -172,6 +172,34 @@ def test_mlflow_unreachable_at_start_fails_before_any_stage(run_root, capsys):
     assert stages.executions(config) == []
 
 
+def test_the_training_step_does_not_wait_for_mlflow(tmp_path, monkeypatch):
+    """on_log queues and returns while the upload is still in flight (here: held until on_log has returned), and
+    the sender delivers it after, in order with the items queued meanwhile."""
+    import threading
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    for key, value in job_tracking.tracking_environment("http://127.0.0.1:1", "run", str(tmp_path)).items():
+        monkeypatch.setenv(key, value)
+    returned, events, uploaded = threading.Event(), [], []
+
+    def held_upload(item, tracking_uri, run_id):
+        events.append(("upload starts", item["step"]))
+        assert returned.wait(timeout=60)  # a synchronous send would wait here for a minute, then fail the test
+        uploaded.append(item["step"])
+        return True
+
+    monkeypatch.setattr(job_tracking, "_upload", held_upload)
+    callback, state = job_tracking.RunDirTrackingCallback(), TrainerState()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none")
+    for step in (1, 2):
+        state.global_step = step
+        callback.on_log(args, state, TrainerControl(), logs={"reward": 0.1 * step})
+    events.append(("on_log returned", 2))
+    returned.set()
+    assert callback.wait_sent(timeout=60)
+    assert events[:2] == [("upload starts", 1), ("on_log returned", 2)] or events[0] == ("on_log returned", 2)
+    assert uploaded == [1, 2] and job_tracking.pending_count(str(tmp_path)) == 0
+
+
 def test_mlflow_outage_mid_run_loses_nothing(tmp_path, monkeypatch):
     server = MlflowServer(str(tmp_path / "mlflow")).start()
     run_id = tracking.start_run(server.uri, "outage", "train", {})
@@ -184,11 +212,13 @@ def test_mlflow_outage_mid_run_loses_nothing(tmp_path, monkeypatch):
     args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none")
     state.global_step = 1
     callback.on_log(args, state, TrainerControl(), logs={"reward": 0.1, "loss": 0.0})
+    assert callback.wait_sent(timeout=60)
     server.stop()  # the tracking server goes away mid-run
     for step in (2, 3):
         state.global_step = step
         callback.on_log(args, state, TrainerControl(), logs={"reward": 0.1 * step, "loss": 0.0})
     callback.on_completions(args, state, TrainerControl(), rows=[{"step": 3, "prompt": "p", "completion": "c"}])
+    assert callback.wait_sent(timeout=60)  # tried, refused: queued
     assert job_tracking.pending_count(train_dir) == 3
     lines = [json.loads(line) for line in open(os.path.join(train_dir, "metrics.jsonl"))]
     assert [line["step"] for line in lines] == [1, 2, 3]  # kept in the run directory all along
