@@ -9,6 +9,7 @@ breakdown (timing/*) is printed beside it. Run it with the benchmark environment
 
     bash benchmarks/run.sh                                   # every case, 3 repeats (about an hour on 2 cores)
     bash benchmarks/run.sh --cases smollm2-full-32 --repeats 1
+    bash benchmarks/run.sh --cases smollm2-full-32 --kl-logps-from-generation   # ours with that option (beta > 0)
 """
 
 from __future__ import annotations
@@ -69,9 +70,12 @@ def child(impl: str, case: dict) -> dict:
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
                                  task_type="CAUSAL_LM")
     tokens = case["tokens"]
+    extra = {}
+    if impl == "rloo" and case["beta"] and os.environ.get("BENCH_KL_LOGPS_FROM_GENERATION") == "1":
+        extra["kl_logps_from_generation"] = True  # (TRL has no such option)
     args = RLOOConfig(output_dir=f"/tmp/bench-{impl}", max_steps=case["steps"], beta=case["beta"],
                       max_completion_length=tokens,
-                      generation_kwargs={"min_new_tokens": tokens, "max_new_tokens": tokens}, **BASE)
+                      generation_kwargs={"min_new_tokens": tokens, "max_new_tokens": tokens}, **BASE, **extra)
 
     class StepClock(TrainerCallback):
         def __init__(self):
@@ -112,7 +116,12 @@ def main() -> int:
     parser.add_argument("--child", nargs=2, metavar=("IMPL", "CASE"))
     parser.add_argument("--cases", default=",".join(cases()), help="comma-separated: " + ", ".join(cases()))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kl-logps-from-generation", action="store_true",
+                        help="ours with kl_logps_from_generation=True where beta > 0")
     options = parser.parse_args()
+    if options.kl_logps_from_generation:
+        os.environ["BENCH_KL_LOGPS_FROM_GENERATION"] = "1"
+        print("rloo runs with kl_logps_from_generation=True where beta > 0", flush=True)
     if options.child:
         impl, name = options.child
         print("RESULT " + json.dumps(child(impl, cases()[name])), flush=True)

@@ -25,38 +25,50 @@ def _prefect_environment(run_root: str) -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
-def _start_ephemeral_api() -> threading.Thread | None:
+class EphemeralApi:
     """The embedded default's ephemeral Prefect API, started in the background while the CLI finishes its checks and
     imports (the start takes 7 s, 16 s on a new database); the flow finds it running: Prefect keeps one per process.
-    Join the thread before the flow starts. Nothing is started when PREFECT_API_URL names a server."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return None
-    from prefect.server.api.server import SubprocessASGIServer
+    Nothing is started when PREFECT_API_URL names a server."""
 
-    def start() -> None:
-        try:
-            SubprocessASGIServer().start()
-        except Exception:  # noqa: BLE001 - the flow's own start raises it again, in the usual place
-            pass
-    thread = threading.Thread(target=start, name="prefect-ephemeral-start", daemon=True)
-    thread.start()
-    return thread
+    def __init__(self):
+        self.thread: threading.Thread | None = None
 
+    def start(self, run_root: str) -> None:
+        """Start it for this run root (once: a second call does nothing)."""
+        if self.thread is not None:
+            return
+        _prefect_environment(run_root)
+        from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+        if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+            return
+        from prefect.server.api.server import SubprocessASGIServer
 
-def _stop_ephemeral_api(starting: threading.Thread | None) -> None:
-    """An early-started API that the run will not use (a check failed after it started): stopped at exit, once it
-    is up (its start may be migrating the database, which must not be cut short), after the error is printed."""
-    if starting is None:
-        return
-    import atexit
+        def start() -> None:
+            try:
+                SubprocessASGIServer().start()
+            except Exception:  # noqa: BLE001 - the flow's own start raises it again, in the usual place
+                pass
+        self.thread = threading.Thread(target=start, name="prefect-ephemeral-start", daemon=True)
+        self.thread.start()
 
-    from prefect.server.api.server import SubprocessASGIServer
+    def wait_ready(self) -> None:
+        """Before the flow starts."""
+        if self.thread is not None:
+            self.thread.join()
 
-    def stop() -> None:
-        starting.join()
-        SubprocessASGIServer().stop()
-    atexit.register(stop)
+    def stop_at_exit(self) -> None:
+        """An API the run will not use (a check failed after it started): stopped at exit, once it is up (its start
+        may be migrating the database, which must not be cut short), after the error is printed."""
+        if self.thread is None:
+            return
+        import atexit
+
+        from prefect.server.api.server import SubprocessASGIServer
+
+        def stop() -> None:
+            self.wait_ready()
+            SubprocessASGIServer().stop()
+        atexit.register(stop)
 
 
 def _load(config_path: str, assignments: list[str]):
@@ -96,21 +108,20 @@ def _known_run_root(config_path: str, assignments: list[str]) -> str | None:
 def cmd_run(options, config_path: str | None = None, assignments: list[str] | None = None) -> int:
     config_path = config_path or options.config
     assignments = assignments if assignments is not None else options.set
-    starting = None
+    api = EphemeralApi()
     if (early_root := _known_run_root(config_path, assignments)) is not None:
-        _prefect_environment(early_root)
-        starting = _start_ephemeral_api()
+        api.start(early_root)
     try:
         config = _load(config_path, assignments)
         if early_root is not None and os.path.abspath(config.run_root) != os.path.abspath(early_root):
             raise RuntimeError(f"run root read early ({early_root}) differs from the config's ({config.run_root})")
-        return _run_checked(options, config, config_path, assignments, starting)
+        return _run_checked(options, config, config_path, assignments, api)
     except BaseException:
-        _stop_ephemeral_api(starting)
+        api.stop_at_exit()
         raise
 
 
-def _run_checked(options, config, config_path: str, assignments: list[str], starting) -> int:
+def _run_checked(options, config, config_path: str, assignments: list[str], api: EphemeralApi) -> int:
     from infra.stages import check_config
     from infra.tracking import check_reachable
     check_config(config, read_rows=False)  # the rows: in the dataset stage, which reads them anyway
@@ -119,14 +130,11 @@ def _run_checked(options, config, config_path: str, assignments: list[str], star
         check_reachable(config.tracking_uri)  # a server: fails fast, before anything starts
     from infra.writer import wait_until_free
     wait_until_free(config.run_dir, options.if_running)  # the flow holds the lock; this fails (or waits) early
-    if starting is None:
-        _prefect_environment(config.run_root)
-        starting = _start_ephemeral_api()
+    api.start(config.run_root)  # (already started when the run root was known early)
     if local_store:  # a new SQLite store creates its tables here (seconds), while the API starts
         check_reachable(config.tracking_uri)
     from flows.pipeline import rloo_pipeline
-    if starting is not None:
-        starting.join()
+    api.wait_ready()
     start = time.time()
     try:
         summary = asyncio.run(rloo_pipeline(config_path, if_running=options.if_running, overrides=assignments))

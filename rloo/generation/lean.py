@@ -9,7 +9,7 @@ draws an exponential variate for every vocabulary entry (40 ms per token at batc
 2 CPU cores). Greedy decoding gives `generate`'s tokens. Settings it does not implement (beams, n-gram bans, bad
 words, a cache implementation, ...) keep `model.generate` (`supports`).
 
-With `policy_temperature` set (by the trainer, when the KL needs pi_old and nothing else does), the loop also keeps
+With `policy_temperature` set (RLOOConfig.kl_logps_from_generation, rloo.generation.keep_policy_logprobs), it keeps
 log softmax(logits / temperature) of every drawn token, from the raw logits before any processor: the policy's
 own log-probs, which the rollout then takes instead of a second forward over the finished rows."""
 
