@@ -193,11 +193,11 @@ def test_the_training_step_does_not_wait_for_mlflow(tmp_path, monkeypatch):
     for step in (1, 2):
         state.global_step = step
         callback.on_log(args, state, TrainerControl(), logs={"reward": 0.1 * step})
-    events.append(("on_log returned", 2))
+    events.append(("on_log returned", 2))  # (synchronously, the held upload would have failed the test first)
     returned.set()
     assert callback.wait_sent(timeout=60)
-    assert events[:2] == [("upload starts", 1), ("on_log returned", 2)] or events[0] == ("on_log returned", 2)
-    assert uploaded == [1, 2] and job_tracking.pending_count(str(tmp_path)) == 0
+    assert events.count(("upload starts", 1)) == 1 and ("upload starts", 2) in events
+    assert uploaded == [1, 2] and job_tracking.pending_count(str(tmp_path)) == 0  # in order, none left queued
 
 
 def test_mlflow_outage_mid_run_loses_nothing(tmp_path, monkeypatch):
