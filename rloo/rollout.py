@@ -144,7 +144,8 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     with torch.no_grad(), timer.section("logprobs"):
         if decoded is not None and settings.beta != 0.0 and not settings.keep_old_logps:
             old_per_token = torch.zeros(completion_ids.shape, dtype=decoded.dtype, device=device)
-            old_per_token[:, :decoded.size(1)] = decoded.to(device)
+            width = min(decoded.size(1), completion_ids.size(1))  # (ZeRO-3 ranks in step decode past their ends)
+            old_per_token[:, :width] = decoded[:, :width].to(device)
         elif settings.keep_old_logps or settings.beta != 0.0:
             old_per_token = policy_logps(input_ids, attention_mask, logits_to_keep)
         if settings.beta != 0.0:

@@ -119,3 +119,24 @@ def test_policy_logprobs_kept_while_decoding_are_the_forwards(tokenizer, model):
     assert (kept[mask == 0] == 0).all()
     generator.policy_temperature = None
     assert not hasattr(generator.generate(model, prompts), "policy_logprobs")  # nothing kept unless asked
+
+
+def test_decoded_logprobs_are_the_kls_pi_old_and_steps_past_every_end_are_cut(tokenizer):
+    """build_rollout takes Completions.policy_logprobs for pi_old in the KL; a ZeRO-3 rank that decoded in step with
+    the others past its own rows' ends hands in more columns than its completions have."""
+    from rloo.generation import Completions
+    from rloo.rewards.runner import RewardRunner
+    from rloo.rollout import RolloutSettings, build_rollout
+    eos = tokenizer.eos_token_id
+    ids = [[5, eos], [6, 7, eos]]
+    decoded = torch.tensor([[-1.0, -2.0, 0.0, 0.0, 0.0], [-1.5, -0.5, -0.25, 0.0, 0.0]])  # 5 steps for 3 tokens
+    settings = RolloutSettings(num_generations=2, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[eos],
+                               reward_weights=torch.ones(1), beta=0.5)
+    rollout = build_rollout(
+        [{"prompt": "the dog"}] * 2, settings, generate=lambda prompts: Completions(ids, policy_logprobs=decoded),
+        processing_class=tokenizer, reward_runner=RewardRunner([lambda completion_ids, **kw: [float(len(c)) for c in
+                                                                completion_ids]], [None]),
+        trainer_state=None, policy_logps=None, reference_logps=lambda ids, mask, keep: torch.zeros(ids.size(0), keep))
+    # KL_i = sum_t (pi_old - pi_ref): -3.0 and -2.25; shaped = length - 0.5 KL
+    assert rollout.shaped_rewards.tolist() == pytest.approx([2 + 1.5, 3 + 1.125])
+    assert rollout.kl == pytest.approx((-3.0 - 2.25) / 5)
