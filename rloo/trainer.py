@@ -299,9 +299,11 @@ class RLOOTrainer(Trainer):
         mask = inputs.completion_mask
         input_ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)
         attention_mask = torch.cat([inputs.prompt_mask, mask], dim=1)
+        # Shared prompts need two forwards before one backward: not through a DDP / DeepSpeed wrapper.
         token_logps, entropy, aux_loss = per_token_logps(model, input_ids, attention_mask,
                                                          inputs.completion_ids.size(1), self.args.temperature,
-                                                         with_entropy=True)
+                                                         with_entropy=True,
+                                                         share_prompts=self.accelerator.unwrap_model(model) is model)
         old_logps = inputs.old_logps
         if old_logps is None:  # on-policy: pi_old is the current policy, ratio exactly 1
             old_logps = (token_logps * mask).sum(dim=1).detach()

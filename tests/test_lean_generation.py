@@ -140,3 +140,18 @@ def test_decoded_logprobs_are_the_kls_pi_old_and_steps_past_every_end_are_cut(to
     # KL_i = sum_t (pi_old - pi_ref): -3.0 and -2.25; shaped = length - 0.5 KL
     assert rollout.shaped_rewards.tolist() == pytest.approx([2 + 1.5, 3 + 1.125])
     assert rollout.kl == pytest.approx((-3.0 - 2.25) / 5)
+
+
+def test_repeated_prompts_are_prefilled_once_with_generates_tokens(tokenizer, model):
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS for _ in range(3)]  # num_generations=3 copies each
+    generation = config(tokenizer, do_sample=False)
+    eos = [tokenizer.eos_token_id]
+    rows_seen = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: rows_seen.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    try:
+        ours = LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model.eval(), prompts)
+    finally:
+        hook.remove()
+    assert rows_seen[0][0] == len(PROMPTS) and all(shape == (len(prompts), 1) for shape in rows_seen[1:])
+    assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)

@@ -190,3 +190,70 @@ def test_model_init_kwargs_revision_also_loads_the_processing_class(tmp_path, to
     RLOOTrainer(model=model_dir, reward_funcs=length_reward,
                 args=make_args(tmp_path, model_init_kwargs={"revision": "main"}), train_dataset=conversational())
     assert calls == ["main"]
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_shared_prompts_give_the_same_logps_entropy_and_gradients(tokenizer, model, kind):
+    """Rows repeating a prompt (left-padded, as the generations of one prompt) run it once and reuse its KV cache."""
+    from rloo.models import per_token_logps
+    if kind == "lora":
+        model = get_peft_model(model, LoraConfig(**LORA))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.1)
+    model.train()
+    torch.manual_seed(0)
+    prompts = torch.randint(3, len(tokenizer), (3, 7))
+    prompt_mask = torch.ones_like(prompts)
+    prompts[1, :3], prompt_mask[1, :3] = tokenizer.pad_token_id, 0  # a shorter prompt, left padding
+    rows = torch.tensor([0, 0, 1, 1, 2, 2, 1, 0])
+    completions = torch.randint(3, len(tokenizer), (8, 5))
+    completion_mask = torch.ones_like(completions)
+    completion_mask[2, 3:] = 0
+    input_ids = torch.cat([prompts[rows], completions], dim=1)
+    attention_mask = torch.cat([prompt_mask[rows], completion_mask], dim=1)
+    results, forwards = {}, []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    for share in (False, True):
+        model.zero_grad()
+        out = per_token_logps(model, input_ids, attention_mask, 5, 0.7, with_entropy=True, share_prompts=share)
+        (out.logps * completion_mask).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        results[share] = (out.logps.detach(), out.entropy, grads)
+    hook.remove()
+    assert forwards == [(8, 12), (3, 7), (8, 4)]  # whole rows; then the 3 distinct prompts once, the completions
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
+    for shared, whole in zip(results[True][2], results[False][2]):
+        torch.testing.assert_close(shared, whole, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompts_under_activation_checkpointing(tokenizer, model):
+    """Checkpointed layers keep the shared prompt's cache (written once, so a replay adds nothing) and give the
+    gradients of one forward over whole rows; the reentrant variant (no gradients inside its forward) does not share."""
+    from rloo.models import can_share_prompts, per_token_logps
+    input_ids = torch.randint(3, len(tokenizer), (2, 9))
+    input_ids[1, :6] = input_ids[0, :6]  # rows 0 and 1 share a 6-token prompt
+    input_ids = input_ids[[0, 1, 0]]
+    attention_mask = torch.ones_like(input_ids)
+    model.train()
+    gradients, forwards = [], []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    for kwargs in (None, {"use_reentrant": False}):
+        if kwargs:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.zero_grad()
+        assert can_share_prompts(model)
+        per_token_logps(model, input_ids, attention_mask, 3, 1.0).logps.sum().backward()
+        gradients.append([p.grad.clone() for p in model.parameters()])
+    hook.remove()
+    assert forwards == [(1, 6), (3, 2)] * 2  # the prompt once, then the completions, with and without checkpoints
+    for checkpointed, plain in zip(*gradients):
+        torch.testing.assert_close(checkpointed, plain, atol=1e-6, rtol=1e-5)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert not can_share_prompts(model)
+    with torch.no_grad():
+        assert can_share_prompts(model)  # (no backward: nothing to replay)

@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from rloo.generation.transformers_backend import TransformersGenerator
-from rloo.models import selective_log_softmax
+from rloo.models import cache_argument, distinct_prompts, selective_log_softmax, share_cache_rows
 
 # GenerationConfig fields this loop implements; any other field set away from its default keeps model.generate.
 HANDLED = {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
@@ -66,11 +66,6 @@ def policy_logps_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return selective_log_softmax((logits / temperature)[:, None], tokens[:, None])[:, 0]
 
 
-def _cache_argument(model) -> str:
-    """The forward's name for the KV cache: `cache` in recent transformers, `past_key_values` in older ones."""
-    return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
-
-
 class LeanGenerator(TransformersGenerator):
     """TransformersGenerator (left padding, the cut after the first EOS) with its `generate` call replaced by a
     decode loop on the model's KV cache. `synced` (ZeRO-3 without gathering: every forward is collective): every
@@ -82,7 +77,6 @@ class LeanGenerator(TransformersGenerator):
         super().__init__(generation_config, pad_token_id, eos_ids, pad_to_multiple_of)
         self.synced = synced
         self.policy_temperature: float | None = None  # keep the policy's log-probs of the drawn tokens
-        self._cache_name: str | None = None
 
     def _anyone_unfinished(self, unfinished: torch.Tensor) -> bool:
         if not self.synced:
@@ -112,26 +106,39 @@ class LeanGenerator(TransformersGenerator):
                 found.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
         return found
 
+    @staticmethod
+    def _prefill(model, input_ids, attention_mask, positions, arguments: dict) -> tuple[torch.Tensor, dict]:
+        """The prompts through the model: the logits of each row's last position, and `arguments` with the KV cache
+        they filled. Rows with the same prompt (the num_generations copies of one) go through once and share it."""
+        from transformers import DynamicCache
+        cache_name = cache_argument(model)
+        found = distinct_prompts(input_ids, attention_mask)
+        if found is not None:
+            (first, inverse), cache = found, DynamicCache(config=model.config)
+            logits = model(input_ids=input_ids[first], attention_mask=attention_mask[first],
+                           position_ids=positions[first], use_cache=True, logits_to_keep=1,
+                           **{cache_name: cache}, **arguments).logits[:, -1]
+            if share_cache_rows(cache, inverse):
+                return logits[inverse], {cache_name: cache, **arguments}
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                       logits_to_keep=1, **{cache_name: cache}, **arguments).logits[:, -1]
+        return logits, {cache_name: cache, **arguments}
+
     def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from transformers import DynamicCache
         config, temperature = self.generation_config, self.policy_temperature
-        if self._cache_name is None:
-            self._cache_name = _cache_argument(model)
         rows, prompt_length = input_ids.shape
         processors = self._processors(attention_mask, prompt_length, input_ids.device)
         eos = torch.tensor(self.eos_ids, device=input_ids.device)
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        arguments = {self._cache_name: DynamicCache(config=model.config)}  # filled in place by every forward
-        if hasattr(model.config, "output_router_logits"):  # MoE: no auxiliary loss while decoding (as generate)
-            arguments["output_router_logits"] = False
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                        logits_to_keep=1, **arguments)
+        # MoE: no auxiliary loss while decoding (as generate)
+        extra = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
+        logits, arguments = self._prefill(model, input_ids, attention_mask, positions, extra)
         sequences, unfinished = input_ids, torch.ones(rows, dtype=torch.bool, device=input_ids.device)
         logps: list[torch.Tensor] = []
         for index in range(config.max_new_tokens):
             tokens = torch.full((rows,), self.pad_token_id, dtype=torch.long, device=input_ids.device)
-            logits = outputs.logits[:, -1]
             if unfinished.any():  # (only a synced rank that is done has nothing to draw)
                 scores = processors(sequences, logits.to(dtype=torch.float32))
                 drawn = sample_from(torch.softmax(scores, dim=-1)) if config.do_sample else scores.argmax(dim=-1)
@@ -144,6 +151,6 @@ class LeanGenerator(TransformersGenerator):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
             positions = positions[:, -1:] + 1
-            outputs = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions,
-                            use_cache=True, **arguments)
+            logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions,
+                           use_cache=True, **arguments).logits[:, -1]
         return sequences[:, prompt_length:], (torch.stack(logps, dim=1) if logps else None)
