@@ -214,9 +214,13 @@ def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor) -> torc
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy per position, one row at a time to bound memory (three vocabulary-wide temporaries per row)."""
     with torch.no_grad():
-        logps = F.log_softmax(logits.float(), dim=-1)
-        return -(logps.exp() * logps).sum(dim=-1)
+        rows = []
+        for row in logits:
+            logps = F.log_softmax(row.float(), dim=-1)
+            rows.append(-(logps.exp() * logps).sum(dim=-1))
+        return torch.stack(rows) if rows else logits.new_zeros(logits.shape[:-1])
 
 
 class TokenLogps(NamedTuple):
@@ -242,7 +246,8 @@ def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
         outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1,
                         use_cache=False)
         logits = outputs.logits[:, :-1, :][:, -logits_to_keep:, :]
-    logits = logits / temperature
+    if temperature != 1.0:  # (x / 1.0 is x: no vocabulary-wide copy)
+        logits = logits / temperature
     targets = input_ids[:, -logits_to_keep:]
     logps = selective_log_softmax(logits, targets)
     entropy = entropy_from_logits(logits) if with_entropy else None

@@ -155,3 +155,64 @@ def test_repeated_prompts_are_prefilled_once_with_generates_tokens(tokenizer, mo
         hook.remove()
     assert rows_seen[0][0] == len(PROMPTS) and all(shape == (len(prompts), 1) for shape in rows_seen[1:])
     assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)
+
+
+def _variant(tokenizer, kind):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rloo.testing import tiny_causal_lm
+    if kind == "qwen2":  # biases on q/k/v
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             eos_token_id=2, pad_token_id=2, bos_token_id=None))
+        return model
+    model = tiny_causal_lm(tokenizer, attention_bias=kind == "llama-bias")
+    if kind == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "lora"])
+def test_written_out_decode_step_is_the_models_forward(tokenizer, kind):
+    """rloo.generation.decode: the step's logits are the model's (KV buffers, packed weights, LoRA written out), and
+    greedy decoding with it gives generate's tokens."""
+    from rloo.generation.decode import lean_decoder
+    model = _variant(tokenizer, kind).eval()
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    assert lean_decoder(model, len(prompts)) is not None
+    generation = config(tokenizer, do_sample=False)
+    eos = [tokenizer.eos_token_id]
+    ours = LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)
+    assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)
+    from transformers import DynamicCache
+
+    from rloo.data import pad_rows
+    input_ids, mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        decoder = lean_decoder(model, len(prompts))
+        decoder.start(cache, mask, 2)
+        tokens, step_positions = torch.tensor([7, 8, 9, 10]), positions[:, -1:] + 1
+        mine = decoder.step(tokens, step_positions)
+        theirs = model(input_ids=tokens[:, None], attention_mask=torch.cat([mask, torch.ones(4, 1, dtype=mask.dtype)], 1),
+                       position_ids=step_positions, cache=cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_models_the_decode_step_does_not_write_out_keep_their_forward(tokenizer):
+    from rloo.generation.decode import lean_decoder
+    from rloo.testing import tiny_moe_causal_lm
+    assert lean_decoder(tiny_moe_causal_lm(tokenizer), 2) is None  # Mixtral: experts
+    from transformers import MistralConfig, MistralForCausalLM
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                               sliding_window=8))
+    assert lean_decoder(mistral, 2) is None  # a sliding window

@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
                                                     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
+from rloo.generation.decode import lean_decoder
 from rloo.generation.transformers_backend import TransformersGenerator
 from rloo.models import cache_argument, distinct_prompts, selective_log_softmax, share_cache_rows
 
@@ -135,6 +136,9 @@ class LeanGenerator(TransformersGenerator):
         # MoE: no auxiliary loss while decoding (as generate)
         extra = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
         logits, arguments = self._prefill(model, input_ids, attention_mask, positions, extra)
+        decoder = None if self.synced else lean_decoder(model, rows)  # (ZeRO-3 in step: the model's collective forward)
+        if decoder is not None:
+            decoder.start(arguments[cache_argument(model)], attention_mask, config.max_new_tokens)
         sequences, unfinished = input_ids, torch.ones(rows, dtype=torch.bool, device=input_ids.device)
         logps: list[torch.Tensor] = []
         for index in range(config.max_new_tokens):
@@ -149,8 +153,11 @@ class LeanGenerator(TransformersGenerator):
             unfinished &= ~torch.isin(tokens, eos)
             if index == config.max_new_tokens - 1 or not self._anyone_unfinished(unfinished):
                 break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
             positions = positions[:, -1:] + 1
+            if decoder is not None:
+                logits = decoder.step(tokens, positions)
+                continue
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
             logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions,
                            use_cache=True, **arguments).logits[:, -1]
         return sequences[:, prompt_length:], (torch.stack(logps, dim=1) if logps else None)
