@@ -1,6 +1,8 @@
 """Generation tokens/s: the trainer's in-process backend vs plain `model.generate` vs this machine's limit.
 
 SmolLM2-135M-Instruct, fp32, sampling at temperature 1, a fixed number of new tokens (min = max), batch 8 and 32.
+`--generations G`: the batch holds batch/G prompts, each G times, as a training step's generation batch does
+(num_generations); both generate and the backend get the same rows. G=1: every row its own prompt.
 The limit is estimated from two rates measured in the same run: memory bandwidth (a large tensor copy: every weight
 is read once per decode step) and the fp32 matmul rate (a large square matmul: 2 x parameters FLOPs per token);
 a decode step cannot be faster than max(weight bytes / bandwidth, FLOPs / matmul rate).
@@ -40,13 +42,15 @@ def measured_limits() -> tuple[float, float]:
     return bandwidth, 2 * 1024**3 / min(matmuls)
 
 
-def prompts(tokenizer, batch: int) -> list[list[int]]:
+def prompts(tokenizer, batch: int, generations: int = 1) -> list[list[int]]:
+    """`batch` rows: batch / generations prompts of data/arithmetic.jsonl, each `generations` times in a row."""
     import json
 
     from rloo.data import tokenize_prompts
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data/arithmetic.jsonl")) as f:
-        rows = [json.loads(line) for line in f][:batch]
-    return tokenize_prompts(tokenizer, [row["prompt"] for row in rows], None)
+        rows = [json.loads(line) for line in f][:max(batch // generations, 1)]
+    distinct = tokenize_prompts(tokenizer, [row["prompt"] for row in rows], None)
+    return [ids for ids in distinct for _ in range(generations)][:batch]
 
 
 def main() -> int:
@@ -54,6 +58,7 @@ def main() -> int:
     parser.add_argument("--batches", default="8,32")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--generations", default="1,4", help="rows per prompt (comma-separated: one table row each)")
     options = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,10 +82,11 @@ def main() -> int:
     parameters = sum(p.numel() for p in model.parameters())
     print(f"machine: {bandwidth / 1e9:.1f} GB/s copy bandwidth, {flops / 1e9:.0f} GFLOP/s fp32 matmul; model "
           f"{parameters / 1e6:.0f}M parameters, {weight_bytes / 2**20:.0f} MiB")
-    print(f"\n{'batch':>5} {'generate tok/s':>15} {'backend tok/s':>14} {'ratio':>7} {'limit tok/s':>12} "
-          f"{'backend/limit':>13}")
-    for batch in (int(b) for b in options.batches.split(",")):
-        ids = prompts(tokenizer, batch)
+    print(f"\n{'batch':>5} {'rows/prompt':>11} {'generate tok/s':>15} {'backend tok/s':>14} {'ratio':>7} "
+          f"{'limit tok/s':>12} {'backend/limit':>13}")
+    for batch, generations in ((int(b), int(g)) for b in options.batches.split(",")
+                               for g in options.generations.split(",")):
+        ids = prompts(tokenizer, batch, generations)
         input_ids, mask = pad_rows(ids, tokenizer.pad_token_id, "left")
         plain, ours = [], []
         for _ in range(options.repeats):
@@ -94,7 +100,8 @@ def main() -> int:
         step_floor = max(weight_bytes / bandwidth, 2 * parameters * batch / flops)
         limit = batch / step_floor
         g, b = statistics.median(plain), statistics.median(ours)
-        print(f"{batch:5d} {g:15.1f} {b:14.1f} {b / g:6.2f}x {limit:12.0f} {b / limit:12.2f}x")
+        print(f"{batch:5d} {generations:11d} {g:15.1f} {b:14.1f} {b / g:6.2f}x {limit:12.0f} {b / limit:12.2f}x",
+              flush=True)
     return 0
 
 

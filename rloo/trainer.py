@@ -23,11 +23,12 @@ from rloo.checks import check_inputs, prepare_for_iterable_datasets
 from rloo.completion_log import CompletionLog, print_table
 from rloo.config import RLOOConfig
 from rloo.generation import make_generation_backend
+from rloo.logps import per_token_logps
 from rloo.metrics import MetricBuffer
 from rloo.models import (attach_adapter, create_reference_model, disable_dropout, eos_token_ids, is_peft_model,
-                         load_policy, load_reward_model, load_tokenizer, model_identity, per_token_logps,
-                         prepare_tokenizer, reference_adapter, reference_for_zero3, resolve_router_aux_loss_coef,
-                         reward_tokenizers, text_tokenizer_of)
+                         load_policy, load_reward_model, load_tokenizer, model_identity, prepare_tokenizer,
+                         reference_adapter, reference_for_zero3, resolve_router_aux_loss_coef, reward_tokenizers,
+                         text_tokenizer_of)
 from rloo.rewards.runner import RewardRunner
 from rloo.rollout import Rollout, RolloutSettings, build_rollout, global_masked_mean, rollout_metrics
 from rloo.sampling import RepeatSampler, repeat_iterable, shuffle_rows, split_rows

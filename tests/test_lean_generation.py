@@ -94,12 +94,12 @@ def test_settings_it_does_not_implement_keep_generate(tokenizer, model):
 
 def test_policy_logprobs_kept_while_decoding_are_the_forwards(tokenizer, model):
     """log softmax(logits / T) of every drawn token, kept by the loop, equals a no-grad forward over the finished
-    rows (rloo.models.per_token_logps: the trainer's pi_old), whatever processors shaped the draw; 0 after a row's
+    rows (rloo.logps.per_token_logps: the trainer's pi_old), whatever processors shaped the draw; 0 after a row's
     end."""
     from rloo.algorithm import completion_mask_after_eos
     from rloo.data import pad_rows
     from rloo.generation import Completions
-    from rloo.models import per_token_logps
+    from rloo.logps import per_token_logps
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS] * 2
     generation = config(tokenizer, do_sample=True, temperature=0.7, top_k=6, min_new_tokens=2)
     generator = LeanGenerator(generation, tokenizer.pad_token_id, [tokenizer.eos_token_id])

@@ -195,7 +195,7 @@ def test_model_init_kwargs_revision_also_loads_the_processing_class(tmp_path, to
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_shared_prompts_give_the_same_logps_entropy_and_gradients(tokenizer, model, kind):
     """Rows repeating a prompt (left-padded, as the generations of one prompt) run it once and reuse its KV cache."""
-    from rloo.models import per_token_logps
+    from rloo.logps import per_token_logps
     if kind == "lora":
         model = get_peft_model(model, LoraConfig(**LORA))
         with torch.no_grad():
@@ -233,7 +233,7 @@ def test_shared_prompts_give_the_same_logps_entropy_and_gradients(tokenizer, mod
 def test_shared_prompts_under_activation_checkpointing(tokenizer, model):
     """Checkpointed layers keep the shared prompt's cache (written once, so a replay adds nothing) and give the
     gradients of one forward over whole rows; the reentrant variant (no gradients inside its forward) does not share."""
-    from rloo.models import can_share_prompts, per_token_logps
+    from rloo.logps import can_share_prompts, per_token_logps
     input_ids = torch.randint(3, len(tokenizer), (2, 9))
     input_ids[1, :6] = input_ids[0, :6]  # rows 0 and 1 share a 6-token prompt
     input_ids = input_ids[[0, 1, 0]]

@@ -199,7 +199,7 @@ class StandInEngine(ColocateEngine):
         return [[{"ids": [7, 8, 2, 9], "logprobs": [-1.0, -2.0, -3.0, -4.0]}] * n for _, n, _ in requests]
 
     def score(self, prompt, completion):
-        from rloo.models import per_token_logps
+        from rloo.logps import per_token_logps
         ids = torch.tensor([prompt + completion])
         with torch.no_grad():
             return per_token_logps(self.policy, ids, torch.ones_like(ids), len(completion), 1.0).logps[0].tolist()

@@ -19,7 +19,7 @@ from rloo import RLOOConfig, RLOOTrainer
 from rloo.generation import vllm_server
 from rloo.generation.vllm_common import sampling_of
 from rloo.generation.vllm_server import VLLMServerClient, check_same_model
-from rloo.models import per_token_logps
+from rloo.logps import per_token_logps
 from rloo.testing import save_servable, tiny_causal_lm, tiny_servable_causal_lm, tiny_tokenizer
 from helpers import assert_step_timing
 from services import VLLM_PYTHON, vllm_cpu_server_command

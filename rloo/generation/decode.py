@@ -26,7 +26,7 @@ def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -
     most), for a copy of the weights made once per generation call."""
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not torch.backends.mkl.is_available():
         return lambda x: F.linear(x, weight, bias)
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)  # (weight: the fallback for other rows)
     return lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
 
@@ -101,7 +101,7 @@ class LeanDecoder:
     def __init__(self, model: nn.Module, rows: int):
         from importlib import import_module
         config = model.config
-        self.model, self.inner = model, model.model
+        self.model, self.inner, self.rows = model, model.model, rows
         self.apply_rotary = import_module(type(model).__module__).apply_rotary_pos_emb
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -137,6 +137,8 @@ class LeanDecoder:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens (rows,) at positions (rows, 1) -> logits (rows, vocab) of the next token."""
         rows, at = tokens.size(0), self.length
+        if rows != self.rows:  # (the weights are packed for that many)
+            raise ValueError(f"LeanDecoder was built for {self.rows} rows, got {rows}")
         self.mask[:, 0, 0, at] = True
         mask = self.mask[..., : at + 1]
         hidden = self.inner.embed_tokens(tokens[:, None])

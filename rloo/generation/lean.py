@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
 
 from rloo.generation.decode import lean_decoder
 from rloo.generation.transformers_backend import TransformersGenerator
-from rloo.models import cache_argument, distinct_prompts, selective_log_softmax, share_cache_rows
+from rloo.logps import cache_argument, distinct_prompts, selective_log_softmax, share_cache_rows
 
 # GenerationConfig fields this loop implements; any other field set away from its default keeps model.generate.
 HANDLED = {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
@@ -63,7 +63,7 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
 
 
 def policy_logps_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(rows,) log softmax(logits / temperature)[token], computed as rloo.models.per_token_logps does."""
+    """(rows,) log softmax(logits / temperature)[token], computed as rloo.logps.per_token_logps does."""
     return selective_log_softmax((logits / temperature)[:, None], tokens[:, None])[:, 0]
 
 
@@ -147,7 +147,7 @@ class LeanGenerator(TransformersGenerator):
                 scores = processors(sequences, logits.to(dtype=torch.float32))
                 drawn = sample_from(torch.softmax(scores, dim=-1)) if config.do_sample else scores.argmax(dim=-1)
                 tokens = torch.where(unfinished, drawn, tokens)
-            if temperature is not None:  # as rloo.models.per_token_logps: scaled in the model's dtype, then fp32
+            if temperature is not None:  # as rloo.logps.per_token_logps: scaled in the model's dtype, then fp32
                 logps.append(policy_logps_of(logits, tokens, temperature))
             sequences = torch.cat([sequences, tokens[:, None]], dim=1)
             unfinished &= ~torch.isin(tokens, eos)

@@ -77,7 +77,8 @@ def sync_tolerance(args, model: torch.nn.Module) -> float:
 def max_logprob_diff(model: torch.nn.Module, samples: list[dict]) -> float:
     """The largest |trainer - vLLM| log-prob over the completion tokens of `samples` ({"prompt", "completion",
     "vllm"}). Every rank of a ZeRO-3 run must call it with the same number of samples (the forwards gather)."""
-    from rloo.models import eval_mode, per_token_logps
+    from rloo.logps import per_token_logps
+    from rloo.models import eval_mode
     device = next(model.parameters()).device
     worst = 0.0
     with eval_mode(model):
