@@ -193,17 +193,19 @@ def test_written_out_decode_step_is_the_models_forward(tokenizer, kind):
     from transformers import DynamicCache
 
     from rloo.data import pad_rows
+    from rloo.logps import cache_argument
     input_ids, mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
+    name = cache_argument(model)
     with torch.no_grad():
-        model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
         decoder = lean_decoder(model, len(prompts))
         decoder.start(cache, mask, 2)
         tokens, step_positions = torch.tensor([7, 8, 9, 10]), positions[:, -1:] + 1
         mine = decoder.step(tokens, step_positions)
         theirs = model(input_ids=tokens[:, None], attention_mask=torch.cat([mask, torch.ones(4, 1, dtype=mask.dtype)], 1),
-                       position_ids=step_positions, cache=cache, use_cache=True).logits[:, -1]
+                       position_ids=step_positions, use_cache=True, **{name: cache}).logits[:, -1]
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
 
 
