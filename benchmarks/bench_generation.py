@@ -80,7 +80,8 @@ def main() -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth, flops = measured_limits(weight_bytes)
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"machine: {bandwidth / 1e9:.1f} GB/s reading the weights' size, {flops / 1e9:.0f} GFLOP/s fp32 matmul; model "
+    print(f"machine: {bandwidth / 1e9:.1f} GB/s reading the weights' size, {flops / 1e9:.0f} GFLOP/s fp32 matmul; "
+          f"model "
           f"{parameters / 1e6:.0f}M parameters, {weight_bytes / 2**20:.0f} MiB")
     print(f"\n{'batch':>5} {'rows/prompt':>11} {'generate tok/s':>15} {'backend tok/s':>14} {'ratio':>7} "
           f"{'limit tok/s':>12} {'backend/limit':>13}")

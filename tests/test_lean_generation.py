@@ -204,7 +204,8 @@ def test_written_out_decode_step_is_the_models_forward(tokenizer, kind):
         decoder.start(cache, mask, 2)
         tokens, step_positions = torch.tensor([7, 8, 9, 10]), positions[:, -1:] + 1
         mine = decoder.step(tokens, step_positions)
-        theirs = model(input_ids=tokens[:, None], attention_mask=torch.cat([mask, torch.ones(4, 1, dtype=mask.dtype)], 1),
+        grown = torch.cat([mask, torch.ones(4, 1, dtype=mask.dtype)], 1)
+        theirs = model(input_ids=tokens[:, None], attention_mask=grown,
                        position_ids=step_positions, use_cache=True, **{name: cache}).logits[:, -1]
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
 

@@ -20,7 +20,8 @@ SUPPORTED = {"llama", "mistral", "qwen2"}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> F.linear(x, weight, bias) for inputs of `rows` rows. fp32 weights on the CPU are first packed for MKL's
     GEMM at that many rows (cblas_sgemm_pack): 1.2-2.3x faster than F.linear at 8 rows on 2 cores (the LM head
     most), for a copy of the weights made once per generation call."""
