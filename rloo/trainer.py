@@ -23,7 +23,7 @@ from rloo.checks import check_inputs, prepare_for_iterable_datasets
 from rloo.completion_log import CompletionLog, print_table
 from rloo.config import RLOOConfig
 from rloo.generation import make_generation_backend
-from rloo.logps import per_token_logps
+from rloo.logps import can_share_prompts, per_token_logps
 from rloo.metrics import MetricBuffer
 from rloo.models import (attach_adapter, create_reference_model, disable_dropout, eos_token_ids, is_peft_model,
                          load_policy, load_reward_model, load_tokenizer, model_identity, prepare_tokenizer,
@@ -281,10 +281,14 @@ class RLOOTrainer(Trainer):
         return rollout
 
     def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
+        # The KL's two terms the same way: shared prompts for both or for neither (a ZeRO-3 reference engine cannot),
+        # so that a reference equal to the policy gives a KL of exactly 0.
+        share = can_share_prompts(self.accelerator.unwrap_model(self.model)) and (
+            self.ref_model is None or can_share_prompts(self.ref_model))
         parts = []
         for start in range(0, input_ids.size(0), chunk):
             parts.append(per_token_logps(model, input_ids[start:start + chunk], attention_mask[start:start + chunk],
-                                         logits_to_keep, self.args.temperature).logps)
+                                         logits_to_keep, self.args.temperature, share_prompts=share).logps)
         return torch.cat(parts, dim=0)
 
     def _reference_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:

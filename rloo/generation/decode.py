@@ -50,11 +50,16 @@ def _linear(module: nn.Module, rows: int) -> Callable[[torch.Tensor], torch.Tens
 
 
 def lean_decoder(model: nn.Module, rows: int) -> Any:
-    """A LeanDecoder for this model where its architecture is one written out here, else None."""
+    """A LeanDecoder for this model where its architecture is one written out here, else None. Not under ZeRO-3:
+    its hooks partition the weights again after each module's forward (the prompts' one included), so the step
+    keeps the model's forward there."""
+    from rloo.zero import is_partitioned
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     inner = getattr(base, "model", None)
     if config is None or config.model_type not in SUPPORTED or getattr(config, "hidden_act", None) != "silu":
+        return None
+    if is_partitioned(base):
         return None
     sliding = getattr(config, "use_sliding_window", False) if config.model_type == "qwen2" else \
         getattr(config, "sliding_window", None)
