@@ -84,6 +84,13 @@ def can_share_prompts(model: nn.Module) -> bool:
     return cache_argument(model) is not None
 
 
+def kl_forwards_share_prompts(policy: nn.Module, reference: nn.Module | None) -> bool:
+    """Whether the KL's old and reference forwards share prompts: both or neither (a ZeRO-3 reference engine
+    cannot), so that a reference equal to the policy gives a KL of exactly 0. None: the reference is the policy's
+    own base or adapter."""
+    return can_share_prompts(policy) and (reference is None or can_share_prompts(reference))
+
+
 def _checkpointed_layers(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if getattr(module, "gradient_checkpointing", False) is True]
 

@@ -23,7 +23,7 @@ from rloo.checks import check_inputs, prepare_for_iterable_datasets
 from rloo.completion_log import CompletionLog, print_table
 from rloo.config import RLOOConfig
 from rloo.generation import make_generation_backend
-from rloo.logps import can_share_prompts, per_token_logps
+from rloo.logps import kl_forwards_share_prompts, per_token_logps
 from rloo.metrics import MetricBuffer
 from rloo.models import (attach_adapter, create_reference_model, disable_dropout, eos_token_ids, is_peft_model,
                          load_policy, load_reward_model, load_tokenizer, model_identity, prepare_tokenizer,
@@ -281,15 +281,10 @@ class RLOOTrainer(Trainer):
         return rollout
 
     def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
-        # The KL's two terms the same way: shared prompts for both or for neither (a ZeRO-3 reference engine cannot),
-        # so that a reference equal to the policy gives a KL of exactly 0.
-        share = can_share_prompts(self.accelerator.unwrap_model(self.model)) and (
-            self.ref_model is None or can_share_prompts(self.ref_model))
-        parts = []
-        for start in range(0, input_ids.size(0), chunk):
-            parts.append(per_token_logps(model, input_ids[start:start + chunk], attention_mask[start:start + chunk],
-                                         logits_to_keep, self.args.temperature, share_prompts=share).logps)
-        return torch.cat(parts, dim=0)
+        share = kl_forwards_share_prompts(self.accelerator.unwrap_model(self.model), self.ref_model)
+        return torch.cat([per_token_logps(model, input_ids[start:start + chunk], attention_mask[start:start + chunk],
+                                          logits_to_keep, self.args.temperature, share_prompts=share).logps
+                          for start in range(0, input_ids.size(0), chunk)], dim=0)
 
     def _reference_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
         if self.ref_model is not None:
@@ -304,11 +299,9 @@ class RLOOTrainer(Trainer):
         mask = inputs.completion_mask
         input_ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)
         attention_mask = torch.cat([inputs.prompt_mask, mask], dim=1)
-        # Shared prompts need two forwards before one backward: not through a DDP / DeepSpeed wrapper.
-        token_logps, entropy, aux_loss = per_token_logps(model, input_ids, attention_mask,
-                                                         inputs.completion_ids.size(1), self.args.temperature,
-                                                         with_entropy=True,
-                                                         share_prompts=self.accelerator.unwrap_model(model) is model)
+        token_logps, entropy, aux_loss = per_token_logps(  # shared prompts: not through a DDP/DeepSpeed wrapper
+            model, input_ids, attention_mask, inputs.completion_ids.size(1), self.args.temperature, with_entropy=True,
+            share_prompts=self.accelerator.unwrap_model(model) is model)
         old_logps = inputs.old_logps
         if old_logps is None:  # on-policy: pi_old is the current policy, ratio exactly 1
             old_logps = (token_logps * mask).sum(dim=1).detach()
