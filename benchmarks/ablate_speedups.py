@@ -1,0 +1,62 @@
+"""Which speed-up bought what: this trainer's step time on one bench_vs_trl case with the speed-ups of 2026-12-02
+switched on one after another (shared prompts; the decode step written out; packed weights), each stage in its own
+child process, in one run. A stage switches the later ones off by replacing their entry points:
+
+    .venv/bin/python benchmarks/ablate_speedups.py --cases smollm2-full-32,smollm2-lora-32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+STAGES = ("before", "shared prompts", "decode step", "packed weights")
+
+
+def child(stage: str, case: str) -> dict:
+    import torch.nn.functional as F
+
+    import bench_vs_trl
+    import rloo.generation.decode as decode
+    import rloo.generation.lean as lean
+    import rloo.logps as logps
+    level = STAGES.index(stage)
+    if level < 1:
+        logps.can_share_prompts = lambda model: False
+        lean.distinct_prompts = lambda *args: None
+    if level < 2:
+        lean.lean_decoder = lambda *args: None
+    if level < 3:
+        decode._packed_linear = lambda weight, bias, rows: (lambda x: F.linear(x, weight, bias))
+    return bench_vs_trl.child("rloo", bench_vs_trl.cases()[case])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child", nargs=2, metavar=("STAGE", "CASE"))
+    parser.add_argument("--cases", default="smollm2-full-32,smollm2-lora-32")
+    options = parser.parse_args()
+    if options.child:
+        print("RESULT " + json.dumps(child(*options.child)), flush=True)
+        return 0
+    for case in options.cases.split(","):
+        for stage in STAGES:
+            out = subprocess.run([sys.executable, __file__, "--child", stage, case], capture_output=True, text=True,
+                                 env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+            if out.returncode != 0 or not lines:
+                print(out.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{case}/{stage} failed")
+            result = json.loads(lines[-1][len("RESULT "):])
+            parts = ", ".join(f"{name} {value:.2f}" for name, value in result["breakdown"].items() if value > 0.005)
+            print(f"{case:18} {stage:15} {result['step_s']:6.2f} s/step, peak RSS {result['peak_rss_gib']:.2f} GiB "
+                  f"({parts})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
