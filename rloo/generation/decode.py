@@ -4,8 +4,9 @@ without its per-module dispatch, its mask building and a KV cache that grows by 
 
 The keys and values live in one preallocated buffer per layer (rows x key/value heads x total length x head size),
 filled in place; attention runs on the key/value heads with the query heads grouped (as transformers' SDPA path does
-for one query token). LoRA layers (peft, one active adapter) add their product as peft does. `lean_decoder` returns
-None for anything else, and the decode loop then calls the model's forward."""
+for one query token). fp32 weights are packed for MKL's small-batch GEMM once per generation call. LoRA layers (peft,
+one active adapter) add their product as peft does. `lean_decoder` returns None for anything else (and under
+ZeRO-3), and the decode loop then calls the model's forward."""
 
 from __future__ import annotations
 

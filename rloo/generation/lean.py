@@ -1,8 +1,10 @@
 """Sampling completions with a decode loop of our own (the default in-process backend when the sampling settings
-allow it): the model's forward and KV cache, transformers' own logits processors in `generate`'s order, and an
-inverse-CDF draw instead of `torch.multinomial`.
+allow it): the prompts through the model's forward once per distinct prompt (rows repeating a prompt share its KV
+cache), then one decode step per token (rloo.generation.decode's written-out step for the Llama family, else the
+model's forward), transformers' own logits processors in `generate`'s order, and an inverse-CDF draw instead of
+`torch.multinomial`.
 
-Same distribution as `model.generate`: the same logits (same forward, positions and mask), the same processors
+Same distribution as `model.generate`: the same logits (same function, positions and mask), the same processors
 (repetition penalty, min_new_tokens, temperature, top-k, top-p, min-p), the same EOS handling; only the random
 draw differs: one uniform number per row against the cumulative probabilities (float64), where `multinomial`
 draws an exponential variate for every vocabulary entry (40 ms per token at batch 32 with a 49k vocabulary on
