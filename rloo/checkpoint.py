@@ -213,6 +213,30 @@ def read_state(checkpoint: str, process_index: int) -> dict | None:
     return torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
 
 
+def restore_state(trainer, checkpoint_dir: str) -> None:
+    """After the weights: the moved reference of a sync_ref_model run, the micro-step counter and the buffered
+    generation batch of this process (a resumed run continues inside a generation exactly)."""
+    from rloo.rollout import Rollout
+    from rloo.zero import gathered_parameters
+    reference_file = reference_path(checkpoint_dir)
+    if trainer.args.sync_ref_model and os.path.exists(reference_file):
+        reference = trainer.accelerator.unwrap_model(trainer.ref_model)
+        with gathered_parameters(reference, trainer._zero3, modifier_rank=0):
+            if trainer.accelerator.is_main_process or not trainer._zero3:
+                reference.load_state_dict(torch.load(reference_file, map_location="cpu", weights_only=True))
+    state = read_state(checkpoint_dir, trainer.accelerator.process_index)
+    if state is None:
+        return
+    trainer._step = state["step"]
+    buffered = state["buffered_inputs"]
+    if buffered and not isinstance(buffered[0], Rollout):
+        raise ValueError(f"checkpoint {checkpoint_dir} holds a generation buffer in the format of an older rloo "
+                         "version (dicts, not Rollouts). Fix: resume it with the version that wrote it, or start a "
+                         "new run in another output_dir.")
+    trainer._buffered_inputs = None if buffered is None else [part.to(trainer.accelerator.device)
+                                                              for part in buffered]
+
+
 def check_compatible(checkpoint: str, state: dict, num_generations: int, generation_batch_size: int,
                      model_identity: dict) -> None:
     """A checkpoint of another model or another group size is refused before any weight loads."""

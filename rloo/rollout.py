@@ -1,7 +1,9 @@
 """One rollout: prompts -> completions -> rewards -> advantages, the data both training and evaluation use.
 
 `build_rollout` tokenizes the prompts, generates through the caller's backend, pads, decodes, scores with the
-reward runner, folds the KL into the reward and computes leave-one-out advantages (rloo.algorithm). Its
+reward runner, folds the KL into the reward and computes leave-one-out advantages (rloo.algorithm); with
+`kl_from_loss` it leaves the KL's pi_old and so the advantages to `finish_rollout`, which the loss calls with its
+own forward's log-probs (on-policy, one micro-batch per generation: the same numbers, one forward less). Its
 collaborators are arguments (a generate function, the processing class, the reward runner, log-prob functions,
 the cross-process gather), so it knows nothing of the trainer: the trainer's `_prepare_inputs` and the pipeline's
 evaluation stage call this same function. `rollout_metrics` computes the spec's metrics from a Rollout.
@@ -27,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 # Fields holding one entry per local row, in order: what a micro-batch slice takes.
 ROW_FIELDS = ("prompts", "completions", "completion_texts", "prompt_ids", "prompt_mask", "completion_ids",
-              "completion_mask", "truncated", "advantages", "old_logps", "sampler_logps")
+              "completion_mask", "truncated", "advantages", "old_logps", "sampler_logps", "ref_logps", "row_index")
 
 
 @dataclass
@@ -44,6 +46,7 @@ class RolloutSettings:
     pad_to_multiple_of: int | None = None
     chat_template_kwargs: dict | None = None
     keep_old_logps: bool = False  # the loss needs pi_old (a generation outlives an optimizer step)
+    kl_from_loss: bool = False  # the KL's pi_old comes from the loss's forward (finish_rollout), not a forward here
 
 
 @dataclass
@@ -58,12 +61,12 @@ class Rollout:
     completion_ids: torch.Tensor  # (rows, completion_len), right-padded
     completion_mask: torch.Tensor  # 0 after EOS, and on truncated rows with mask_truncated_completions
     truncated: torch.Tensor  # bool (rows,): no EOS within max_completion_length
-    advantages: torch.Tensor  # (rows,) this process's share of all_advantages
+    advantages: torch.Tensor | None  # (rows,) this process's share of all_advantages; None until finished
     old_logps: torch.Tensor | None  # (rows,) sum_t log pi_old, kept only when the loss needs it
     sampler_logps: torch.Tensor | None  # (rows, completion_len) the sampler's own log-probs (vLLM), else None
     rewards_per_func: torch.Tensor  # (all rows, functions), NaN where a function returned None
-    shaped_rewards: torch.Tensor  # (all rows,) weighted, clipped, minus beta * KL
-    all_advantages: torch.Tensor  # (all rows,)
+    shaped_rewards: torch.Tensor | None  # (all rows,) weighted, clipped, minus beta * KL
+    all_advantages: torch.Tensor | None  # (all rows,)
     all_lengths: torch.Tensor  # (all rows,) completion lengths in tokens
     all_truncated: torch.Tensor  # (all rows,)
     num_generations: int
@@ -71,6 +74,11 @@ class Rollout:
     kl: float | None = None  # mean per-token KL(pi_old || pi_ref) over all completion tokens
     reward_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # log_metric values, averaged
     extra_columns: dict[str, list] = dataclasses.field(default_factory=dict)  # log_extra columns, local rows
+    # Until finish_rollout (kl_from_loss): the settings and first global row to finish with, the reference's
+    # per-token log-probs and each row's index in this process's rollout (micro-batches are shuffled).
+    pending: tuple[RolloutSettings, int] | None = None
+    ref_logps: torch.Tensor | None = None
+    row_index: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -141,12 +149,13 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     logits_to_keep = completion_ids.size(1)
     old_per_token = ref_per_token = None
     decoded = getattr(completion_id_lists, "policy_logprobs", None)  # the decode loop's, for the KL's pi_old
+    defer = settings.kl_from_loss and settings.beta != 0.0 and decoded is None and not settings.keep_old_logps
     with torch.no_grad(), timer.section("logprobs"):
         if decoded is not None and settings.beta != 0.0 and not settings.keep_old_logps:
             old_per_token = torch.zeros(completion_ids.shape, dtype=decoded.dtype, device=device)
             width = min(decoded.size(1), completion_ids.size(1))  # (ZeRO-3 ranks in step decode past their ends)
             old_per_token[:, :width] = decoded[:, :width].to(device)
-        elif settings.keep_old_logps or settings.beta != 0.0:
+        elif (settings.keep_old_logps or settings.beta != 0.0) and not defer:
             old_per_token = policy_logps(input_ids, attention_mask, logits_to_keep)
         if settings.beta != 0.0:
             ref_per_token = reference_logps(input_ids, attention_mask, logits_to_keep)
@@ -159,35 +168,63 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
         local_rewards, extra = reward_runner(prompts, completions, completion_id_lists, columns, trainer_state,
                                              device=device)
     rewards_per_func = gather(local_rewards)
-
-    kl = kl_mean = None
-    if settings.beta != 0.0:
-        kl = gather(algorithm.sequence_kl(old_per_token, ref_per_token, completion_mask))
-        kl_mean = global_masked_mean(old_per_token - ref_per_token, completion_mask, gather).item()
-    weights = settings.reward_weights.to(device)
-    shaped, advantages = algorithm.rloo_advantages(
-        rewards_per_func, weights, settings.num_generations, kl=kl, beta=settings.beta,
-        reward_clip_range=settings.reward_clip_range, normalize=settings.normalize_advantages)
-    unscorable = int(torch.isnan(shaped).sum().item())  # shaped rewards stay NaN exactly on unscorable rows
-    if unscorable:
-        logger.warning("All reward functions returned None for %d of %d completions; they get advantage 0.",
-                       unscorable, rewards_per_func.size(0))
+    start = process_index * len(rows)
+    shaped = advantages = kl_mean = None
+    if not defer:
+        shaped, advantages, kl_mean = _advantages(rewards_per_func, settings, old_per_token, ref_per_token,
+                                                  completion_mask, gather)
 
     sampler_logps = None
     if getattr(completion_id_lists, "logprobs", None) is not None:  # vLLM's own log-probs of its samples
         sampler_logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
         for row, values in enumerate(completion_id_lists.logprobs):
             sampler_logps[row, :len(values)] = torch.tensor(values, dtype=torch.float32)
-    start = process_index * len(rows)
     return Rollout(
         prompts=prompts, completions=completions, completion_texts=texts, prompt_ids=prompt_ids,
         prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
-        advantages=advantages[start:start + len(rows)],
+        advantages=None if defer else advantages[start:start + len(rows)],
         old_logps=(old_per_token * completion_mask).sum(dim=1) if settings.keep_old_logps else None,
         sampler_logps=sampler_logps, rewards_per_func=rewards_per_func, shaped_rewards=shaped,
         all_advantages=advantages, all_lengths=all_lengths, all_truncated=all_truncated,
         num_generations=settings.num_generations, num_tokens=num_tokens, kl=kl_mean,
-        reward_metrics=_average_reward_metrics(extra.metrics, gather_object), extra_columns=extra.columns)
+        reward_metrics=_average_reward_metrics(extra.metrics, gather_object), extra_columns=extra.columns,
+        pending=(settings, start) if defer else None, ref_logps=ref_per_token if defer else None,
+        row_index=torch.arange(len(rows), device=device) if defer else None)
+
+
+def _advantages(rewards_per_func: torch.Tensor, settings: RolloutSettings, old_per_token: torch.Tensor | None,
+                ref_per_token: torch.Tensor | None, completion_mask: torch.Tensor, gather: Callable
+                ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """(shaped rewards, advantages) of every process's rows and the mean per-token KL (None when beta == 0)."""
+    kl = kl_mean = None
+    if settings.beta != 0.0:
+        kl = gather(algorithm.sequence_kl(old_per_token, ref_per_token, completion_mask))
+        kl_mean = global_masked_mean(old_per_token - ref_per_token, completion_mask, gather).item()
+    shaped, advantages = algorithm.rloo_advantages(
+        rewards_per_func, settings.reward_weights.to(rewards_per_func.device), settings.num_generations, kl=kl,
+        beta=settings.beta, reward_clip_range=settings.reward_clip_range, normalize=settings.normalize_advantages)
+    unscorable = int(torch.isnan(shaped).sum().item())  # shaped rewards stay NaN exactly on unscorable rows
+    if unscorable:
+        logger.warning("All reward functions returned None for %d of %d completions; they get advantage 0.",
+                       unscorable, rewards_per_func.size(0))
+    return shaped, advantages, kl_mean
+
+
+def finish_rollout(rollout: Rollout, policy_per_token: torch.Tensor, gather: Callable = _local) -> Rollout:
+    """A rollout left pending by kl_from_loss -> the finished one: the KL's pi_old is `policy_per_token`, the
+    loss's forward of these rows (all of this process's rows, in the micro-batch's shuffled order), the rest as
+    build_rollout does it. Every process calls it (the leave-one-out groups span them)."""
+    settings, start = rollout.pending
+    order = rollout.row_index
+    if order.numel() != order.max().item() + 1:
+        raise RuntimeError("finish_rollout needs all of this process's rows in one micro-batch")
+    unshuffle = torch.argsort(order)
+    policy, reference = policy_per_token.detach()[unshuffle], rollout.ref_logps[unshuffle]
+    shaped, advantages, kl_mean = _advantages(rollout.rewards_per_func, settings, policy, reference,
+                                              rollout.completion_mask[unshuffle], gather)
+    return dataclasses.replace(rollout, advantages=advantages[start:start + len(rollout)][order.to(advantages.device)],
+                               shaped_rewards=shaped, all_advantages=advantages, kl=kl_mean, pending=None,
+                               ref_logps=None)
 
 
 def _average_reward_metrics(metrics: dict[str, list[float]], gather_object: Callable | None) -> dict[str, float]:

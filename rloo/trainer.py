@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any
 
 import torch
@@ -25,12 +24,13 @@ from rloo.config import RLOOConfig
 from rloo.generation import make_generation_backend
 from rloo.logps import kl_forwards_share_prompts, per_token_logps
 from rloo.metrics import MetricBuffer
-from rloo.models import (attach_adapter, create_reference_model, disable_dropout, eos_token_ids, is_peft_model,
-                         load_policy, load_reward_model, load_tokenizer, model_identity, prepare_tokenizer,
-                         reference_adapter, reference_for_zero3, resolve_router_aux_loss_coef, reward_tokenizers,
-                         text_tokenizer_of)
+from rloo.models import (attach_adapter, create_reference_model, disable_dropout, dropout_active, eos_token_ids,
+                         is_peft_model, load_policy, load_reward_model, load_tokenizer, model_identity,
+                         prepare_tokenizer, reference_adapter, reference_for_zero3, resolve_router_aux_loss_coef,
+                         reward_tokenizers, text_tokenizer_of)
 from rloo.rewards.runner import RewardRunner
-from rloo.rollout import Rollout, RolloutSettings, build_rollout, global_masked_mean, rollout_metrics
+from rloo.rollout import (Rollout, RolloutSettings, build_rollout, finish_rollout, global_masked_mean,
+                          rollout_metrics)
 from rloo.sampling import RepeatSampler, repeat_iterable, shuffle_rows, split_rows
 from rloo.timing import StepTimer, StepTimingCallback
 from rloo.zero import gathered_parameters, prepare_frozen, zero_stage
@@ -144,6 +144,10 @@ class RLOOTrainer(Trainer):
         self._buffered_inputs: list[Rollout] | None = None
         # Old log-probs differ from the live ones only when a generation batch outlives an optimiser step.
         self._needs_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        # Otherwise, with one micro-batch per generation, the loss's forward is pi_old: the KL takes it from there
+        # (rloo.rollout.finish_rollout) instead of a forward of its own. Dropout would draw different masks.
+        self._kl_from_loss = (args.beta != 0.0 and not self._needs_old_logps and args.steps_per_generation == 1
+                              and not args.kl_logps_from_generation and not dropout_active(self.model))
         set_seed(args.seed, device_specific=True)  # duplicated prompts on different ranks sample differently
 
     # ------------------------------------------------------------------ data
@@ -259,7 +263,7 @@ class RLOOTrainer(Trainer):
             reward_weights=self.reward_weights, beta=args.beta, reward_clip_range=args.reward_clip_range,
             normalize_advantages=args.normalize_advantages, mask_truncated_completions=args.mask_truncated_completions,
             pad_to_multiple_of=args.pad_to_multiple_of, chat_template_kwargs=args.chat_template_kwargs,
-            keep_old_logps=self._needs_old_logps)
+            keep_old_logps=self._needs_old_logps, kl_from_loss=self._kl_from_loss and mode == "train")
         distributed = accelerator.num_processes > 1
         rollout = build_rollout(
             rows, settings, generate=generate, processing_class=self.processing_class,
@@ -273,15 +277,24 @@ class RLOOTrainer(Trainer):
         if mode == "train":
             self.state.num_input_tokens_seen += rollout.num_tokens
         self._metrics.set(mode, "num_tokens", float(self.state.num_input_tokens_seen))
+        if rollout.pending is None:  # else once compute_loss has finished it
+            self._record_rollout(rollout, mode)
+        return rollout
+
+    def _record_rollout(self, rollout: Rollout, mode: str) -> None:
+        """The rollout's metrics and completion-log rows (this process's rows in their generation order)."""
         for name, value in rollout_metrics(rollout, self.reward_func_names, self.reward_weights).items():
             self._metrics.add(mode, name, value)
-        if args.log_completions:
-            self._logs.record_rollout(rollout, self.reward_func_names, gather_object if distributed else None)
+        if self.args.log_completions:
+            rows = rollout if rollout.row_index is None else rollout.select(torch.argsort(rollout.row_index))
+            distributed = self.accelerator.num_processes > 1
+            self._logs.record_rollout(rows, self.reward_func_names, gather_object if distributed else None)
             self._logs_fresh = True
-        return rollout
 
     def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
         share = kl_forwards_share_prompts(self.accelerator.unwrap_model(self.model), self.ref_model)
+        if self._kl_from_loss and self.model.training:  # as the loss's forward does (not through a wrapper)
+            share = share and self.accelerator.unwrap_model(self.model_wrapped) is self.model_wrapped
         return torch.cat([per_token_logps(model, input_ids[start:start + chunk], attention_mask[start:start + chunk],
                                           logits_to_keep, self.args.temperature, share_prompts=share).logps
                           for start in range(0, input_ids.size(0), chunk)], dim=0)
@@ -302,6 +315,9 @@ class RLOOTrainer(Trainer):
         token_logps, entropy, aux_loss = per_token_logps(  # shared prompts: not through a DDP/DeepSpeed wrapper
             model, input_ids, attention_mask, inputs.completion_ids.size(1), self.args.temperature, with_entropy=True,
             share_prompts=self.accelerator.unwrap_model(model) is model)
+        if inputs.pending is not None:  # on-policy: this forward is the KL's pi_old (rloo.rollout.finish_rollout)
+            inputs = finish_rollout(inputs, token_logps, self.accelerator.gather)
+            self._record_rollout(inputs, mode)
         old_logps = inputs.old_logps
         if old_logps is None:  # on-policy: pi_old is the current policy, ratio exactly 1
             old_logps = (token_logps * mask).sum(dim=1).detach()
@@ -388,24 +404,8 @@ class RLOOTrainer(Trainer):
     def _load_rng_state(self, checkpoint_dir: str | None) -> None:
         # Called on every resume path (plain, DeepSpeed), after the weights: restore our own state beside the RNGs.
         super()._load_rng_state(checkpoint_dir)
-        if checkpoint_dir is None:
-            return
-        reference_path = checkpoint.reference_path(checkpoint_dir)
-        if self.args.sync_ref_model and os.path.exists(reference_path):
-            reference = self.accelerator.unwrap_model(self.ref_model)
-            with gathered_parameters(reference, self._zero3, modifier_rank=0):
-                if self.accelerator.is_main_process or not self._zero3:
-                    reference.load_state_dict(torch.load(reference_path, map_location="cpu", weights_only=True))
-        state = checkpoint.read_state(checkpoint_dir, self.accelerator.process_index)
-        if state is not None:
-            self._step = state["step"]
-            buffered = state["buffered_inputs"]
-            if buffered and not isinstance(buffered[0], Rollout):
-                raise ValueError(f"checkpoint {checkpoint_dir} holds a generation buffer in the format of an older "
-                                 "rloo version (dicts, not Rollouts). Fix: resume it with the version that wrote it, "
-                                 "or start a new run in another output_dir.")
-            self._buffered_inputs = None if buffered is None else [part.to(self.accelerator.device)
-                                                                   for part in buffered]
+        if checkpoint_dir is not None:
+            checkpoint.restore_state(self, checkpoint_dir)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         super()._save(output_dir, state_dict)

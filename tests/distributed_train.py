@@ -30,6 +30,8 @@ args = RLOOConfig(output_dir=os.path.join(out, "run"), bf16=False, use_cpu=True,
                   learning_rate=0.01, log_completions=True)
 trainer = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=reward, args=args, train_dataset=data,
                       processing_class=tokenizer)
+assert trainer._kl_from_loss
+trainer._kl_from_loss = sys.argv[2:] != ["separate-old-forward"]  # the KL's pi_old from a forward of its own
 trainer.train()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"seen": seen, "log_history": trainer.state.log_history, "table": list(trainer._logs.prompt),

@@ -34,3 +34,14 @@ def test_two_process_training_gathers_rewards_across_ranks(tmp_path):
     assert len(ranks[0]["table"]) == 6
     # DDP keeps the replicas identical.
     assert ranks[0]["param_sum"] == pytest.approx(ranks[1]["param_sum"], rel=1e-9)
+    # The KL's pi_old taken from the loss's forward (the default here) is the separate old forward's, on both ranks.
+    separate = tmp_path / "separate"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", "29561", script, str(separate), "separate-old-forward"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in (0, 1):
+        other = json.load(open(separate / f"rank{rank}.json"))
+        assert [log["kl"] for log in ranks[rank]["log_history"] if "kl" in log] == pytest.approx(
+            [log["kl"] for log in other["log_history"] if "kl" in log], rel=1e-5, abs=1e-8)
+        assert ranks[rank]["param_sum"] == pytest.approx(other["param_sum"], rel=1e-7)

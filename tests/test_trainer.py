@@ -134,6 +134,7 @@ def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(tmp_path, tok
         trainer = RLOOTrainer(model=policy, reward_funcs=position_reward, args=args, train_dataset=conversational(),
                               processing_class=tokenizer)
         assert trainer.generator.policy_temperature == (0.8 if decoded else None)
+        trainer._kl_from_loss = False  # the default's pi_old from the loss's forward is tested on its own
         forwards, chunked = [], trainer._chunked_logps
         trainer._chunked_logps = lambda *a: forwards.append(1) or chunked(*a)
         trainer.train()
@@ -162,6 +163,42 @@ def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(tmp_path, tok
                               (dict(use_transformers_continuous_batching=True), "only the in-process decode loop")):
         with pytest.raises(ValueError, match=message):
             make_args(tmp_path, kl_logps_from_generation=True, **{"beta": 0.1, **settings})
+
+
+def test_kl_takes_pi_old_from_the_loss_forward(tmp_path, tokenizer, model):
+    """On-policy with one micro-batch per generation, the KL's pi_old is the loss's own forward: each rollout runs
+    one log-prob forward (the reference's), not two, and the run is the one with a separate old forward: the same
+    KL (exactly 0 at the first step, the reference being the policy), completion log and weights."""
+    results = {}
+    for deferred in (True, False):
+        policy = copy.deepcopy(model)
+        args = make_args(tmp_path / str(deferred), max_steps=3, beta=0.1, seed=5, log_completions=True,
+                         num_completions_to_print=0)
+        trainer = RLOOTrainer(model=policy, reward_funcs=position_reward, args=args, train_dataset=conversational(),
+                              processing_class=tokenizer)
+        assert trainer._kl_from_loss
+        trainer._kl_from_loss = deferred
+        forwards, chunked = [], trainer._chunked_logps
+        trainer._chunked_logps = lambda *a: forwards.append(1) or chunked(*a)
+        trainer.train()
+        logs = trainer._logs
+        results[deferred] = ([log["kl"] for log in trainer.state.log_history if "kl" in log], len(forwards),
+                             (list(logs.prompt), list(logs.completion), list(logs.advantages)),
+                             [p.detach().clone() for p in policy.parameters()])
+    (kl, forwards, table, weights), (kl_old, forwards_old, table_old, weights_old) = results[True], results[False]
+    assert (forwards, forwards_old) == (3, 6)  # per rollout: reference only / policy and reference
+    assert kl[0] == 0.0 and max(kl) > 0
+    assert kl == pytest.approx(kl_old, rel=1e-5, abs=1e-8)
+    assert table[:2] == table_old[:2]
+    assert table[2] == pytest.approx(table_old[2], rel=1e-5, abs=1e-6)
+    for mine, theirs in zip(weights, weights_old):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
+    for settings in (dict(steps_per_generation=2, gradient_accumulation_steps=2), dict(num_iterations=2),
+                     dict(beta=0.0), dict(kl_logps_from_generation=True)):  # pi_old kept, no KL, or the sampler's
+        trainer = RLOOTrainer(model=copy.deepcopy(model), reward_funcs=position_reward, processing_class=tokenizer,
+                              args=make_args(tmp_path / "other", **{"beta": 0.1, **settings}),
+                              train_dataset=conversational())
+        assert not trainer._kl_from_loss, settings
 
 
 def test_no_kl_and_no_reference_model_when_beta_zero(tmp_path, tokenizer, model):
