@@ -1,6 +1,6 @@
 """Which speed-up bought what: this trainer's step time on one bench_vs_trl case with the speed-ups of 2026-12-02
-switched on one after another (shared prompts; the decode step written out; packed weights), each stage in its own
-child process, in one run. A stage switches the later ones off by replacing their entry points:
+switched on one after another (shared prompts; the decode step written out; packed weights; the KL's pi_old from the
+loss's forward), each stage in its own child process, in one run. A stage switches the later ones off by replacing their entry points:
 
     .venv/bin/python benchmarks/ablate_speedups.py --cases smollm2-full-32,smollm2-lora-32
 """
@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("before", "shared prompts", "decode step", "packed weights")
+STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from loss")
 
 
 def child(stage: str, case: str) -> dict:
@@ -24,6 +24,7 @@ def child(stage: str, case: str) -> dict:
     import rloo.generation.decode as decode
     import rloo.generation.lean as lean
     import rloo.logps as logps
+    import rloo.trainer as trainer
     level = STAGES.index(stage)
     if level < 1:
         logps.can_share_prompts = lambda model: False
@@ -32,6 +33,8 @@ def child(stage: str, case: str) -> dict:
         lean.lean_decoder = lambda *args: None
     if level < 3:
         decode._packed_linear = lambda weight, bias, rows: (lambda x: F.linear(x, weight, bias))
+    if level < 4:  # (the trainer takes pi_old from the loss only where no dropout is drawn)
+        trainer.dropout_active = lambda model: True
     return bench_vs_trl.child("rloo", bench_vs_trl.cases()[case])
 
 

@@ -33,7 +33,7 @@ from rloo.rollout import (Rollout, RolloutSettings, build_rollout, finish_rollou
                           rollout_metrics)
 from rloo.sampling import RepeatSampler, repeat_iterable, shuffle_rows, split_rows
 from rloo.timing import StepTimer, StepTimingCallback
-from rloo.zero import gathered_parameters, prepare_frozen, zero_stage
+from rloo.zero import gathered_parameters, prepare_frozen, single_process_ddp, zero_stage
 
 logger = logging.getLogger(__name__)
 
@@ -207,9 +207,12 @@ class RLOOTrainer(Trainer):
         return RepeatSampler(len(eval_dataset), mini_repeat_count=self._num_generations("eval"), seed=self.args.seed)
 
     def _num_generations(self, mode: str) -> int:
-        if mode == "eval":
-            return self.args.num_generations_eval or self.args.num_generations
-        return self.args.num_generations
+        return (self.args.num_generations_eval or self.args.num_generations) if mode == "eval" else \
+            self.args.num_generations
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        single_process_ddp(self.accelerator)
 
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
                         dataloader_key=None):

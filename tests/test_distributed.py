@@ -1,4 +1,5 @@
-"""Two real torchrun processes (gloo, CPU): rewards gathered across ranks, groups straddling ranks."""
+"""Real torchrun processes (gloo, CPU): rewards gathered across ranks, groups straddling ranks; one process is not
+wrapped in DDP."""
 
 import json
 import os
@@ -37,7 +38,7 @@ def test_two_process_training_gathers_rewards_across_ranks(tmp_path):
     # The KL's pi_old taken from the loss's forward (the default here) is the separate old forward's, on both ranks.
     separate = tmp_path / "separate"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", "29561", script, str(separate), "separate-old-forward"],
+                             "--master_port", "29562", script, str(separate), "separate-old-forward"],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     for rank in (0, 1):
@@ -45,3 +46,30 @@ def test_two_process_training_gathers_rewards_across_ranks(tmp_path):
         assert [log["kl"] for log in ranks[rank]["log_history"] if "kl" in log] == pytest.approx(
             [log["kl"] for log in other["log_history"] if "kl" in log], rel=1e-5, abs=1e-8)
         assert ranks[rank]["param_sum"] == pytest.approx(other["param_sum"], rel=1e-7)
+
+
+ONE_PROCESS = """
+from datasets import Dataset
+from rloo import RLOOConfig, RLOOTrainer
+from rloo.testing import tiny_causal_lm, tiny_tokenizer
+tokenizer = tiny_tokenizer()
+data = Dataset.from_list([{"prompt": [{"role": "user", "content": w}]} for w in ["a b", "c d"] * 4])
+args = RLOOConfig(output_dir=OUT, use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=2,
+                  max_completion_length=4, max_steps=1, report_to="none", save_strategy="no", disable_tqdm=True)
+trainer = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=lambda completion_ids, **k: [1.0, 2.0] * 2,
+                      args=args, train_dataset=data, processing_class=tokenizer)
+trainer.train()
+print("WRAPPER", type(trainer.model_wrapped).__name__, trainer.accelerator.num_processes)
+"""
+
+
+def test_one_torchrun_process_trains_without_a_ddp_wrapper(tmp_path):
+    """torchrun --nproc_per_node 1 (the pipeline's local job): accelerate would wrap the model in a one-process DDP
+    (an all-reduce per backward, and no shared prompts through the wrapper); the trainer drops that wrapper."""
+    script = tmp_path / "one.py"
+    script.write_text(f"OUT = {str(tmp_path / 'out')!r}\n" + ONE_PROCESS)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                             str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "WRAPPER LlamaForCausalLM 1" in result.stdout
+    assert "find_unused_parameters" not in result.stderr  # (DDP's warning in every such job's log)
