@@ -100,6 +100,8 @@ class RLOOTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
+        single_process_ddp(self.accelerator)  # torchrun with one CPU process: no DDP wrapper (rloo.zero)
+        self._gather_object = gather_object if self.accelerator.num_processes > 1 else None
 
         # Reference model: only needed when the KL penalty is on. Under ZeRO-3 it is sharded like the policy.
         self._zero3 = zero_stage(self.accelerator) == 3
@@ -210,10 +212,6 @@ class RLOOTrainer(Trainer):
         return (self.args.num_generations_eval or self.args.num_generations) if mode == "eval" else \
             self.args.num_generations
 
-    def create_accelerator_and_postprocess(self):
-        super().create_accelerator_and_postprocess()
-        single_process_ddp(self.accelerator)
-
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
                         dataloader_key=None):
         if not isinstance(dataset, IterableDataset):
@@ -267,18 +265,16 @@ class RLOOTrainer(Trainer):
             normalize_advantages=args.normalize_advantages, mask_truncated_completions=args.mask_truncated_completions,
             pad_to_multiple_of=args.pad_to_multiple_of, chat_template_kwargs=args.chat_template_kwargs,
             keep_old_logps=self._needs_old_logps, kl_from_loss=self._kl_from_loss and mode == "train")
-        distributed = accelerator.num_processes > 1
         rollout = build_rollout(
             rows, settings, generate=generate, processing_class=self.processing_class,
             reward_runner=self.reward_runner, trainer_state=self.state,
             policy_logps=lambda *batch: self._chunked_logps(unwrapped, *batch, chunk),
             reference_logps=lambda *batch: self._reference_logps(unwrapped, *batch, chunk),
-            gather=accelerator.gather, gather_object=gather_object if distributed else None,
+            gather=accelerator.gather, gather_object=self._gather_object,
             process_index=accelerator.process_index, device=accelerator.device, timer=self._timer)
         for name, value in self.generator.pop_metrics().items():
             self._metrics.add(mode, name, value)
-        if mode == "train":
-            self.state.num_input_tokens_seen += rollout.num_tokens
+        self.state.num_input_tokens_seen += rollout.num_tokens if mode == "train" else 0
         self._metrics.set(mode, "num_tokens", float(self.state.num_input_tokens_seen))
         if rollout.pending is None:  # else once compute_loss has finished it
             self._record_rollout(rollout, mode)
@@ -290,8 +286,7 @@ class RLOOTrainer(Trainer):
             self._metrics.add(mode, name, value)
         if self.args.log_completions:
             rows = rollout if rollout.row_index is None else rollout.select(torch.argsort(rollout.row_index))
-            distributed = self.accelerator.num_processes > 1
-            self._logs.record_rollout(rows, self.reward_func_names, gather_object if distributed else None)
+            self._logs.record_rollout(rows, self.reward_func_names, self._gather_object)
             self._logs_fresh = True
 
     def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
