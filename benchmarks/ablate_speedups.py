@@ -1,6 +1,9 @@
 """Which speed-up bought what: this trainer's step time on one bench_vs_trl case with the speed-ups of 2026-12-02
 switched on one after another (shared prompts; the decode step written out; packed weights; the KL's pi_old from the
-loss's forward), each stage in its own child process, in one run. A stage switches the later ones off by replacing their entry points:
+loss's forward; projections side by side with LoRA merged and the two-level draw), each stage in its own child
+process, in one run. A stage switches the later ones off by replacing their entry points (before the last stage:
+each projection its own packed matmul, LoRA written out, the q/k/v and gate/up outputs concatenated for the step,
+one cumulative sum over the vocabulary per draw):
 
     .venv/bin/python benchmarks/ablate_speedups.py --cases smollm2-full-32,smollm2-lora-32
 """
@@ -14,7 +17,36 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from loss")
+STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from loss", "side by side")
+
+
+def _one_projection_each(modules, rows):
+    """rloo.generation.decode._side_by_side as before the last stage: a matmul per projection."""
+    import torch
+    import torch.nn.functional as F
+
+    import rloo.generation.decode as decode
+
+    def one(module):
+        if type(module) is torch.nn.Linear:
+            return decode._packed_linear(module.weight, module.bias, rows) if decode._packable(module.weight) \
+                else module
+        parts = decode._lora_parts(module)
+        if parts is None:
+            return module
+        base, a, b, scaling = parts
+        base_linear = decode._packed_linear(base.weight, base.bias, rows) if decode._packable(base.weight) else base
+        return lambda x: base_linear(x) + F.linear(F.linear(x, a), b) * scaling
+    linears = [one(module) for module in modules]
+    return linears[0] if len(linears) == 1 else lambda x: torch.cat([linear(x) for linear in linears], dim=-1)
+
+
+def _one_cumulative_sum(probs):
+    """rloo.generation.lean.sample_from as before the last stage."""
+    import torch
+    cumulative = probs.double().cumsum(dim=-1)
+    draw = torch.rand(probs.size(0), 1, dtype=torch.float64, device=probs.device) * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, draw, right=True).clamp_(max=probs.size(-1) - 1).squeeze(1)
 
 
 def child(stage: str, case: str) -> dict:
@@ -35,6 +67,9 @@ def child(stage: str, case: str) -> dict:
         decode._packed_linear = lambda weight, bias, rows: (lambda x: F.linear(x, weight, bias))
     if level < 4:  # (the trainer takes pi_old from the loss only where no dropout is drawn)
         trainer.dropout_active = lambda model: True
+    if level < 5:
+        decode._side_by_side = _one_projection_each
+        lean.sample_from = _one_cumulative_sum
     return bench_vs_trl.child("rloo", bench_vs_trl.cases()[case])
 
 

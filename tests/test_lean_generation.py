@@ -79,6 +79,25 @@ def test_inverse_cdf_draw_matches_the_probabilities_and_never_draws_zeros():
     frequencies = torch.bincount(drawn, minlength=6).float() / drawn.numel()
     assert frequencies[[0, 2, 5]].sum() == 0
     assert torch.allclose(frequencies, probabilities[0], atol=0.01)
+    # several blocks of 256 (the last one partial), whole blocks of zeros, zeros at the edges of the others
+    weights = torch.zeros(1000)
+    weights[[255, 256, 511, 700, 999]] = torch.tensor([1.0, 2.0, 3.0, 0.5, 1.5])
+    weights[300:310] = 0.2
+    probabilities = (weights / weights.sum()).repeat(50000, 1)
+    torch.manual_seed(1)
+    drawn = sample_from(probabilities)
+    frequencies = torch.bincount(drawn, minlength=1000).float() / drawn.numel()
+    assert frequencies[weights == 0].sum() == 0
+    assert torch.allclose(frequencies, probabilities[0], atol=0.01)
+    # the same token as one cumulative sum over the whole row, for the same uniform draw
+    torch.manual_seed(2)
+    probabilities = torch.softmax(torch.randn(64, 5000) * 3, dim=-1)
+    cumulative = probabilities.double().cumsum(dim=-1)
+    uniform = torch.rand(64, 1, dtype=torch.float64)
+    torch.manual_seed(2)
+    torch.randn(64, 5000)
+    expected = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True).squeeze(1)
+    assert torch.equal(sample_from(probabilities), expected)
 
 
 def test_settings_it_does_not_implement_keep_generate(tokenizer, model):
@@ -169,8 +188,16 @@ def _variant(tokenizer, kind):
                                              eos_token_id=2, pad_token_id=2, bos_token_id=None))
         return model
     model = tiny_causal_lm(tokenizer, attention_bias=kind == "llama-bias")
-    if kind == "lora":
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    if kind.startswith("lora"):
+        settings = dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+        if kind == "lora-mixed":  # k_proj plain beside LoRA q_proj / v_proj of other ranks and scalings
+            settings.update(target_modules=["q_proj", "v_proj", "up_proj"], rank_pattern={"v_proj": 2},
+                            alpha_pattern={"v_proj": 6})
+        if kind == "lora-float64":  # not packed for MKL: each projection its own product, LoRA written out
+            settings.update(lora_alpha=12)
+        model = get_peft_model(model, LoraConfig(**settings))
+        if kind == "lora-float64":
+            model = model.double()
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "lora_B" in name:
@@ -178,10 +205,10 @@ def _variant(tokenizer, kind):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "lora"])
+@pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "lora", "lora-mixed", "lora-float64"])
 def test_written_out_decode_step_is_the_models_forward(tokenizer, kind):
-    """rloo.generation.decode: the step's logits are the model's (KV buffers, packed weights, LoRA written out), and
-    greedy decoding with it gives generate's tokens."""
+    """rloo.generation.decode: the step's logits are the model's (KV buffers; packed weights, q/k/v and gate/up side
+    by side, LoRA merged; or, not packable, LoRA written out), and greedy decoding with it gives generate's tokens."""
     from rloo.generation.decode import lean_decoder
     model = _variant(tokenizer, kind).eval()
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]

@@ -4,9 +4,11 @@ without its per-module dispatch, its mask building and a KV cache that grows by 
 
 The keys and values live in one preallocated buffer per layer (rows x key/value heads x total length x head size),
 filled in place; attention runs on the key/value heads with the query heads grouped (as transformers' SDPA path does
-for one query token). fp32 weights are packed for MKL's small-batch GEMM once per generation call. LoRA layers (peft,
-one active adapter) add their product as peft does. `lean_decoder` returns None for anything else (and under
-ZeRO-3), and the decode loop then calls the model's forward."""
+for one query token). fp32 weights on the CPU are packed for MKL's small-batch GEMM once per generation call, a
+layer's query/key/value and gate/up projections side by side in one matmul each, LoRA layers (peft, one active
+adapter) merged into that copy (the model's own tensors are not touched); other weights keep their own products,
+LoRA written out as peft computes it. `lean_decoder` returns None for anything else (and under ZeRO-3), and the
+decode loop then calls the model's forward."""
 
 from __future__ import annotations
 
@@ -21,33 +23,76 @@ SUPPORTED = {"llama", "mistral", "qwen2"}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and torch.backends.mkl.is_available()
+
+
 def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int
                    ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> F.linear(x, weight, bias) for inputs of `rows` rows. fp32 weights on the CPU are first packed for MKL's
-    GEMM at that many rows (cblas_sgemm_pack): measured at 8 rows on 2 cores, SmolLM2's 210 layer matmuls 28 -> 22.5
-    ms, its LM head 6.7 -> 2.9 ms, for a copy of the weights made once per generation call (~0.13 s)."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not torch.backends.mkl.is_available():
-        return lambda x: F.linear(x, weight, bias)
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)  # (weight: the fallback for other rows)
-    return lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+    """x -> F.linear(x, weight, bias) for inputs of exactly `rows` rows (fp32 on the CPU with MKL): the weight packed
+    for MKL's GEMM at that many rows (cblas_sgemm_pack) once per generation call. Measured at 8 rows on 2 cores:
+    SmolLM2's 210 layer matmuls 28 -> 22.5 ms, its LM head 6.7 -> 2.9 ms, for a copy of the weights (~0.13 s). The
+    kernel's fallback for other row counts gets a zero-strided stand-in, so that `weight` (a merged or concatenated
+    copy) can be freed: LeanDecoder.step refuses other row counts."""
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+    stand_in = weight.new_zeros(()).expand(weight.shape)
+    bias = None if bias is None else bias.detach()
+    return lambda x: torch.ops.mkl._mkl_linear(x, packed, stand_in, bias, rows)
 
 
-def _linear(module: nn.Module, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> module(x): the weights through _packed_linear for a plain Linear; base + B(A(x)) * scaling for a peft
-    LoRA layer with one active adapter (the order of peft's own forward); the module itself for anything else."""
-    if type(module) is nn.Linear:
-        return _packed_linear(module.weight, module.bias, rows)
+def _lora_parts(module: nn.Module) -> tuple[nn.Linear, torch.Tensor, torch.Tensor, float] | None:
+    """(base Linear, A, B, scaling) of a peft LoRA layer with one active, unmerged, plain adapter; else None."""
     base = getattr(module, "base_layer", None)
     active = getattr(module, "active_adapters", None)
-    if type(base) is nn.Linear and active is not None and len(active) == 1 and not module.merged \
-            and not module.disable_adapters:
-        name = active[0]
-        variant = getattr(module, "lora_variant", {}).get(name)
-        if name in module.lora_A and variant is None and not module.use_dora.get(name, False):
-            base_linear = _packed_linear(base.weight, base.bias, rows)
-            a, b, scaling = module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]
-            return lambda x: base_linear(x) + F.linear(F.linear(x, a), b) * scaling
-    return module
+    if type(base) is not nn.Linear or active is None or len(active) != 1 or module.merged or module.disable_adapters:
+        return None
+    name = active[0]
+    variant = getattr(module, "lora_variant", {}).get(name)
+    if name not in module.lora_A or variant is not None or module.use_dora.get(name, False) or \
+            getattr(module, "fan_in_fan_out", False):
+        return None
+    return base, module.lora_A[name].weight.detach(), module.lora_B[name].weight.detach(), module.scaling[name]
+
+
+def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The weight and bias that module(x) applies: a plain Linear's own; for a LoRA layer the base weight with the
+    adapter merged in (W + (B @ A) * scaling, peft's merge), equal to peft's base(x) + B(A(x)) * scaling up to float
+    rounding. None for anything else."""
+    if type(module) is nn.Linear:
+        return module.weight.detach(), module.bias
+    parts = _lora_parts(module)
+    if parts is None:
+        return None
+    base, a, b, scaling = parts
+    return base.weight.detach() + (b @ a) * scaling, base.bias
+
+
+def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> module(x) where the weights are not packed (not fp32 on the CPU): base + B(A(x)) * scaling for a LoRA layer
+    (the order of peft's own forward, without its dispatch), the module itself for anything else."""
+    parts = _lora_parts(module)
+    if parts is None:
+        return module
+    base, a, b, scaling = parts
+    return lambda x: base(x) + F.linear(F.linear(x, a), b) * scaling
+
+
+def _side_by_side(modules: list[nn.Module], rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> torch.cat([m(x) for m in modules], dim=-1). Packable (fp32 on the CPU) Linear and LoRA layers: one packed
+    matmul over their weights side by side (q/k/v and gate/up of a layer: measured at 8 rows, SmolLM2's 150 such
+    matmuls per decode step 15.6 -> 14.5 ms), LoRA merged; otherwise each module's own product."""
+    found = [_weight_and_bias(module) for module in modules]
+    if all(part is not None and _packable(part[0]) for part in found):
+        with torch.no_grad():
+            weight = found[0][0] if len(found) == 1 else torch.cat([w for w, _ in found])
+            biases = [bias for _, bias in found]
+            bias = None if all(b is None for b in biases) else torch.cat(
+                [b.detach() if b is not None else w.new_zeros(w.size(0)) for (w, _), b in zip(found, biases)])
+            return _packed_linear(weight, bias, rows)
+    linears = [_linear(module) for module in modules]
+    if len(linears) == 1:
+        return linears[0]
+    return lambda x: torch.cat([linear(x) for linear in linears], dim=-1)
 
 
 def lean_decoder(model: nn.Module, rows: int) -> Any:
@@ -67,7 +112,9 @@ def lean_decoder(model: nn.Module, rows: int) -> Any:
     if sliding or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
         return None
     layers = getattr(inner, "layers", None)
-    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(base, "lm_head"):
+    from importlib import import_module
+    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(base, "lm_head") or \
+            not hasattr(import_module(type(base).__module__), "rotate_half"):
         return None
     for layer in layers:
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -110,19 +157,22 @@ class LeanDecoder:
         from importlib import import_module
         config = model.config
         self.model, self.inner, self.rows = model, model.model, rows
-        self.apply_rotary = import_module(type(model).__module__).apply_rotary_pos_emb
+        self.rotate_half = import_module(type(model).__module__).rotate_half
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.intermediate = config.intermediate_size
         self.layers = []
         with _own_mappings():
             for layer in self.inner.layers:
                 attention, mlp = layer.self_attn, layer.mlp
                 self.layers.append(dict(
                     norm1=layer.input_layernorm, norm2=layer.post_attention_layernorm, scaling=attention.scaling,
-                    **{name: _linear(getattr(attention, name), rows) for name in PROJECTIONS[:4]},
-                    **{name: _linear(getattr(mlp, name), rows) for name in PROJECTIONS[4:]}))
-            self.lm_head = _linear(model.lm_head, rows)
+                    qkv=_side_by_side([attention.q_proj, attention.k_proj, attention.v_proj], rows),
+                    o_proj=_side_by_side([attention.o_proj], rows),
+                    gate_up=_side_by_side([mlp.gate_proj, mlp.up_proj], rows),
+                    down_proj=_side_by_side([mlp.down_proj], rows)))
+            self.lm_head = _side_by_side([model.lm_head], rows)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.mask: torch.Tensor | None = None
@@ -151,21 +201,23 @@ class LeanDecoder:
         mask = self.mask[..., : at + 1]
         hidden = self.inner.embed_tokens(tokens[:, None])
         cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
-        groups = self.heads // self.kv_heads
+        heads, kv_heads, groups = self.heads, self.kv_heads, self.heads // self.kv_heads
         for index, layer in enumerate(self.layers):
             normed = layer["norm1"](hidden)
-            query = layer["q_proj"](normed).view(rows, 1, self.heads, self.head_dim).transpose(1, 2)
-            key = layer["k_proj"](normed).view(rows, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-            value = layer["v_proj"](normed).view(rows, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-            query, key = self.apply_rotary(query, key, cos, sin)
-            self.keys[index][:, :, at] = key[:, :, 0]
-            self.values[index][:, :, at] = value[:, :, 0]
+            projected = layer["qkv"](normed).view(rows, heads + 2 * kv_heads, self.head_dim)
+            # the rotary embedding of the queries and keys at once (apply_rotary_pos_emb's formula, cos and sin
+            # broadcast over the heads)
+            rotated = projected[:, : heads + kv_heads]
+            rotated = rotated * cos + self.rotate_half(rotated) * sin
+            self.keys[index][:, :, at] = rotated[:, heads:]
+            self.values[index][:, :, at] = projected[:, heads + kv_heads:]
             # one query token: the query heads of a key/value head side by side (transformers' pack_gqa)
             attended = F.scaled_dot_product_attention(
-                query.reshape(rows, self.kv_heads, groups, self.head_dim), self.keys[index][:, :, : at + 1],
+                rotated[:, :heads].reshape(rows, kv_heads, groups, self.head_dim), self.keys[index][:, :, : at + 1],
                 self.values[index][:, :, : at + 1], attn_mask=mask, scale=layer["scaling"])
-            hidden = hidden + layer["o_proj"](attended.reshape(rows, 1, self.heads * self.head_dim))
-            normed = layer["norm2"](hidden)
-            hidden = hidden + layer["down_proj"](F.silu(layer["gate_proj"](normed)) * layer["up_proj"](normed))
+            hidden = hidden + layer["o_proj"](attended.reshape(rows, 1, heads * self.head_dim))
+            gate_up = layer["gate_up"](layer["norm2"](hidden))
+            hidden = hidden + layer["down_proj"](F.silu(gate_up[..., : self.intermediate])
+                                                 * gate_up[..., self.intermediate:])
         self.length = at + 1
         return self.lm_head(self.inner.norm(hidden))[:, -1]

@@ -18,6 +18,7 @@ own log-probs, which the rollout then takes instead of a second forward over the
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
                                                     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
@@ -56,12 +57,39 @@ def _takes_decode_arguments(model) -> bool:
         names & {"cache", "past_key_values"})
 
 
+BLOCK = 256  # entries per block of the two-level draw
+
+
 def sample_from(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row drawn from `probs` (rows sum to 1): the first index whose cumulative probability exceeds a
-    uniform draw scaled to the row's total. Entries of probability 0 are never drawn."""
-    cumulative = probs.double().cumsum(dim=-1)
-    draw = torch.rand(probs.size(0), 1, dtype=torch.float64, device=probs.device) * cumulative[:, -1:]
-    return torch.searchsorted(cumulative, draw, right=True).clamp_(max=probs.size(-1) - 1).squeeze(1)
+    """One token per row drawn from `probs` (rows of non-negative numbers, not all 0) with probability proportional
+    to each entry, by inverse CDF in float64 and two levels: the block of 256 entries whose cumulative sum first
+    exceeds a uniform draw scaled to the row's total, then the entry inside it whose cumulative sum (from the block's
+    start) first exceeds what is left of the draw. One cumulative sum over the whole vocabulary took 1.9 ms per token
+    at 8 rows x 49152 entries on 2 cores (a sequential scan); blocks make it two short ones. Entries of probability 0
+    are never drawn (what is left of the draw is clamped into the chosen block, whose total is > 0)."""
+    rows, vocab = probs.shape
+    values = probs.double()
+    padded = -(-vocab // BLOCK) * BLOCK
+    if padded != vocab:
+        values = F.pad(values, (0, padded - vocab))
+    blocks = values.view(rows, padded // BLOCK, BLOCK)
+    totals = blocks.sum(dim=-1)
+    cumulative = totals.cumsum(dim=-1)
+    draw = torch.rand(rows, 1, dtype=torch.float64, device=probs.device) * cumulative[:, -1:]
+    block = torch.searchsorted(cumulative, draw, right=True).clamp_(max=totals.size(1) - 1)
+    # a block of total 0 is never the first to exceed the draw, except by the clamp when rounding put the draw at
+    # the row's total: then the last block with something in it
+    last_nonzero = totals.size(1) - 1 - (totals > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
+    block = torch.where(totals.gather(1, block) > 0, block, last_nonzero)
+    chosen = blocks[torch.arange(rows, device=probs.device), block[:, 0]]  # (rows, BLOCK)
+    inside = chosen.cumsum(dim=-1)
+    left = (draw - (cumulative.gather(1, block) - totals.gather(1, block))).clamp_(min=0.0)
+    left = torch.minimum(left, inside[:, -1:])  # (rounding) the draw stays inside the block
+    entry = torch.searchsorted(inside, left, right=True)
+    # at the block's end by rounding: its last entry with something in it
+    last_in_block = BLOCK - 1 - (chosen > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
+    entry = torch.where(entry < BLOCK, entry, last_in_block)
+    return (block * BLOCK + entry).squeeze(1)
 
 
 def policy_logps_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
