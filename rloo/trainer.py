@@ -16,7 +16,7 @@ from accelerate.utils import gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, Trainer
 
-from rloo import algorithm, checkpoint, faults, hub
+from rloo import algorithm, checkpoint, faults, heap, hub
 from rloo.callbacks import MLflowCompletionsCallback, SyncRefModelCallback
 from rloo.checks import check_inputs, prepare_for_iterable_datasets
 from rloo.completion_log import CompletionLog, print_table
@@ -101,6 +101,7 @@ class RLOOTrainer(Trainer):
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
         single_process_ddp(self.accelerator)  # torchrun with one CPU process: no DDP wrapper (rloo.zero)
+        heap.keep_freed_memory()  # freed memory kept for the next step, not faulted in again (rloo.heap)
         self._gather_object = gather_object if self.accelerator.num_processes > 1 else None
 
         # Reference model: only needed when the KL penalty is on. Under ZeRO-3 it is sharded like the policy.

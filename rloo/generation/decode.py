@@ -12,12 +12,13 @@ decode loop then calls the model's forward."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rloo.heap import own_mappings
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -126,29 +127,6 @@ def lean_decoder(model: nn.Module, rows: int) -> Any:
     return LeanDecoder(base, rows)
 
 
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-@contextlib.contextmanager
-def _own_mappings():
-    """Allocations of 1 MiB or more inside get their own memory mappings (glibc), so that freeing the packed weights
-    gives their memory back to the system instead of leaving it in the heap, where the training step's allocations
-    do not fit it again (measured, benchmarks/bench_vs_trl.py on 2 cores: peak RSS of the SmolLM2 steps 2.56 -> 2.47
-    GiB with LoRA, 4.19 -> 3.85 GiB full, same step time). Afterwards the threshold is 32 MiB, the value glibc's own
-    adjustment climbs to for a trainer's tensors anyway (measured: same RSS and step time). No-op without glibc."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        yield
-        return
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
-    try:
-        yield
-    finally:
-        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-
-
 class LeanDecoder:
     """Decode steps of one model on preallocated KV buffers: `start` takes a filled transformers cache (the prompts'
     forward), `step` one token per row and returns the next logits."""
@@ -163,7 +141,7 @@ class LeanDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.intermediate = config.intermediate_size
         self.layers = []
-        with _own_mappings():
+        with own_mappings():  # (rloo.heap)
             for layer in self.inner.layers:
                 attention, mlp = layer.self_attn, layer.mlp
                 self.layers.append(dict(
