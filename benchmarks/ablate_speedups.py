@@ -1,9 +1,10 @@
 """Which speed-up bought what: this trainer's step time on one bench_vs_trl case with the speed-ups of 2026-12-02
 switched on one after another (shared prompts; the decode step written out; packed weights; the KL's pi_old from the
-loss's forward; projections side by side with LoRA merged and the two-level draw), each stage in its own child
-process, in one run. A stage switches the later ones off by replacing their entry points (before the last stage:
+loss's forward; projections side by side with LoRA merged and the two-level draw; freed memory kept in the heap),
+each stage in its own child process, in one run. A stage switches the later ones off by replacing their entry points (before the last stage:
 each projection its own packed matmul, LoRA written out, the q/k/v and gate/up outputs concatenated for the step,
-one cumulative sum over the vocabulary per draw):
+one cumulative sum over the vocabulary per draw; before the last: glibc trims the heap's free top as by default,
+allocations of 32 MiB or more in their own mappings):
 
     .venv/bin/python benchmarks/ablate_speedups.py --cases smollm2-full-32,smollm2-lora-32
 """
@@ -17,7 +18,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from loss", "side by side")
+STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from loss", "side by side", "heap kept")
 
 
 def _one_projection_each(modules, rows):
@@ -70,6 +71,10 @@ def child(stage: str, case: str) -> dict:
     if level < 5:
         decode._side_by_side = _one_projection_each
         lean.sample_from = _one_cumulative_sum
+    if level < 6:
+        import rloo.heap as heap
+        heap.keep_freed_memory = lambda: heap._libc() is not None and heap._libc().mallopt(
+            heap.M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD)
     return bench_vs_trl.child("rloo", bench_vs_trl.cases()[case])
 
 

@@ -55,17 +55,16 @@ def _lora_parts(module: nn.Module) -> tuple[nn.Linear, torch.Tensor, torch.Tenso
     return base, module.lora_A[name].weight.detach(), module.lora_B[name].weight.detach(), module.scaling[name]
 
 
-def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The weight and bias that module(x) applies: a plain Linear's own; for a LoRA layer the base weight with the
-    adapter merged in (W + (B @ A) * scaling, peft's merge), equal to peft's base(x) + B(A(x)) * scaling up to float
-    rounding. None for anything else."""
+def _weight_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None] | None:
+    """(weight, bias, LoRA (A, B, scaling) or None) of what module(x) applies: a plain Linear or a LoRA layer
+    (_lora_parts); None for anything else."""
     if type(module) is nn.Linear:
-        return module.weight.detach(), module.bias
+        return module.weight.detach(), module.bias, None
     parts = _lora_parts(module)
     if parts is None:
         return None
     base, a, b, scaling = parts
-    return base.weight.detach() + (b @ a) * scaling, base.bias
+    return base.weight.detach(), base.bias, (a, b, scaling)
 
 
 def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -81,14 +80,26 @@ def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 def _side_by_side(modules: list[nn.Module], rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> torch.cat([m(x) for m in modules], dim=-1). Packable (fp32 on the CPU) Linear and LoRA layers: one packed
     matmul over their weights side by side (q/k/v and gate/up of a layer: measured at 8 rows, SmolLM2's 150 such
-    matmuls per decode step 15.6 -> 14.5 ms), LoRA merged; otherwise each module's own product."""
-    found = [_weight_and_bias(module) for module in modules]
+    matmuls per decode step 15.6 -> 14.5 ms), LoRA merged into that copy (equal to peft's base(x) + B(A(x)) * scaling
+    up to float rounding); otherwise each module's own product."""
+    found = [_weight_parts(module) for module in modules]
     if all(part is not None and _packable(part[0]) for part in found):
         with torch.no_grad():
-            weight = found[0][0] if len(found) == 1 else torch.cat([w for w, _ in found])
-            biases = [bias for _, bias in found]
+            if len(found) == 1 and found[0][2] is None:
+                weight = found[0][0]  # (packed straight from the model's own)
+            else:  # written once into one buffer: LoRA merged as W + (B @ A) * scaling (peft's merge), in one addmm
+                weight = found[0][0].new_empty(sum(w.size(0) for w, _, _ in found), found[0][0].size(1))
+                start = 0
+                for w, _, lora in found:
+                    part = weight[start: start + w.size(0)]
+                    if lora is None:
+                        part.copy_(w)
+                    else:
+                        torch.addmm(w, lora[1], lora[0], alpha=lora[2], out=part)
+                    start += w.size(0)
+            biases = [bias for _, bias, _ in found]
             bias = None if all(b is None for b in biases) else torch.cat(
-                [b.detach() if b is not None else w.new_zeros(w.size(0)) for (w, _), b in zip(found, biases)])
+                [b.detach() if b is not None else w.new_zeros(w.size(0)) for (w, _, _), b in zip(found, biases)])
             return _packed_linear(weight, bias, rows)
     linears = [_linear(module) for module in modules]
     if len(linears) == 1:
