@@ -22,7 +22,7 @@ STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from 
 
 
 def _one_projection_each(modules, rows):
-    """rloo.generation.decode._side_by_side as before the last stage: a matmul per projection."""
+    """rloo.generation.decode._side_by_side as before the "side by side" stage: a matmul per projection."""
     import torch
     import torch.nn.functional as F
 
@@ -43,7 +43,7 @@ def _one_projection_each(modules, rows):
 
 
 def _one_cumulative_sum(probs):
-    """rloo.generation.lean.sample_from as before the last stage."""
+    """rloo.generation.lean.sample_from as before the "side by side" stage."""
     import torch
     cumulative = probs.double().cumsum(dim=-1)
     draw = torch.rand(probs.size(0), 1, dtype=torch.float64, device=probs.device) * cumulative[:, -1:]

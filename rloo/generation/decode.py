@@ -12,6 +12,7 @@ decode loop then calls the model's forward."""
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any, Callable
 
 import torch
@@ -124,7 +125,6 @@ def lean_decoder(model: nn.Module, rows: int) -> Any:
     if sliding or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
         return None
     layers = getattr(inner, "layers", None)
-    from importlib import import_module
     if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(base, "lm_head") or \
             not hasattr(import_module(type(base).__module__), "rotate_half"):
         return None
@@ -143,7 +143,6 @@ class LeanDecoder:
     forward), `step` one token per row and returns the next logits."""
 
     def __init__(self, model: nn.Module, rows: int):
-        from importlib import import_module
         config = model.config
         self.model, self.inner, self.rows = model, model.model, rows
         self.rotate_half = import_module(type(model).__module__).rotate_half
