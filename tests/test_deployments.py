@@ -24,14 +24,21 @@ IMAGES = os.path.join(ROOT, "docs", "img")
 
 
 def api(base, path, payload=None):
-    """(status, body) of a JSON request to the Prefect API."""
+    """(status, body) of a JSON request to the Prefect API. A 503 is the server's "retry": SQLite refused a write
+    (SQLITE_BUSY_SNAPSHOT while its own services write, which no busy timeout waits out), and Prefect's own client
+    retries it with a backoff; so does this one, up to 5 times."""
     request = urllib.request.Request(f"{base}/api{path}", data=None if payload is None else json.dumps(
         payload).encode(), headers={"Content-Type": "application/json"}, method="GET" if payload is None else "POST")
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"null")
+    for attempt in range(6):
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as err:
+            status, body = err.code, json.loads(err.read() or b"null")
+        if status != 503:
+            break
+        time.sleep(0.5 * 2 ** attempt)
+    return status, body
 
 
 @pytest.fixture(scope="module")

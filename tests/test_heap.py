@@ -26,10 +26,12 @@ def test_memory_a_step_frees_is_not_faulted_in_again():
         libc.mallopt(heap.M_TRIM_THRESHOLD, 128 << 10)  # glibc's default: the free top of the heap goes back
         _faults_of_a_step()
         trimmed = _faults_of_a_step()
-        assert trimmed > 64 * 1024 // 2  # every 4 KiB page of the 256 MiB faulted in again
+        # every tensor's pages faulted in again: 65,536 faults with 4 KiB pages, 4,096 where the kernel hands out
+        # 64 KiB folios, 128 with 2 MiB huge pages; at least one per tensor whatever the kernel's granularity
+        assert trimmed >= 64
         assert heap.keep_freed_memory()
         _faults_of_a_step()
         kept = _faults_of_a_step()
-        assert kept < trimmed // 20
+        assert kept * 20 < trimmed
     finally:
         heap.keep_freed_memory()
