@@ -1,10 +1,12 @@
 """Which speed-up bought what: this trainer's step time on one bench_vs_trl case with the speed-ups of 2026-12-02
 switched on one after another (shared prompts; the decode step written out; packed weights; the KL's pi_old from the
-loss's forward; projections side by side with LoRA merged and the two-level draw; freed memory kept in the heap),
+loss's forward; projections side by side with LoRA merged and the two-level draw; freed memory kept in the heap; the
+decode step's packed GEMM the faster of oneDNN's and MKL's and its attention as matmuls),
 each stage in its own child process, in one run. A stage switches the later ones off by replacing their entry
 points (before "side by side": each projection its own packed matmul, LoRA written out, the q/k/v and gate/up
 outputs concatenated for the step, one cumulative sum over the vocabulary per draw; before "heap kept": glibc trims
-the heap's free top as by default, allocations of 32 MiB or more in their own mappings):
+the heap's free top as by default, allocations of 32 MiB or more in their own mappings; before "kernel measured":
+MKL's packed GEMM for every shape, the attention through SDPA):
 
     .venv/bin/python benchmarks/ablate_speedups.py --cases smollm2-full-32,smollm2-lora-32
 """
@@ -18,7 +20,8 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from loss", "side by side", "heap kept")
+STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from loss", "side by side", "heap kept",
+          "kernel measured")
 
 
 def _one_projection_each(modules, rows):
@@ -75,6 +78,10 @@ def child(stage: str, case: str) -> dict:
         import rloo.heap as heap
         heap.keep_freed_memory = lambda: heap._libc() is not None and heap._libc().mallopt(
             heap.M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD)
+    if level < 7 and "mkl" in decode._kernels():
+        decode._kernels = lambda: {"mkl": decode._mkl}
+        decode.LeanDecoder._attention = staticmethod(lambda q, k, v, mask, scaling: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scaling))
     return bench_vs_trl.child("rloo", bench_vs_trl.cases()[case])
 
 

@@ -186,8 +186,14 @@ def _variant(tokenizer, kind):
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                              eos_token_id=2, pad_token_id=2, bos_token_id=None))
+    else:
+        model = tiny_causal_lm(tokenizer, attention_bias=kind == "llama-bias")
+    with torch.no_grad():  # (initialised to 0: a step that dropped them would pass)
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.3)
+    if kind == "qwen2":
         return model
-    model = tiny_causal_lm(tokenizer, attention_bias=kind == "llama-bias")
     if kind.startswith("lora"):
         settings = dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
         if kind == "lora-mixed":  # k_proj plain beside LoRA q_proj / v_proj of other ranks and scalings
@@ -205,11 +211,20 @@ def _variant(tokenizer, kind):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-bias", "qwen2", "lora", "lora-mixed", "lora-float64"])
-def test_written_out_decode_step_is_the_models_forward(tokenizer, kind):
-    """rloo.generation.decode: the step's logits are the model's (KV buffers; packed weights, q/k/v and gate/up side
-    by side, LoRA merged; or, not packable, LoRA written out), and greedy decoding with it gives generate's tokens."""
+_KERNELS = __import__("rloo.generation.decode", fromlist=["_kernels"])._kernels()
+
+
+@pytest.mark.parametrize("kind,kernel", [(kind, kernel) for kind in ("llama", "llama-bias", "qwen2", "lora", "lora-mixed")
+                                         for kernel in sorted(_KERNELS)] + [("lora-float64", None)])
+def test_written_out_decode_step_is_the_models_forward(tokenizer, kind, kernel, monkeypatch):
+    """rloo.generation.decode: the step's logits are the model's (KV buffers; packed weights with each GEMM kernel
+    the build has, q/k/v and gate/up side by side, LoRA merged; or, not packable, LoRA written out; the attention's
+    matmuls), and greedy decoding with it gives generate's tokens."""
+    from rloo.generation import decode
     from rloo.generation.decode import lean_decoder
+    if kernel is not None:  # that kernel alone, whatever this CPU measures faster
+        monkeypatch.setattr(decode, "_kernels", lambda: {kernel: _KERNELS[kernel]})
+        monkeypatch.setattr(decode, "FASTER", {})
     model = _variant(tokenizer, kind).eval()
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     assert lean_decoder(model, len(prompts)) is not None
@@ -246,3 +261,30 @@ def test_models_the_decode_step_does_not_write_out_keep_their_forward(tokenizer)
                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                                sliding_window=8))
     assert lean_decoder(mistral, 2) is None  # a sliding window
+
+
+def test_the_packed_kernel_is_the_one_measured_faster_for_each_shape(monkeypatch):
+    """rloo.generation.decode._packed_linear: on the first call for a shape, every kernel is timed and the faster
+    one kept for that shape (MKL's packed GEMM is the faster on one CPU, oneDNN's on another); later calls pack only
+    with that one."""
+    import time
+
+    import torch.nn.functional as F
+
+    from rloo.generation import decode
+    built = []
+
+    def kernel(name, delay):
+        def make(weight, bias, rows):
+            built.append(name)
+            return lambda x: (time.sleep(delay), F.linear(x, weight, bias))[1]
+        return make
+    monkeypatch.setattr(decode, "_kernels", lambda: {"slow": kernel("slow", 0.004), "fast": kernel("fast", 0.0)})
+    monkeypatch.setattr(decode, "FASTER", {})
+    weight, bias, x = torch.randn(6, 5), torch.randn(6), torch.randn(3, 1, 5)
+    linear = decode._packed_linear(weight, bias, 3)
+    assert decode.FASTER == {(6, 5, True, 3): "fast"} and sorted(built) == ["fast", "slow"]
+    torch.testing.assert_close(linear(x), F.linear(x, weight, bias))
+    built.clear()
+    decode._packed_linear(weight, bias, 3)
+    assert built == ["fast"]

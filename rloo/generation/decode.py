@@ -4,7 +4,8 @@ without its per-module dispatch, its mask building and a KV cache that grows by 
 
 The keys and values live in one preallocated buffer per layer (rows x key/value heads x total length x head size),
 filled in place; attention runs on the key/value heads with the query heads grouped (as transformers' SDPA path does
-for one query token). fp32 weights on the CPU are packed for MKL's small-batch GEMM once per generation call, a
+for one query token). fp32 weights on the CPU are packed for a small-batch GEMM (oneDNN's or MKL's, whichever is
+faster on this CPU) once per generation call, a
 layer's query/key/value and gate/up projections side by side in one matmul each, LoRA layers (peft, one active
 adapter) merged into that copy (the model's own tensors are not touched); other weights keep their own products,
 LoRA written out as peft computes it. `lean_decoder` returns None for anything else (and under ZeRO-3), and the
@@ -26,20 +27,64 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and torch.backends.mkl.is_available()
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and bool(_kernels())
+
+
+def _onednn(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """oneDNN's linear on a weight reordered for `rows` rows (the kernel inductor's freezing uses)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _mkl(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """MKL's GEMM on a weight packed for `rows` rows (cblas_sgemm_pack). The kernel's fallback for other row counts
+    gets a zero-strided stand-in, so that `weight` (a merged or concatenated copy) can be freed: LeanDecoder.step
+    refuses other row counts."""
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+    stand_in = weight.new_zeros(()).expand(weight.shape)
+    return lambda x: torch.ops.mkl._mkl_linear(x, packed, stand_in, bias, rows)
+
+
+def _kernels() -> dict[str, Callable]:
+    """The packed fp32 GEMM kernels of this torch build."""
+    found = {}
+    if torch.backends.mkldnn.is_available():
+        found["onednn"] = _onednn
+    if torch.backends.mkl.is_available():
+        found["mkl"] = _mkl
+    return found
+
+
+# (out features, in features, bias, rows) -> the name of the kernel measured faster for that shape in this process
+FASTER: dict[tuple[int, int, bool, int], str] = {}
+
+
+def _seconds(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
+    import time
+    linear(x)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        linear(x)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int
                    ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> F.linear(x, weight, bias) for inputs of exactly `rows` rows (fp32 on the CPU with MKL): the weight packed
-    for MKL's GEMM at that many rows (cblas_sgemm_pack) once per generation call. Measured at 8 rows on 2 cores:
-    SmolLM2's 210 layer matmuls 28 -> 22.5 ms, its LM head 6.7 -> 2.9 ms, for a copy of the weights (~0.13 s). The
-    kernel's fallback for other row counts gets a zero-strided stand-in, so that `weight` (a merged or concatenated
-    copy) can be freed: LeanDecoder.step refuses other row counts."""
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
-    stand_in = weight.new_zeros(()).expand(weight.shape)
+    """x -> F.linear(x, weight, bias) for inputs of `rows` rows (fp32 on the CPU): the weight packed once per
+    generation call for the faster of oneDNN's and MKL's small-batch GEMM at that shape, measured on the first call
+    for each shape in this process. Which one wins depends on the CPU: at 8 rows on 2 cores of an AMD EPYC, SmolLM2's
+    LM head 20 ms with MKL, 6.4 ms with oneDNN; on an Intel Xeon MKL's packed GEMM took SmolLM2's 210 layer matmuls
+    28 -> 22.5 ms and its LM head 6.7 -> 2.9 ms against plain F.linear."""
     bias = None if bias is None else bias.detach()
-    return lambda x: torch.ops.mkl._mkl_linear(x, packed, stand_in, bias, rows)
+    kernels, key = _kernels(), (weight.size(0), weight.size(1), bias is not None, rows)
+    if key in FASTER:
+        return kernels[FASTER[key]](weight, bias, rows)
+    built = {name: make(weight, bias, rows) for name, make in kernels.items()}
+    x = weight.new_empty(rows, 1, weight.size(1)).normal_()
+    FASTER[key] = min(built, key=lambda name: _seconds(built[name], x))
+    return built[FASTER[key]]
 
 
 def _lora_parts(module: nn.Module) -> tuple[nn.Linear, torch.Tensor, torch.Tensor, float] | None:
@@ -176,16 +221,28 @@ class LeanDecoder:
                 buffer = source.new_empty(rows, self.kv_heads, total, self.head_dim)
                 buffer[:, :, :prompt_length] = source
                 target.append(buffer)
-        self.mask = torch.zeros(rows, 1, 1, total, dtype=torch.bool, device=attention_mask.device)
-        self.mask[:, 0, 0, :prompt_length] = attention_mask.bool()
+        # added to the attention scores: 0 where a row attends, -inf at its padding and at positions not yet written
+        self.mask = self.keys[0].new_full((rows, 1, 1, total), float("-inf"))
+        self.mask[:, 0, 0, :prompt_length].masked_fill_(attention_mask.bool(), 0.0)
         self.length = prompt_length
+
+    @staticmethod
+    def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
+                   ) -> torch.Tensor:
+        """softmax(query keys^T * scaling + mask) values: SDPA's formula. In fp32 as two matmuls and a softmax: for
+        one query token per row the CPU flash kernel's set-up costs more than the work (measured at 32 rows x 110
+        positions: 0.61 -> 0.44 ms per layer); in other dtypes SDPA itself (its fp32 accumulation)."""
+        if query.dtype != torch.float32:
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+        scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scaling).add_(mask)
+        return torch.matmul(scores.softmax(dim=-1), values)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens (rows,) at positions (rows, 1) -> logits (rows, vocab) of the next token."""
         rows, at = tokens.size(0), self.length
         if rows != self.rows:  # (the weights are packed for that many)
             raise ValueError(f"LeanDecoder was built for {self.rows} rows, got {rows}")
-        self.mask[:, 0, 0, at] = True
+        self.mask[:, 0, 0, at] = 0.0
         mask = self.mask[..., : at + 1]
         hidden = self.inner.embed_tokens(tokens[:, None])
         cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
@@ -200,9 +257,9 @@ class LeanDecoder:
             self.keys[index][:, :, at] = rotated[:, heads:]
             self.values[index][:, :, at] = projected[:, heads + kv_heads:]
             # one query token: the query heads of a key/value head side by side (transformers' pack_gqa)
-            attended = F.scaled_dot_product_attention(
-                rotated[:, :heads].reshape(rows, kv_heads, groups, self.head_dim), self.keys[index][:, :, : at + 1],
-                self.values[index][:, :, : at + 1], attn_mask=mask, scale=layer["scaling"])
+            attended = self._attention(rotated[:, :heads].reshape(rows, kv_heads, groups, self.head_dim),
+                                       self.keys[index][:, :, : at + 1], self.values[index][:, :, : at + 1], mask,
+                                       layer["scaling"])
             hidden = hidden + layer["o_proj"](attended.reshape(rows, 1, heads * self.head_dim))
             gate_up = layer["gate_up"](layer["norm2"](hidden))
             hidden = hidden + layer["down_proj"](F.silu(gate_up[..., : self.intermediate])
