@@ -4,15 +4,16 @@ without its per-module dispatch, its mask building and a KV cache that grows by 
 
 The keys and values live in one preallocated buffer per layer (rows x key/value heads x total length x head size),
 filled in place; attention runs on the key/value heads with the query heads grouped (as transformers' SDPA path does
-for one query token). fp32 weights on the CPU are packed for a small-batch GEMM (oneDNN's or MKL's, whichever is
-faster on this CPU) once per generation call, a
-layer's query/key/value and gate/up projections side by side in one matmul each, LoRA layers (peft, one active
-adapter) merged into that copy (the model's own tensors are not touched); other weights keep their own products,
-LoRA written out as peft computes it. `lean_decoder` returns None for anything else (and under ZeRO-3), and the
-decode loop then calls the model's forward."""
+for one query token; in fp32 as matmuls). fp32 weights on the CPU are packed for a small-batch GEMM (oneDNN's or
+MKL's, whichever measures faster for the shape on this CPU) once per generation call, a layer's query/key/value and
+gate/up projections side by side in one matmul each, LoRA layers (peft, one active adapter) merged into that copy
+(the model's own tensors are not touched); other weights keep their own products, LoRA written out as peft computes
+it. `lean_decoder` returns None for anything else (and under ZeRO-3), and the decode loop then calls the model's
+forward."""
 
 from __future__ import annotations
 
+import time
 from importlib import import_module
 from typing import Any, Callable
 
@@ -60,7 +61,7 @@ FASTER: dict[tuple[int, int, bool, int], str] = {}
 
 
 def _seconds(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
-    import time
+    """The best of 3 timed calls, after one untimed."""
     linear(x)
     best = float("inf")
     for _ in range(3):
