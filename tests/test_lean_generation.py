@@ -268,7 +268,8 @@ def test_models_the_decode_step_does_not_write_out_keep_their_forward(tokenizer)
 def test_the_packed_kernel_is_the_one_measured_faster_for_each_shape(monkeypatch):
     """rloo.generation.decode._packed_linear: on the first call for a shape, every kernel is timed and the faster
     one kept for that shape (MKL's packed GEMM is the faster on one CPU, oneDNN's on another); later calls pack only
-    with that one. (The timings are given: which kernel a real CPU measures faster is not a test's business.)"""
+    with that one; measuring draws no random numbers. (The timings are given: which kernel a real CPU measures faster
+    is not a test's business.)"""
     import functools
 
     import torch.nn.functional as F
@@ -287,8 +288,10 @@ def test_the_packed_kernel_is_the_one_measured_faster_for_each_shape(monkeypatch
     monkeypatch.setattr(decode, "_seconds", lambda linear, x: linear.seconds)
     monkeypatch.setattr(decode, "FASTER", {})
     weight, bias, x = torch.randn(6, 5), torch.randn(6), torch.randn(3, 1, 5)
+    random_state = torch.random.get_rng_state()
     linear = decode._packed_linear(weight, bias, 3)
     assert decode.FASTER == {(6, 5, True, 3): "fast"} and sorted(built) == ["fast", "slow"]
+    assert torch.equal(torch.random.get_rng_state(), random_state)  # sampling after it draws what it would have
     torch.testing.assert_close(linear(x), F.linear(x, weight, bias))
     built.clear()
     decode._packed_linear(weight, bias, 3)
