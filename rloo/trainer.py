@@ -28,6 +28,7 @@ from rloo.models import (attach_adapter, create_reference_model, disable_dropout
                          is_peft_model, load_policy, load_reward_model, load_tokenizer, model_identity,
                          prepare_tokenizer, reference_adapter, reference_for_zero3, resolve_router_aux_loss_coef,
                          reward_tokenizers, text_tokenizer_of)
+from rloo.recompute import recomputed_activations
 from rloo.rewards.runner import RewardRunner
 from rloo.rollout import (Rollout, RolloutSettings, build_rollout, finish_rollout, global_masked_mean,
                           rollout_metrics)
@@ -308,12 +309,12 @@ class RLOOTrainer(Trainer):
         if return_outputs:
             raise ValueError("RLOOTrainer.compute_loss does not return model outputs.")
         mode = "train" if self.model.training else "eval"
-        mask = inputs.completion_mask
-        input_ids = torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)
+        mask, input_ids = inputs.completion_mask, torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)
         attention_mask = torch.cat([inputs.prompt_mask, mask], dim=1)
-        token_logps, entropy, aux_loss = per_token_logps(  # shared prompts: not through a DDP/DeepSpeed wrapper
-            model, input_ids, attention_mask, inputs.completion_ids.size(1), self.args.temperature, with_entropy=True,
-            share_prompts=self.accelerator.unwrap_model(model) is model)
+        with recomputed_activations(model):  # activations the backward can make again are not kept
+            token_logps, entropy, aux_loss = per_token_logps(  # shared prompts: not through a DDP/DeepSpeed wrapper
+                model, input_ids, attention_mask, inputs.completion_ids.size(1), self.args.temperature,
+                with_entropy=True, share_prompts=self.accelerator.unwrap_model(model) is model)
         if inputs.pending is not None:  # on-policy: this forward is the KL's pi_old (rloo.rollout.finish_rollout)
             inputs = finish_rollout(inputs, token_logps, self.accelerator.gather)
             self._record_rollout(inputs, mode)
