@@ -32,7 +32,7 @@ def _code(function) -> tuple:
 
 
 @functools.cache
-def _kind(cls: type) -> str | None:
+def llama_kind(cls: type) -> str | None:
     """'norm' / 'mlp' where the class's forward is Llama's RMSNorm / MLP forward, else None."""
     forward = getattr(cls, "forward", None)
     if not hasattr(forward, "__code__"):
@@ -132,9 +132,9 @@ def recomputed_activations(model: nn.Module | None) -> Iterator[int]:
     recipes = _Recipes()
     forwards = {"norm": _norm_forward, "mlp": _mlp_forward}
     patched = [module for module in model.modules()
-               if _kind(type(module)) is not None and "forward" not in module.__dict__]
+               if llama_kind(type(module)) is not None and "forward" not in module.__dict__]
     for module in patched:
-        module.forward = functools.partial(forwards[_kind(type(module))], module, recipes)
+        module.forward = functools.partial(forwards[llama_kind(type(module))], module, recipes)
     repeat = sdpa_attention.repeat_kv  # a module global, looked up by SDPA attention at each call
     sdpa_attention.repeat_kv = functools.partial(_repeat_kv, recipes, repeat)
     try:

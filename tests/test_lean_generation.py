@@ -265,6 +265,22 @@ def test_models_the_decode_step_does_not_write_out_keep_their_forward(tokenizer)
     assert lean_decoder(mistral, 2) is None  # a sliding window
 
 
+def test_the_decode_steps_fused_operations_give_the_modules_values(tokenizer, model):
+    """rloo.generation.decode: a Llama norm as one torch.rms_norm call, the rotation as a roll with sin's first half
+    negated: the same values, bit for bit, as the module and as apply_rotary_pos_emb."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from rloo.generation.decode import _norm
+    norm = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        x = torch.randn(4, 1, norm.weight.size(0))
+        assert _norm(norm) is not norm and torch.equal(_norm(norm)(x), norm(x))
+    x, cos, sin = torch.randn(4, 6, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8)
+    signed = torch.cat([-sin[..., :4], sin[..., 4:]], dim=-1)
+    assert torch.equal(x * cos + x.roll(4, -1) * signed, x * cos + rotate_half(x) * sin)
+
+
 def test_the_packed_kernel_is_the_one_measured_faster_for_each_shape(monkeypatch):
     """rloo.generation.decode._packed_linear: on the first call for a shape, every kernel is timed and the faster
     one kept for that shape (MKL's packed GEMM is the faster on one CPU, oneDNN's on another); later calls pack only

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rloo.heap import own_mappings
+from rloo.recompute import llama_kind
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -86,6 +87,17 @@ def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int
     x = weight.new_ones(rows, 1, weight.size(1))  # (not drawn: the run's random stream stays the one it would be)
     FASTER[key] = min(built, key=lambda name: _seconds(built[name], x)) if len(built) > 1 else next(iter(built))
     return built[FASTER[key]]
+
+
+def _norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> module(x) for a layer's norm: Llama's RMSNorm on fp32 as torch.rms_norm (one fused call, the same
+    operations on the same values: equal to the module's output), anything else the module itself."""
+    weight = getattr(module, "weight", None)
+    if llama_kind(type(module)) != "norm" or "forward" in module.__dict__ or weight is None or \
+            weight.dtype != torch.float32:
+        return module
+    eps, shape = module.variance_epsilon, (weight.size(0),)
+    return lambda x: torch.rms_norm(x, shape, weight, eps) if x.dtype == torch.float32 else module(x)
 
 
 def _lora_parts(module: nn.Module) -> tuple[nn.Linear, torch.Tensor, torch.Tensor, float] | None:
@@ -154,6 +166,13 @@ def _side_by_side(modules: list[nn.Module], rows: int) -> Callable[[torch.Tensor
     return lambda x: torch.cat([linear(x) for linear in linears], dim=-1)
 
 
+def _standard_rotate_half(module) -> bool:
+    """Whether the model's module rotates as Llama's rotate_half does: x -> (-second half, first half)."""
+    rotate_half = getattr(module, "rotate_half", None)
+    probe = torch.arange(1.0, 5.0)
+    return rotate_half is not None and torch.equal(rotate_half(probe), torch.tensor([-3.0, -4.0, 1.0, 2.0]))
+
+
 def lean_decoder(model: nn.Module, rows: int) -> Any:
     """A LeanDecoder for this model where its architecture is one written out here, else None. Not under ZeRO-3:
     its hooks partition the weights again after each module's forward (the prompts' one included), so the step
@@ -172,7 +191,7 @@ def lean_decoder(model: nn.Module, rows: int) -> Any:
         return None
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(base, "lm_head") or \
-            not hasattr(import_module(type(base).__module__), "rotate_half"):
+            not _standard_rotate_half(import_module(type(base).__module__)):
         return None
     for layer in layers:
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -191,7 +210,6 @@ class LeanDecoder:
     def __init__(self, model: nn.Module, rows: int):
         config = model.config
         self.model, self.inner, self.rows = model, model.model, rows
-        self.rotate_half = import_module(type(model).__module__).rotate_half
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -201,7 +219,8 @@ class LeanDecoder:
             for layer in self.inner.layers:
                 attention, mlp = layer.self_attn, layer.mlp
                 self.layers.append(dict(
-                    norm1=layer.input_layernorm, norm2=layer.post_attention_layernorm, scaling=attention.scaling,
+                    norm1=_norm(layer.input_layernorm), norm2=_norm(layer.post_attention_layernorm),
+                    scaling=attention.scaling,
                     qkv=_side_by_side([attention.q_proj, attention.k_proj, attention.v_proj], rows),
                     o_proj=_side_by_side([attention.o_proj], rows),
                     gate_up=_side_by_side([mlp.gate_proj, mlp.up_proj], rows),
@@ -230,38 +249,47 @@ class LeanDecoder:
     @staticmethod
     def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
                    ) -> torch.Tensor:
-        """softmax(query keys^T * scaling + mask) values: SDPA's formula. In fp32 as two matmuls and a softmax: for
-        one query token per row the CPU flash kernel's set-up costs more than the work (measured at 32 rows x 110
-        positions: 0.61 -> 0.44 ms per layer); in other dtypes SDPA itself (its fp32 accumulation)."""
+        """softmax(query keys^T * scaling + mask) values, SDPA's formula, for one query token per row: query (rows x
+        key/value heads, query heads per key/value head, head size), keys and values (rows x key/value heads,
+        positions, head size), mask (rows x key/value heads, 1, positions). In fp32 as two batched matmuls on those
+        three-dimensional views and a softmax: for one query token the CPU flash kernel's set-up costs more than the
+        work (measured at 32 rows x 110 positions: 0.61 -> 0.44 ms per layer), and the four-dimensional matmul more
+        than bmm (8 rows x 80 positions: 101 -> 67 us); in other dtypes SDPA itself (its fp32 accumulation)."""
         if query.dtype != torch.float32:
             return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
-        scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scaling).add_(mask)
-        return torch.matmul(scores.softmax(dim=-1), values)
+        scores = torch.bmm(query, keys.transpose(1, 2)).mul_(scaling).add_(mask)
+        return torch.bmm(scores.softmax(dim=-1), values)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens (rows,) at positions (rows, 1) -> logits (rows, vocab) of the next token."""
         rows, at = tokens.size(0), self.length
         if rows != self.rows:  # (the weights are packed for that many)
             raise ValueError(f"LeanDecoder was built for {self.rows} rows, got {rows}")
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        # batched over rows x key/value heads: each key/value head with its group of query heads (transformers'
+        # pack_gqa for one query token), the buffers seen as (rows x key/value heads, positions, head size)
+        batch, groups, length = rows * kv_heads, heads // kv_heads, at + 1
         self.mask[:, 0, 0, at] = 0.0
-        mask = self.mask[..., : at + 1]
+        mask = self.mask[..., :length].expand(rows, kv_heads, 1, length).reshape(batch, 1, length)
         hidden = self.inner.embed_tokens(tokens[:, None])
         cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
-        heads, kv_heads, groups = self.heads, self.kv_heads, self.heads // self.kv_heads
+        # rotate_half(x) * sin == x.roll(half) * sin with its first half negated (the same products: one sign moved)
+        half = head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         for index, layer in enumerate(self.layers):
-            normed = layer["norm1"](hidden)
-            projected = layer["qkv"](normed).view(rows, heads + 2 * kv_heads, self.head_dim)
+            projected = layer["qkv"](layer["norm1"](hidden)).view(rows, heads + 2 * kv_heads, head_dim)
             # the rotary embedding of the queries and keys at once (apply_rotary_pos_emb's formula, cos and sin
             # broadcast over the heads)
             rotated = projected[:, : heads + kv_heads]
-            rotated = rotated * cos + self.rotate_half(rotated) * sin
-            self.keys[index][:, :, at] = rotated[:, heads:]
-            self.values[index][:, :, at] = projected[:, heads + kv_heads:]
-            # one query token: the query heads of a key/value head side by side (transformers' pack_gqa)
-            attended = self._attention(rotated[:, :heads].reshape(rows, kv_heads, groups, self.head_dim),
-                                       self.keys[index][:, :, : at + 1], self.values[index][:, :, : at + 1], mask,
-                                       layer["scaling"])
-            hidden = hidden + layer["o_proj"](attended.reshape(rows, 1, heads * self.head_dim))
+            rotated = rotated * cos + rotated.roll(half, -1) * sin
+            keys, values = self.keys[index], self.values[index]
+            keys[:, :, at] = rotated[:, heads:]
+            values[:, :, at] = projected[:, heads + kv_heads:]
+            total = keys.size(2)
+            attended = self._attention(rotated[:, :heads].reshape(batch, groups, head_dim),
+                                       keys.view(batch, total, head_dim)[:, :length],
+                                       values.view(batch, total, head_dim)[:, :length], mask, layer["scaling"])
+            hidden = hidden + layer["o_proj"](attended.reshape(rows, 1, heads * head_dim))
             gate_up = layer["gate_up"](layer["norm2"](hidden))
             hidden = hidden + layer["down_proj"](F.silu(gate_up[..., : self.intermediate])
                                                  * gate_up[..., self.intermediate:])
