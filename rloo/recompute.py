@@ -25,6 +25,8 @@ from torch.autograd.graph import saved_tensors_hooks
 from transformers.integrations import sdpa_attention
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
+from rloo.zero import is_partitioned
+
 
 def _code(function) -> tuple:
     code = function.__code__
@@ -115,8 +117,8 @@ def _repeat_kv(recipes: _Recipes, repeat: Callable, hidden_states: torch.Tensor,
 
 
 def _checkpointed_or_sharded(model: nn.Module) -> bool:
-    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()) or any(
-        hasattr(param, "ds_id") for param in model.parameters())
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()) or \
+        is_partitioned(model)
 
 
 @contextlib.contextmanager

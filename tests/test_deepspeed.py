@@ -28,7 +28,9 @@ def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero3")
     tokenizer = tiny_tokenizer()
     torch.manual_seed(0)
-    model_dir, tokenizer_dir = save_tiny(str(root / "tiny"), tiny_causal_lm(tokenizer), tokenizer)
+    # Tied embeddings, as SmolLM2's: one parameter that ZeRO-3 partitions and ZeRO-2's save writes twice.
+    model = tiny_causal_lm(tokenizer, tie_word_embeddings=True)
+    model_dir, tokenizer_dir = save_tiny(str(root / "tiny"), model, tokenizer)
     with open(root / "prompts.jsonl", "w") as handle:
         for words in ["the dog", "a big cat", "one two", "what is"] * 4:
             handle.write(json.dumps({"prompt": [{"role": "user", "content": words}]}) + "\n")
@@ -64,7 +66,16 @@ def ddp_run(workdir):
     return _train(workdir, "ddp", "--deepspeed", "", "--use_cpu", "true", "--ddp_backend", "gloo")
 
 
+def _untied(weights: dict) -> dict:
+    """The saved weights without a copy of the tied LM head (ZeRO-2's save writes it, DDP's does not)."""
+    head = weights.get("lm_head.weight")
+    if head is not None and torch.equal(head, weights["model.embed_tokens.weight"]):
+        return {key: value for key, value in weights.items() if key != "lm_head.weight"}
+    return weights
+
+
 def _max_difference(a: dict, b: dict) -> float:
+    a, b = _untied(a), _untied(b)
     assert a.keys() == b.keys()
     return max((a[key] - b[key]).abs().max().item() for key in a)
 
@@ -80,7 +91,7 @@ def test_zero3_trains_the_same_update_as_ddp(workdir, zero3_run, ddp_run):
     for mine, theirs in zip(zero3_run["logs"], ddp["logs"]):
         assert mine["reward"] == theirs["reward"] and abs(float(mine["kl"]) - float(theirs["kl"])) < 1e-5
     assert float(zero3_run["logs"][0]["kl"]) == 0.0  # the sharded reference starts as the policy
-    assert float(zero3_run["logs"][2]["kl"]) > 0.0
+    assert float(zero3_run["logs"][2]["kl"]) != 0.0  # (a mean log-ratio: either sign)
     checkpoint = zero3_run["out"] / "checkpoint-2"
     assert (checkpoint / "model.safetensors").exists() and (checkpoint / "global_step2").is_dir()
     assert "rloo: DeepSpeed ZeRO-3 sharding on 2 ranks" in zero3_run["stdout"]
