@@ -4,6 +4,7 @@ import json
 import os
 import sys
 
+import torch.distributed
 from datasets import Dataset
 
 from rloo import RLOOConfig, RLOOTrainer
@@ -36,3 +37,6 @@ trainer.train()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"seen": seen, "log_history": trainer.state.log_history, "table": list(trainer._logs.prompt),
                "param_sum": sum(p.double().sum().item() for p in trainer.model.parameters())}, f)
+# As `rloo train` does: the process group goes before the interpreter (gloo's threads outliving it aborted a rank at
+# exit once in CI, "terminate called without an active exception", after both ranks had written their results).
+torch.distributed.destroy_process_group()
