@@ -13,6 +13,8 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 from rloo.models import is_moe, is_peft_model
+from rloo.recompute import llama_kind
+from rloo.tied import head_weight
 
 
 def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -196,21 +198,72 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
     name = cache_argument(model)
     # (use_cache only creates a cache where none is given; checkpointed layers warn about it, and keep ours)
     use_cache = not (_checkpointed_layers(base) and base.training and torch.is_grad_enabled())
+    # Where the model's forward is lm_head(decoder(...)), the decoder runs on the prompts and on the completions and
+    # the head on both in one autograd node (_HeadOverParts): the same logits, but one head gradient (vocabulary x
+    # hidden) instead of one per forward plus their sum.
+    decoder = base.model if llama_kind(type(base)) == "causal_lm" and not _prompt_learning(model) else None
+    forward = model if decoder is None else decoder
     with _checkpoints_keep_cache(base):
-        prompts = model(input_ids=input_ids[first, :prompt_length],
-                        attention_mask=attention_mask[first, :prompt_length], use_cache=use_cache, logits_to_keep=1,
-                        **{name: cache})
+        prompts = forward(input_ids=input_ids[first, :prompt_length],
+                          attention_mask=attention_mask[first, :prompt_length], use_cache=use_cache,
+                          **({"logits_to_keep": 1} if decoder is None else {}), **{name: cache})
         if not all(layer.is_initialized for layer in cache.layers):
             return None  # a forward that ignored the cache given
-        last_prompt_logits = prompts.logits[inverse]  # predicts each row's first completion token
+        # What predicts each row's first completion token (the decoder's: one per distinct prompt).
+        last_prompt = prompts.logits[inverse] if decoder is None else prompts.last_hidden_state[:, -1:]
         if logits_to_keep == 1:
-            return last_prompt_logits, prompts
+            return (last_prompt if decoder is None else base.lm_head(last_prompt)[inverse]), prompts
         # A cache of its own: a replay of the prompts' forward in backward still finds theirs.
         rows_cache = plain_cache(base.config)
         rows_cache.layers = [_ReadOnlyLayer(layer.keys[inverse], layer.values[inverse]) for layer in cache.layers]
         # The completions but their last token (nothing after it is scored), attending to their prompt's cache.
-        completions = model(input_ids=input_ids[:, prompt_length:-1], attention_mask=attention_mask[:, :-1],
-                            use_cache=use_cache, **{name: rows_cache})
+        completions = forward(input_ids=input_ids[:, prompt_length:-1], attention_mask=attention_mask[:, :-1],
+                              use_cache=use_cache, **{name: rows_cache})
         if not all(layer.read for layer in rows_cache.layers):
             return None
-    return torch.cat([last_prompt_logits, completions.logits], dim=1), completions
+    if decoder is None:
+        return torch.cat([last_prompt, completions.logits], dim=1), completions
+    prompt_logits, completion_logits = _head_over_parts(base.lm_head, last_prompt, completions.last_hidden_state)
+    return torch.cat([prompt_logits[inverse], completion_logits], dim=1), completions
+
+
+class _HeadOverParts(torch.autograd.Function):
+    """(first, second) -> (F.linear(first, weight, bias), F.linear(second, weight, bias)): each part's logits its own
+    product, as the model's forward over that part alone makes them; the weight's gradient one vocabulary x hidden
+    product (the first part's added into the second's in place) instead of one per part and their sum."""
+
+    @staticmethod
+    def forward(ctx, weight, bias, first, second):
+        ctx.save_for_backward(weight, first, second)
+        ctx.with_bias = bias is not None
+        return F.linear(first, weight, bias), F.linear(second, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_first, grad_second):
+        weight, first, second = ctx.saved_tensors
+        parts = [(grad, x) for grad, x in ((grad_second, second), (grad_first, first)) if grad is not None]
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            for grad, x in parts:
+                grad, x = grad.reshape(-1, grad.size(-1)), x.reshape(-1, x.size(-1))
+                grad_weight = grad.t().mm(x) if grad_weight is None else grad_weight.addmm_(grad.t(), x)
+        if ctx.with_bias and ctx.needs_input_grad[1]:
+            grad_bias = sum(grad.reshape(-1, grad.size(-1)).sum(0) for grad, _ in parts)
+        inputs = [None if grad is None or not needed else grad.matmul(weight)
+                  for grad, needed in ((grad_first, ctx.needs_input_grad[2]), (grad_second, ctx.needs_input_grad[3]))]
+        return grad_weight, grad_bias, *inputs
+
+
+def _head_over_parts(head: nn.Module, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head(first), head(second)), the weight's gradient made once where the head is a plain product (_HeadOverParts)."""
+    weight = head_weight(head)
+    if weight is None or not torch.is_grad_enabled():
+        return head(first), head(second)
+    return _HeadOverParts.apply(weight, head.bias, first, second)
+
+
+def _prompt_learning(model: nn.Module) -> bool:
+    """A peft model whose own forward changes the inputs (prompt tuning and its kin): its base's decoder alone is not
+    the model."""
+    config = getattr(model, "active_peft_config", None)
+    return bool(getattr(config, "is_prompt_learning", False))

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from transformers.integrations import sdpa_attention
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaMLP, LlamaRMSNorm
 
 from rloo.zero import is_partitioned
 
@@ -35,7 +35,8 @@ def _code(function) -> tuple:
 
 @functools.cache
 def llama_kind(cls: type) -> str | None:
-    """'norm' / 'mlp' where the class's forward is Llama's RMSNorm / MLP forward, else None."""
+    """'norm' / 'mlp' / 'causal_lm' where the class's forward is Llama's RMSNorm / MLP / LlamaForCausalLM forward
+    (the last: `lm_head(model(...))`, nothing else on the logits), else None."""
     forward = getattr(cls, "forward", None)
     if not hasattr(forward, "__code__"):
         return None
@@ -43,6 +44,8 @@ def llama_kind(cls: type) -> str | None:
         return "norm"
     if _code(forward) == _code(LlamaMLP.forward):
         return "mlp"
+    if _code(forward) == _code(LlamaForCausalLM.forward):
+        return "causal_lm"
     return None
 
 
@@ -134,7 +137,7 @@ def recomputed_activations(model: nn.Module | None) -> Iterator[int]:
     recipes = _Recipes()
     forwards = {"norm": _norm_forward, "mlp": _mlp_forward}
     patched = [module for module in model.modules()
-               if llama_kind(type(module)) is not None and "forward" not in module.__dict__]
+               if llama_kind(type(module)) in forwards and "forward" not in module.__dict__]
     for module in patched:
         module.forward = functools.partial(forwards[llama_kind(type(module))], module, recipes)
     repeat = sdpa_attention.repeat_kv  # a module global, looked up by SDPA attention at each call

@@ -214,8 +214,9 @@ def test_shared_prompts_give_the_same_logps_entropy_and_gradients(tokenizer, mod
     input_ids = torch.cat([prompts[rows], completions], dim=1)
     attention_mask = torch.cat([prompt_mask[rows], completion_mask], dim=1)
     results, forwards = {}, []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape),
-                                           with_kwargs=True)
+    decoder = (model.get_base_model() if kind == "lora" else model).model  # (shared prompts call it, then the head)
+    hook = decoder.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape),
+                                             with_kwargs=True)
     for share in (False, True):
         model.zero_grad()
         out = per_token_logps(model, input_ids, attention_mask, 5, 0.7, with_entropy=True, share_prompts=share)
@@ -240,8 +241,8 @@ def test_shared_prompts_under_activation_checkpointing(tokenizer, model):
     attention_mask = torch.ones_like(input_ids)
     model.train()
     gradients, forwards = [], []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape),
-                                           with_kwargs=True)
+    hook = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape), with_kwargs=True)
     for kwargs in (None, {"use_reentrant": False}):
         if kwargs:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
