@@ -104,8 +104,10 @@ def tied_rows(model: nn.Module) -> Iterator[bool]:
 
 def head_weight(head: nn.Module) -> torch.Tensor | None:
     """The weight a product standing in for `head(x)` uses: the head's view of the tied weight inside `tied_rows`,
-    a plain nn.Linear's own weight, None for anything else (a LoRA layer, a forward wrapped by hooks)."""
+    a plain nn.Linear's own weight, None for anything else (a LoRA layer, a forward wrapped by hooks, a weight that
+    ZeRO-3 gathers only inside the module's own call)."""
     inside = getattr(head, "_rloo_weight", None)
     if inside is not None:
         return inside()
-    return head.weight if type(head) is nn.Linear and "forward" not in head.__dict__ else None
+    plain = type(head) is nn.Linear and "forward" not in head.__dict__ and not is_partitioned(head)
+    return head.weight if plain else None
