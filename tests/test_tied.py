@@ -79,3 +79,26 @@ def test_untied_frozen_or_no_grad_models_run_as_they_are():
     with torch.no_grad(), tied_rows(tied) as applied:
         assert applied is False
     assert all("forward" not in module.__dict__ for module in tied.modules())
+
+
+def test_head_over_parts_gives_each_parts_own_logits_and_one_weight_gradient():
+    """The prompts' last positions and the completions through one head node: logits bitwise the head's own per part,
+    gradients (weight, bias, inputs) those of two separate calls up to rounding, one vocabulary x hidden product."""
+    from rloo.logps import _head_over_parts
+    torch.manual_seed(0)
+    head = torch.nn.Linear(HIDDEN, VOCAB)
+    first, second = torch.randn(2, 1, HIDDEN, requires_grad=True), torch.randn(3, 4, HIDDEN, requires_grad=True)
+    weights = torch.randn(2, 1, VOCAB), torch.randn(3, 4, VOCAB)
+    results = []
+    for joint in (True, False):
+        head.zero_grad(set_to_none=True)
+        first.grad = second.grad = None
+        outputs = _head_over_parts(head, first, second) if joint else (head(first), head(second))
+        sum((out * w).sum() for out, w in zip(outputs, weights)).backward()
+        results.append((outputs, head.weight.grad, head.bias.grad, first.grad, second.grad))
+    (joint_out, *joint_grads), (plain_out, *plain_grads) = results
+    assert all(torch.equal(a, b) for a, b in zip(joint_out, plain_out))
+    for joint_grad, plain_grad in zip(joint_grads, plain_grads):
+        torch.testing.assert_close(joint_grad, plain_grad, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # (nothing to save: the head's own calls)
+        assert all(torch.equal(a, b) for a, b in zip(_head_over_parts(head, first, second), plain_out))
