@@ -201,7 +201,8 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
     # Where the model's forward is lm_head(decoder(...)), the decoder runs on the prompts and on the completions and
     # the head on both in one autograd node (_HeadOverParts): the same logits, but one head gradient (vocabulary x
     # hidden) instead of one per forward plus their sum.
-    decoder = base.model if llama_kind(type(base)) == "causal_lm" and not _prompt_learning(model) else None
+    plain = llama_kind(type(base)) == "causal_lm" and "forward" not in base.__dict__ and not _prompt_learning(model)
+    decoder = base.model if plain else None  # (not past a forward wrapped by hooks: accelerate's device alignment)
     forward = model if decoder is None else decoder
     with _checkpoints_keep_cache(base):
         prompts = forward(input_ids=input_ids[first, :prompt_length],
