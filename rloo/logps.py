@@ -256,7 +256,8 @@ class _HeadOverParts(torch.autograd.Function):
 
 
 def _head_over_parts(head: nn.Module, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(head(first), head(second)), the weight's gradient made once where the head is a plain product (_HeadOverParts)."""
+    """(head(first), head(second)), the weight's gradient made once where the head is a plain product
+    (_HeadOverParts)."""
     weight = head_weight(head)
     if weight is None or not torch.is_grad_enabled():
         return head(first), head(second)

@@ -16,7 +16,7 @@ from accelerate.utils import gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, Trainer
 
-from rloo import algorithm, checkpoint, faults, heap, hub
+from rloo import algorithm, checkpoint, faults, heap, hub, tied
 from rloo.callbacks import MLflowCompletionsCallback, SyncRefModelCallback
 from rloo.checks import check_inputs, prepare_for_iterable_datasets
 from rloo.completion_log import CompletionLog, print_table
@@ -33,7 +33,6 @@ from rloo.rewards.runner import RewardRunner
 from rloo.rollout import (Rollout, RolloutSettings, build_rollout, finish_rollout, global_masked_mean,
                           rollout_metrics)
 from rloo.sampling import RepeatSampler, repeat_iterable, shuffle_rows, split_rows
-from rloo.tied import tied_rows
 from rloo.timing import StepTimer, StepTimingCallback
 from rloo.zero import gathered_parameters, prepare_frozen, single_process_ddp, zero_stage
 
@@ -312,8 +311,7 @@ class RLOOTrainer(Trainer):
         mode = "train" if self.model.training else "eval"
         mask, input_ids = inputs.completion_mask, torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)
         attention_mask = torch.cat([inputs.prompt_mask, mask], dim=1)
-        # Activations the backward can make again are not kept; a tied embedding's gradient is its touched rows.
-        with recomputed_activations(model), tied_rows(self.accelerator.unwrap_model(model)):
+        with recomputed_activations(model), tied.tied_rows(self.accelerator.unwrap_model(model)):  # less memory
             token_logps, entropy, aux_loss = per_token_logps(  # shared prompts: not through a DDP/DeepSpeed wrapper
                 model, input_ids, attention_mask, inputs.completion_ids.size(1), self.args.temperature,
                 with_entropy=True, share_prompts=self.accelerator.unwrap_model(model) is model)
