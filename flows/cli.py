@@ -31,14 +31,10 @@ def cmd_run(options, config_path: str | None = None, assignments: list[str] | No
     api = EphemeralApi()
     if (early_root := known_run_root(config_path, assignments)) is not None:
         api.start(early_root)
-    try:
-        config = _load(config_path, assignments)
-        if early_root is not None and os.path.abspath(config.run_root) != os.path.abspath(early_root):
-            raise RuntimeError(f"run root read early ({early_root}) differs from the config's ({config.run_root})")
-        return _run_checked(options, config, config_path, assignments, api)
-    except BaseException:
-        api.stop_at_exit()
-        raise
+    config = _load(config_path, assignments)  # when this fails, the API started early is stopped at exit, once up
+    if early_root is not None and os.path.abspath(config.run_root) != os.path.abspath(early_root):
+        raise RuntimeError(f"run root read early ({early_root}) differs from the config's ({config.run_root})")
+    return _run_checked(options, config, config_path, assignments, api)
 
 
 def _run_checked(options, config, config_path: str, assignments: list[str], api: EphemeralApi) -> int:

@@ -24,7 +24,9 @@ def prefect_environment(run_root: str) -> None:
 class EphemeralApi:
     """The embedded default's ephemeral Prefect API, started in the background while the CLI finishes its checks and
     imports (the start takes 7 s, 16 s on a new database); the flow finds it running: Prefect keeps one per process.
-    Nothing is started when PREFECT_API_URL names a server."""
+    Nothing is started when PREFECT_API_URL names a server. The starting thread is not a daemon: when a check fails
+    after it began, the interpreter waits for it at exit (its start may be migrating the database, which must not be
+    cut short) before Prefect's own exit handler stops the server."""
 
     def __init__(self):
         self.thread: threading.Thread | None = None
@@ -44,27 +46,13 @@ class EphemeralApi:
                 SubprocessASGIServer().start()
             except Exception:  # noqa: BLE001 - the flow's own start raises it again, in the usual place
                 pass
-        self.thread = threading.Thread(target=start, name="prefect-ephemeral-start", daemon=True)
+        self.thread = threading.Thread(target=start, name="prefect-ephemeral-start")
         self.thread.start()
 
     def wait_ready(self) -> None:
         """Before the flow starts."""
         if self.thread is not None:
             self.thread.join()
-
-    def stop_at_exit(self) -> None:
-        """An API the run will not use (a check failed after it started): stopped at exit, once it is up (its start
-        may be migrating the database, which must not be cut short), after the error is printed."""
-        if self.thread is None:
-            return
-        import atexit
-
-        from prefect.server.api.server import SubprocessASGIServer
-
-        def stop() -> None:
-            self.wait_ready()
-            SubprocessASGIServer().stop()
-        atexit.register(stop)
 
 
 def known_run_root(config_path: str, assignments: list[str]) -> str | None:
