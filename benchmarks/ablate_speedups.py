@@ -76,7 +76,7 @@ def child(stage: str, case: str) -> dict:
         lean.sample_from = _one_cumulative_sum
     if level < 6:
         import rloo.heap as heap
-        heap.keep_freed_memory = lambda: heap._libc() is not None and heap._libc().mallopt(
+        heap.keep_freed_memory = lambda: heap.libc() is not None and heap.libc().mallopt(
             heap.M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD)
     if level < 7 and "mkl" in decode._kernels():
         decode._kernels = lambda: {"mkl": decode._mkl}

@@ -19,10 +19,10 @@ TRIM_THRESHOLD = (1 << 31) - 1  # free memory at the top of the heap is kept up 
 
 
 @functools.cache
-def _libc():
+def libc():
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        return libc if hasattr(libc, "mallopt") else None
+        found = ctypes.CDLL("libc.so.6", use_errno=True)
+        return found if hasattr(found, "mallopt") else None
     except OSError:
         return None
 
@@ -30,11 +30,11 @@ def _libc():
 def keep_freed_memory() -> bool:
     """Allocations under 32 MiB from the heap, and the heap's free top kept (up to 2 GiB) instead of trimmed.
     False where there is no glibc."""
-    libc = _libc()
-    if libc is None:
+    lib = libc()
+    if lib is None:
         return False
-    libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    lib.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    lib.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     return True
 
 
@@ -44,11 +44,11 @@ def own_mappings():
     back to the system instead of leaving it in the heap, where the training step's allocations do not fit it again
     (measured, benchmarks/bench_vs_trl.py on 2 cores: peak RSS of the SmolLM2 steps 2.56 -> 2.47 GiB with LoRA, 4.19
     -> 3.85 GiB full, same step time). Afterwards, keep_freed_memory's settings."""
-    libc = _libc()
-    if libc is None:
+    lib = libc()
+    if lib is None:
         yield
         return
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    lib.mallopt(M_MMAP_THRESHOLD, 1 << 20)
     try:
         yield
     finally:

@@ -12,6 +12,8 @@ from torch import nn
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           PreTrainedModel, PreTrainedTokenizerBase)
 
+from rloo.mapped import mapped_copy
+
 
 def _looks_like_local_path(name: str) -> bool:
     return (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
@@ -162,9 +164,12 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) ->
     return ids
 
 
-def create_reference_model(model: PreTrainedModel) -> PreTrainedModel:
-    """A frozen copy of the policy as it is now (the reference pi_ref)."""
-    reference = copy.deepcopy(model)
+def create_reference_model(model: PreTrainedModel, mapped: bool = True) -> PreTrainedModel:
+    """A frozen copy of the policy as it is now (the reference pi_ref); `mapped`: in a file mapping that is paged out
+    between the reference forwards where rloo.mapped can make one, else in memory."""
+    reference = mapped_copy(model) if mapped else None
+    if reference is None:
+        reference = copy.deepcopy(model)
     reference.requires_grad_(False)
     reference.eval()
     return reference
@@ -377,7 +382,7 @@ def reference_for_zero3(policy: nn.Module, source: str, init_kwargs: dict, trust
     cannot be copied, so the reference is loaded again from the same source on every rank."""
     from rloo.zero import is_partitioned
     if not is_partitioned(policy):
-        return create_reference_model(policy)
+        return create_reference_model(policy, mapped=False)  # its weights move into DeepSpeed's partitions
     if not source:
         raise ValueError("ZeRO-3 with beta > 0 needs a reference copy of the policy, but the model object given "
                          "was sharded at creation and has no config._name_or_path to load it from again. Fix: "

@@ -16,7 +16,7 @@ from accelerate.utils import gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, Trainer
 
-from rloo import algorithm, checkpoint, faults, heap, hub, tied
+from rloo import algorithm, checkpoint, faults, heap, hub, mapped, tied
 from rloo.callbacks import MLflowCompletionsCallback, SyncRefModelCallback
 from rloo.checks import check_inputs, prepare_for_iterable_datasets
 from rloo.completion_log import CompletionLog, print_table
@@ -130,8 +130,7 @@ class RLOOTrainer(Trainer):
             if isinstance(func, PreTrainedModel):
                 func.eval()
                 if self._zero3:  # sharded; the engine's hooks live on the module, which the runner calls
-                    self._frozen_engines.append(prepare_frozen(func, self.accelerator,
-                                                               args.per_device_train_batch_size))
+                    self._frozen_engines.append(prepare_frozen(func, self.accelerator, args.per_device_train_batch_size))
                 else:
                     self.reward_funcs[index] = self.accelerator.prepare_model(func, evaluation_mode=True)
 
@@ -301,7 +300,8 @@ class RLOOTrainer(Trainer):
 
     def _reference_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
         if self.ref_model is not None:
-            return self._chunked_logps(self.ref_model, input_ids, attention_mask, logits_to_keep, chunk)
+            with mapped.paged_out_after(self.accelerator.unwrap_model(self.ref_model)):  # its pages go (rloo.mapped)
+                return self._chunked_logps(self.ref_model, input_ids, attention_mask, logits_to_keep, chunk)
         with reference_adapter(unwrapped, self._trainable_adapter):  # PEFT: base (or frozen copy) is the reference
             return self._chunked_logps(unwrapped, input_ids, attention_mask, logits_to_keep, chunk)
 

@@ -18,7 +18,7 @@ def _faults_of_a_step() -> int:
 
 
 def test_memory_a_step_frees_is_not_faulted_in_again():
-    libc = heap._libc()
+    libc = heap.libc()
     if libc is None:
         pytest.skip("no glibc")
     try:
