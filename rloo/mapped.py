@@ -106,11 +106,9 @@ def mapped_copy(model: nn.Module) -> nn.Module | None:
             view.copy_(tensor)
             memo[key] = nn.Parameter(view, requires_grad=False) if isinstance(tensor, nn.Parameter) else view
     copied = copy.deepcopy(model, memo)
-    copied._rloo_mapping = flat
-    for module in copied.modules():  # each module's weights leave again as soon as its forward is done
-        spans = [(tensor.data_ptr(), tensor.numel() * tensor.element_size()) for tensor in module.parameters(False)]
-        if spans:
-            module.register_forward_hook(functools.partial(_drop_after_forward, spans))
+    copied._rloo_mapping = flat  # each module's weights leave again as soon as its forward is done:
+    copied._rloo_hooks = [module.register_forward_hook(functools.partial(_drop_after_forward, flat))
+                          for module in copied.modules() if any(True for _ in module.parameters(recurse=False))]
     page_out(copied)
     return copied
 
@@ -125,9 +123,15 @@ def _drop(begin: int, end: int) -> None:
         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) on the reference model's mapping failed")
 
 
-def _drop_after_forward(spans, module, inputs, output) -> None:
-    for begin, size in spans:
-        _drop(begin, begin + size)
+def _inside(flat: torch.Tensor, tensor: torch.Tensor) -> bool:
+    return flat.data_ptr() <= tensor.data_ptr() < flat.data_ptr() + flat.numel()
+
+
+def _drop_after_forward(flat: torch.Tensor, module: nn.Module, inputs, output) -> None:
+    """A module's forward hook: the pages of its own parameters that are (still) in the mapping."""
+    for tensor in module.parameters(recurse=False):
+        if _inside(flat, tensor):
+            _drop(tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size())
 
 
 def page_out(model: nn.Module) -> None:
@@ -137,11 +141,12 @@ def page_out(model: nn.Module) -> None:
     flat = getattr(model, "_rloo_mapping", None)
     if flat is None:
         return
-    begin, end = flat.data_ptr(), flat.data_ptr() + flat.numel()
-    if not any(begin <= tensor.data_ptr() < end for tensor in model.parameters()):
-        del model._rloo_mapping
+    if not any(_inside(flat, tensor) for tensor in model.parameters()):
+        for hook in model._rloo_hooks:
+            hook.remove()
+        del model._rloo_mapping, model._rloo_hooks
         return
-    _drop(begin, end)  # (mmap's start is a page's; its last page is whole)
+    _drop(flat.data_ptr(), flat.data_ptr() + flat.numel())  # (mmap's start is a page's; its last page is whole)
 
 
 @contextlib.contextmanager

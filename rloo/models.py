@@ -175,6 +175,14 @@ def create_reference_model(model: PreTrainedModel, mapped: bool = True) -> PreTr
     return reference
 
 
+def prepare_reference(policy: PreTrainedModel, accelerator) -> nn.Module:
+    """create_reference_model, prepared by accelerate for evaluation. A CPU reference stays where it is: accelerate
+    moves a model to `cpu:0` in multi-process CPU runs, which copies every tensor (out of rloo.mapped's mapping)."""
+    reference = create_reference_model(policy)
+    on_cpu = accelerator.device.type == "cpu" and all(p.device.type == "cpu" for p in reference.parameters())
+    return accelerator.prepare_model(reference, device_placement=False if on_cpu else None, evaluation_mode=True)
+
+
 DROPOUT_ATTRIBUTES = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
 
 

@@ -24,10 +24,10 @@ from rloo.config import RLOOConfig
 from rloo.generation import make_generation_backend
 from rloo.logps import kl_forwards_share_prompts, per_token_logps
 from rloo.metrics import MetricBuffer
-from rloo.models import (attach_adapter, create_reference_model, disable_dropout, dropout_active, eos_token_ids,
-                         is_peft_model, load_policy, load_reward_model, load_tokenizer, model_identity,
-                         prepare_tokenizer, reference_adapter, reference_for_zero3, resolve_router_aux_loss_coef,
-                         reward_tokenizers, text_tokenizer_of)
+from rloo.models import (attach_adapter, disable_dropout, dropout_active, eos_token_ids, is_peft_model, load_policy,
+                         load_reward_model, load_tokenizer, model_identity, prepare_reference, prepare_tokenizer,
+                         reference_adapter, reference_for_zero3, resolve_router_aux_loss_coef, reward_tokenizers,
+                         text_tokenizer_of)
 from rloo.recompute import recomputed_activations
 from rloo.rewards.runner import RewardRunner
 from rloo.rollout import (Rollout, RolloutSettings, build_rollout, finish_rollout, global_masked_mean,
@@ -120,8 +120,7 @@ class RLOOTrainer(Trainer):
                     disable_dropout(reference)
                 self.ref_model = prepare_frozen(reference, self.accelerator, args.per_device_train_batch_size)
             else:
-                self.ref_model = self.accelerator.prepare_model(create_reference_model(self.model),
-                                                                evaluation_mode=True)
+                self.ref_model = prepare_reference(self.model, self.accelerator)
         if args.sync_ref_model:
             self.add_callback(SyncRefModelCallback(self))
         if "mlflow" in (args.report_to or []):
@@ -130,7 +129,8 @@ class RLOOTrainer(Trainer):
             if isinstance(func, PreTrainedModel):
                 func.eval()
                 if self._zero3:  # sharded; the engine's hooks live on the module, which the runner calls
-                    self._frozen_engines.append(prepare_frozen(func, self.accelerator, args.per_device_train_batch_size))
+                    self._frozen_engines.append(prepare_frozen(func, self.accelerator,
+                                                               args.per_device_train_batch_size))
                 else:
                     self.reward_funcs[index] = self.accelerator.prepare_model(func, evaluation_mode=True)
 
