@@ -7,7 +7,7 @@ import sys
 import torch.distributed
 from datasets import Dataset
 
-from rloo import RLOOConfig, RLOOTrainer
+from rloo import RLOOConfig, RLOOTrainer, mapped
 from rloo.testing import tiny_causal_lm, tiny_tokenizer
 
 out = sys.argv[1]
@@ -32,8 +32,9 @@ args = RLOOConfig(output_dir=os.path.join(out, "run"), bf16=False, use_cpu=True,
 trainer = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=reward, args=args, train_dataset=data,
                       processing_class=tokenizer)
 assert trainer._kl_from_loss
-flat = trainer.ref_model._rloo_mapping  # rloo.mapped: accelerate's placement (on cpu:0) did not copy the reference
-assert all(flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel() for p in trainer.ref_model.parameters())
+flat = getattr(trainer.ref_model, "_rloo_mapping", None)  # rloo.mapped: accelerate's placement did not copy it out
+if mapped.disk_directory(1 << 20) is not None:
+    assert all(flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel() for p in trainer.ref_model.parameters())
 trainer._kl_from_loss = sys.argv[2:] != ["separate-old-forward"]  # the KL's pi_old from a forward of its own
 trainer.train()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -14,6 +14,8 @@ from rloo.cli import main, parse_arguments, resolve_callable, resolve_reward
 from rloo.rewards import accuracy_reward
 from rloo.testing import save_tiny
 
+from services import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -100,7 +102,7 @@ def test_cli_trains_from_a_recipe(tiny_recipe, monkeypatch):
 def test_cli_under_torchrun_two_processes(tiny_recipe):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", "29563", "-m", "rloo", "train", "--config", str(tiny_recipe),
+                             "--master_port", str(free_port()), "-m", "rloo", "train", "--config", str(tiny_recipe),
                              "--per_device_train_batch_size", "3", "--num_generations", "6",
                              "--ddp_backend", "gloo"], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from services import free_port
+
 pytestmark = pytest.mark.slow
 
 
@@ -15,7 +17,7 @@ def test_two_process_training_gathers_rewards_across_ranks(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "distributed_train.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", "29561", script, str(tmp_path)], capture_output=True, text=True,
+                             "--master_port", str(free_port()), script, str(tmp_path)], capture_output=True, text=True,
                             timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
@@ -38,7 +40,7 @@ def test_two_process_training_gathers_rewards_across_ranks(tmp_path):
     # The KL's pi_old taken from the loss's forward (the default here) is the separate old forward's, on both ranks.
     separate = tmp_path / "separate"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", "29562", script, str(separate), "separate-old-forward"],
+                             "--master_port", str(free_port()), script, str(separate), "separate-old-forward"],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     for rank in (0, 1):

@@ -11,6 +11,9 @@ from rloo.tiny import tiny_config
 
 from helpers import conversational, make_args, position_reward
 
+needs_a_disk = pytest.mark.skipif(mapped.disk_directory(64 << 20) is None,
+                                  reason="no writable disk filesystem for the temporary file (only tmpfs or none)")
+
 
 def _resident_bytes(tensor: torch.Tensor) -> int:
     """Resident bytes (smaps `Rss`) of the mapping that holds `tensor`."""
@@ -31,6 +34,7 @@ def _model():
     return LlamaForCausalLM(tiny_config(20000, tie_word_embeddings=True)).eval()  # a 2.5 MiB tied embedding
 
 
+@needs_a_disk
 def test_a_mapped_copy_is_the_model_and_its_pages_leave_the_process_after_each_use():
     model = _model()
     reference = create_reference_model(model)
@@ -55,6 +59,7 @@ def test_a_mapped_copy_is_the_model_and_its_pages_leave_the_process_after_each_u
     assert torch.equal(reference(ids).logits, logits)  # read again from the page cache: the same values
 
 
+@needs_a_disk
 def test_what_is_written_into_a_mapped_copy_survives_paging_out():
     """The sync_ref_model mix and a resumed checkpoint write into the reference in place: a shared mapping keeps it
     (a private one would drop the written pages on MADV_DONTNEED)."""
@@ -88,6 +93,7 @@ def test_no_mapping_on_a_memory_filesystem(monkeypatch, tmp_path):
     assert not hasattr(reference, "_rloo_mapping") and torch.equal(reference.lm_head.weight, model.lm_head.weight)
 
 
+@needs_a_disk
 def test_the_trainers_reference_is_mapped_and_paged_out_after_its_forward(tmp_path, tokenizer, model):
     trainer = RLOOTrainer(model=model, reward_funcs=[position_reward], args=make_args(tmp_path, beta=0.1, max_steps=1),
                           train_dataset=conversational(), processing_class=tokenizer)

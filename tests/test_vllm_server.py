@@ -22,7 +22,7 @@ from rloo.generation.vllm_server import VLLMServerClient, check_same_model
 from rloo.logps import per_token_logps
 from rloo.testing import save_servable, tiny_causal_lm, tiny_servable_causal_lm, tiny_tokenizer
 from helpers import assert_step_timing
-from services import VLLM_PYTHON, vllm_cpu_server_command
+from services import VLLM_PYTHON, free_port, vllm_cpu_server_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -112,7 +112,7 @@ def test_training_under_torchrun_with_verified_syncs(server, tmp_path):
     recipe = _recipe(server, tmp_path, per_device_train_batch_size=2, vllm_sync_tolerance=1e-4)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             "29591", "-m", "rloo", "train", "--config", recipe, "--ddp_backend", "gloo"],
+                             str(free_port()), "-m", "rloo", "train", "--config", recipe, "--ddp_backend", "gloo"],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     logs = [eval(line) for line in result.stdout.splitlines() if line.startswith("{'loss'")]
