@@ -84,6 +84,8 @@ def mapped_copy(model: nn.Module) -> nn.Module | None:
     tensors = {id(tensor): tensor for tensor in [*model.parameters(), *model.buffers()]}
     if libc() is None or not tensors or not all(_mappable(tensor) for tensor in tensors.values()):
         return None
+    if len({tensor.untyped_storage().data_ptr() for tensor in tensors.values()}) < len(tensors):
+        return None  # tensors sharing a storage: copies in separate places would no longer see each other's writes
     offsets, size = {}, 0
     for key, tensor in tensors.items():
         offsets[key] = size
@@ -92,9 +94,11 @@ def mapped_copy(model: nn.Module) -> nn.Module | None:
     if directory is None:
         return None
     handle, path = tempfile.mkstemp(prefix="rloo-reference-", dir=directory)
-    try:
-        os.ftruncate(handle, size)
+    try:  # the blocks reserved up front: a full disk is this error, not a SIGBUS on a later write into the mapping
+        os.posix_fallocate(handle, 0, size)
         flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    except OSError:
+        return None
     finally:
         os.close(handle)
         os.unlink(path)
