@@ -117,13 +117,18 @@ def mapped_copy(model: nn.Module) -> nn.Module | None:
     return copied
 
 
+@functools.cache
+def _madvise():
+    call = libc().madvise
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return call
+
+
 def _drop(begin: int, end: int) -> None:
     """madvise(MADV_DONTNEED) on the whole pages of [begin, end) (a neighbour's page taken too only costs it a minor
     fault: the mapping is shared, nothing is lost)."""
     first, last = begin // PAGE * PAGE, -(-end // PAGE) * PAGE
-    lib = libc()
-    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if last > first and lib.madvise(first, last - first, MADV_DONTNEED) != 0:
+    if last > first and _madvise()(first, last - first, MADV_DONTNEED) != 0:
         raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) on the reference model's mapping failed")
 
 

@@ -12,6 +12,9 @@ import time
 
 import yaml
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from services import free_port  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_STEPS = 6
@@ -35,14 +38,7 @@ def command(recipe: str, output_dir: str, nproc: int) -> list[str]:
     if nproc == 1:
         return [sys.executable, *train]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-            str(_free_port()), *train]
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+            str(free_port()), *train]
 
 
 def environment(extra: dict | None = None, **kill) -> dict[str, str]:
