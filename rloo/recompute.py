@@ -85,6 +85,11 @@ class _Recipes:
             return saved
         return _Recipe(entry[1], saved)
 
+    def close(self) -> None:
+        """No more packing: each recipe packed keeps what it needs, the rest goes (every tensor saved under the
+        hooks keeps `pack`, so this object lives until the whole graph's backward is done)."""
+        self._by_pointer.clear()
+
     @staticmethod
     def unpack(packed):
         return packed() if isinstance(packed, _Recipe) else packed
@@ -146,6 +151,7 @@ def recomputed_activations(model: nn.Module | None) -> Iterator[int]:
         with saved_tensors_hooks(recipes.pack, recipes.unpack):
             yield len(patched)
     finally:
+        recipes.close()
         sdpa_attention.repeat_kv = repeat
         for module in patched:
             del module.forward

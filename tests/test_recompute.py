@@ -125,3 +125,24 @@ def test_the_loss_forward_recomputes_activations_unless_layers_are_checkpointed(
                               train_dataset=conversational(), processing_class=tokenizer)
         trainer.train()
         assert seen == ([0] if checkpointed else [7])
+
+
+def test_what_a_recipe_needs_goes_with_its_layers_backward(tokenizer):
+    """The gate and up projections a recipe makes the MLP's product from are freed once their own layer's backward
+    has run, not held by the forward's recipe book until the whole graph's backward is done (measured: 0.12 GiB of
+    the SmolLM2 benchmark's peak)."""
+    model = tiny_causal_lm(tokenizer)
+    model.train()
+    outputs = []
+    for layer in model.model.layers:
+        for projection in (layer.mlp.gate_proj, layer.mlp.up_proj):
+            projection.register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))
+    alive_at_the_end = []
+    model.model.layers[0].self_attn.q_proj.weight.register_post_accumulate_grad_hook(
+        lambda param: alive_at_the_end.append(sum(ref() is not None for ref in outputs)))
+    ids, mask = _rows()
+    with recompute.recomputed_activations(model):
+        out = per_token_logps(model, ids, mask, 5, 1.0)
+    assert len(outputs) == 2 * 2 * 2 and all(ref() is not None for ref in outputs)  # 2 passes x 2 layers x 2
+    out.logps.sum().backward()
+    assert alive_at_the_end == [0]
