@@ -1,6 +1,7 @@
 """Model handling: PEFT (new adapter and PeftModel in), QLoRA refusal, init kwargs, dropout, remote code, MoE, GC."""
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -258,3 +259,32 @@ def test_shared_prompts_under_activation_checkpointing(tokenizer, model):
     assert not can_share_prompts(model)
     with torch.no_grad():
         assert can_share_prompts(model)  # (no backward: nothing to replay)
+
+
+def test_shared_prompts_let_each_layers_key_and_value_gradients_go_with_its_backward(tokenizer, model, monkeypatch):
+    """Each row's copy of its prompt's keys and values is taken in the layer's own forward: the gradient of the
+    keys and values the completions attended to is summed per prompt within that layer's backward and freed, not
+    held until the backward of every completion layer is over."""
+    from rloo import logps
+    grads = []
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = original(self, key_states, value_states, *args, **kwargs)
+        for tensor in (keys, values):
+            tensor.register_hook(lambda grad: grads.append(weakref.ref(grad.untyped_storage())))
+        return keys, values
+
+    original = logps._ReadOnlyLayer.update
+    monkeypatch.setattr(logps._ReadOnlyLayer, "update", update)
+    embedded, alive = [], []
+    model.model.embed_tokens.register_forward_hook(lambda module, args, output: embedded.append(output))
+    model.train()
+    input_ids = torch.randint(3, len(tokenizer), (2, 9))
+    input_ids = input_ids[[0, 0, 1, 1]]
+    out = logps.per_token_logps(model, input_ids, torch.ones_like(input_ids), 3, 1.0, share_prompts=True)
+    assert len(embedded) == 2  # the prompts' forward, then the completions'
+    # Its gradient is complete once every completion layer's backward has run.
+    embedded[1].register_hook(lambda grad: alive.append(sum(ref() is not None for ref in grads)))
+    embedded.clear()
+    out.logps.sum().backward()
+    assert len(grads) == 2 * model.config.num_hidden_layers and alive == [0]
