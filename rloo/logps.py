@@ -5,6 +5,7 @@ attending to its KV cache (shared_prompt_logits)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -13,8 +14,10 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 from rloo.models import is_moe, is_peft_model
+from rloo.prompt_layers import PromptLayers
 from rloo.recompute import llama_kind
 from rloo.tied import head_weight
+from rloo.zero import is_partitioned
 
 
 def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -133,15 +136,16 @@ class _ReadOnlyLayer(DynamicLayer):
     prompt) runs with that layer's, not after the whole completions' backward: the rows' key and value gradients
     are not held that long (measured: 30 MiB of the SmolLM2 benchmark's peak)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, boundary=None):
         super().__init__()
         self.lazy_initialization(keys, values)
-        self.keys, self.values, self.rows, self.read = keys, values, rows, False
+        self.keys, self.values, self.rows, self.read, self.boundary = keys, values, rows, False, boundary
 
     def update(self, key_states, value_states, *args, **kwargs):
         self.read = True
-        return (torch.cat([self.keys[self.rows], key_states], dim=-2),
-                torch.cat([self.values[self.rows], value_states], dim=-2))
+        # (behind the node that runs the prompts' layer backward with this one's: rloo.prompt_layers)
+        keys, values = self.boundary(self.keys, self.values) if self.boundary else (self.keys, self.values)
+        return torch.cat([keys[self.rows], key_states], dim=-2), torch.cat([values[self.rows], value_states], dim=-2)
 
 
 def cache_argument(model: nn.Module) -> str | None:
@@ -208,19 +212,30 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
     plain = llama_kind(type(base)) == "causal_lm" and "forward" not in base.__dict__ and not _prompt_learning(model)
     decoder = base.model if plain else None  # (not past a forward wrapped by hooks: accelerate's device alignment)
     forward = model if decoder is None else decoder
+    # The prompts' backward layer by layer with the completions' (not with activation checkpointing's replays, nor
+    # ZeRO-3's gathering hooks).
+    segments = PromptLayers(decoder) if logits_to_keep > 1 and PromptLayers.applies(decoder) and not (
+        _checkpointed_layers(base) or is_partitioned(base)) else None
     with _checkpoints_keep_cache(base):
-        prompts = forward(input_ids=input_ids[first, :prompt_length],
-                          attention_mask=attention_mask[first, :prompt_length], use_cache=use_cache,
-                          **({"logits_to_keep": 1} if decoder is None else {}), **{name: cache})
+        with segments.cut() if segments else contextlib.nullcontext():
+            prompts = forward(input_ids=input_ids[first, :prompt_length],
+                              attention_mask=attention_mask[first, :prompt_length], use_cache=use_cache,
+                              **({"logits_to_keep": 1} if decoder is None else {}), **{name: cache})
         if not all(layer.is_initialized for layer in cache.layers):
             return None  # a forward that ignored the cache given
         # What predicts each row's first completion token (the decoder's: one per distinct prompt).
         last_prompt = prompts.logits[inverse] if decoder is None else prompts.last_hidden_state[:, -1:]
         if logits_to_keep == 1:
             return (last_prompt if decoder is None else base.lm_head(last_prompt)[inverse]), prompts
+        if segments and not segments.segments_found([(layer.keys, layer.values) for layer in cache.layers],
+                                                    last_prompt):
+            return None  # a layer reaching past its own input and parameters: whole rows
         # A cache of its own: a replay of the prompts' forward in backward still finds theirs.
         rows_cache = plain_cache(base.config)
-        rows_cache.layers = [_ReadOnlyLayer(layer.keys, layer.values, inverse) for layer in cache.layers]
+        rows_cache.layers = [
+            _ReadOnlyLayer(layer.keys, layer.values, inverse,
+                           functools.partial(segments.boundary, index) if segments else None)
+            for index, layer in enumerate(cache.layers)]
         # The completions but their last token (nothing after it is scored), attending to their prompt's cache.
         completions = forward(input_ids=input_ids[:, prompt_length:-1], attention_mask=attention_mask[:, :-1],
                               use_cache=use_cache, **{name: rows_cache})
@@ -228,6 +243,8 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
             return None
     if decoder is None:
         return torch.cat([last_prompt, completions.logits], dim=1), completions
+    if segments:
+        last_prompt, = segments.boundary(len(cache.layers), last_prompt)
     prompt_logits, completion_logits = _head_over_parts(base.lm_head, last_prompt, completions.last_hidden_state)
     return torch.cat([prompt_logits[inverse], completion_logits], dim=1), completions
 

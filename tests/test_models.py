@@ -288,3 +288,67 @@ def test_shared_prompts_let_each_layers_key_and_value_gradients_go_with_its_back
     embedded.clear()
     out.logps.sum().backward()
     assert len(grads) == 2 * model.config.num_hidden_layers and alive == [0]
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_shared_prompts_backward_layer_by_layer_gives_bitwise_the_same_gradients(tokenizer, model, monkeypatch,
+                                                                                 kind):
+    """Each prompt layer's backward runs with its completions' layer (rloo.prompt_layers): the same gradients, bit for
+    bit, as autograd's own order, also added to gradients already there (accumulation over micro-batches), under the
+    trainer's recomputed activations and tied embedding; no hook is left on a parameter after the backward."""
+    from rloo import logps, prompt_layers, tied
+    from rloo.recompute import recomputed_activations
+    if kind == "lora":
+        model = get_peft_model(model, LoraConfig(**LORA))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.1)
+    model.train()
+    torch.manual_seed(0)
+    prompts = torch.randint(3, len(tokenizer), (2, 7))
+    prompt_mask = torch.ones_like(prompts)
+    prompts[1, :3], prompt_mask[1, :3] = tokenizer.pad_token_id, 0
+    rows = torch.tensor([0, 0, 1, 1, 1, 0])
+    input_ids = torch.cat([prompts[rows], torch.randint(3, len(tokenizer), (6, 5))], dim=1)
+    attention_mask = torch.cat([prompt_mask[rows], torch.ones(6, 5, dtype=torch.long)], dim=1)
+    boundaries = []
+    boundary = prompt_layers.PromptLayers.boundary
+    monkeypatch.setattr(prompt_layers.PromptLayers, "boundary",
+                        lambda self, *args: boundaries.append(args[0]) or boundary(self, *args))
+    results = {}
+    for layered in (True, False):
+        if not layered:
+            monkeypatch.setattr(prompt_layers.PromptLayers, "applies", staticmethod(lambda decoder: False))
+        model.zero_grad(set_to_none=True)
+        for weight in (1.0, 0.5):  # the second backward adds into the gradients the first set
+            with recomputed_activations(model), tied.tied_rows(model):
+                out = logps.per_token_logps(model, input_ids, attention_mask, 5, 0.7)
+            (out.logps * weight).sum().backward()
+        results[layered] = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        assert not any(p._backward_hooks for p in model.parameters())
+    layers = model.config.num_hidden_layers  # (the layered runs took that path: a node per layer and the norm)
+    assert boundaries == [*range(layers + 1)] * 2
+    assert all(torch.equal(layered, plain) for layered, plain in zip(results[True], results[False]))
+
+
+def test_shared_prompts_free_each_prompt_layer_within_its_completions_layer_backward(tokenizer, model):
+    """A prompt layer's activations (here its up projection, which the MLP's backward keeps) are gone by the time the
+    completions' backward has reached their first layer's input: freed layer by layer, not after the whole
+    completions' backward."""
+    from rloo import logps
+    model.train()
+    up_projections = []  # the prompts' forward (2 distinct prompts) comes first, then the completions' (4 rows)
+    for layer in model.model.layers:
+        layer.mlp.up_proj.register_forward_hook(
+            lambda module, args, output: up_projections.append(weakref.ref(output.untyped_storage()))
+            if output.size(0) == 2 else None)
+    embedded, alive = [], []
+    model.model.embed_tokens.register_forward_hook(lambda module, args, output: embedded.append(output))
+    input_ids = torch.randint(3, len(tokenizer), (2, 9))[[0, 0, 1, 1]]
+    out = logps.per_token_logps(model, input_ids, torch.ones_like(input_ids), 3, 1.0, share_prompts=True)
+    assert len(embedded) == 2 and len(up_projections) == model.config.num_hidden_layers
+    embedded[1].register_hook(lambda grad: alive.append(sum(ref() is not None for ref in up_projections)))
+    embedded.clear()
+    out.logps.sum().backward()
+    assert alive == [0]
