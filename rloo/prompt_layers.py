@@ -12,8 +12,9 @@ A weight's gradient is still set once per backward, by autograd (DDP's hooks see
 gradients, the weights wait for its node, and a hook on each adds the completions' gradient into the prompts' in
 place, the one sum of the same two terms autograd made before. The gradients are bitwise the same
 (tests/test_models.py). Measured (docs/benchmarks.md, SmolLM2-135M, 2 prompts x 4 rows, 32 completion tokens): the
-peak RSS of a forward + backward 3.35-3.54 -> 2.90-2.98 GiB with 512-token prompts; on the trainer benchmark's
-~60-token prompts the live tensors at the step's peak 0.59 -> 0.52 GiB."""
+peak RSS of a forward + backward 3.15-3.54 -> 2.90-2.98 GiB with 512-token prompts
+(benchmarks/bench_prompt_layers.py); on the trainer benchmark's ~60-token prompts the live tensors at the step's peak
+0.59 -> 0.52 GiB."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
 class PromptLayers:
-    """The cuts of one prompts' forward: for each decoder layer (and the final norm, index len(layers)) its input's
-    original tensor and the leaf the layer ran on; the gradient of each leaf once its segment's backward has run."""
+    """The segments of one prompts' forward, by index (each decoder layer's, then the final norm's at len(layers)):
+    the leaf each ran on, its outputs and parameters; in the backward, each leaf's gradient for the segment below and
+    the parameters' gradients for their hooks."""
 
     def __init__(self, decoder: nn.Module):
         self.modules = [*decoder.layers, decoder.norm]
@@ -40,9 +42,10 @@ class PromptLayers:
         self.params: dict[int, list[torch.Tensor]] = {}
         # Each segment's outputs as autograd edges (not tensors: a view would keep its base's memory alive).
         self.outputs: dict[int, list[GradientEdge | None]] = {}
-        # Each segment parameter's gradient from the prompts, until a hook adds the completions' into it.
-        self.stash: dict[int, torch.Tensor] = {}
+        # Each segment parameter's gradient from the prompts, until its hook adds the completions' into it.
+        self.stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.handles: list = []
+        self.queued = False
         weakref.finalize(self, _remove, self.handles)  # (a forward never backpropagated)
 
     @staticmethod
@@ -74,7 +77,7 @@ class PromptLayers:
     def segments_found(self, keys_values: list[tuple[torch.Tensor, torch.Tensor]], last: torch.Tensor) -> bool:
         """Record each segment's outputs and check that its graph reaches no leaf but its own input and its module's
         parameters (False: a layer that uses anything else, which its segment's backward would miss)."""
-        count = len(self.modules) - 1
+        count, taken = len(self.modules) - 1, set()
         if len(keys_values) != count or set(self.inputs) != set(range(count + 1)):
             return False
         for index in range(count + 1):
@@ -82,8 +85,9 @@ class PromptLayers:
             own = {id(p): p for p in self.modules[index].parameters() if p.requires_grad}
             found = _leaves(outputs)
             leaf = self.inputs[index][1]
-            if any(id(t) not in own and t is not leaf for t in found):
-                return False
+            if any(id(t) not in own and t is not leaf or id(t) in taken for t in found):
+                return False  # (also a parameter two layers share: one hook, one prompts' part each)
+            taken.update(id(t) for t in found)
             self.outputs[index] = [get_gradient_edge(t) if t.requires_grad else None for t in outputs]
             self.params[index] = [own[id(t)] for t in found if t is not leaf]
             self.leaves[index] = leaf
@@ -103,16 +107,27 @@ class PromptLayers:
         return _Boundary.apply(self, index, tensors, anchor, below, *self.params[index])  # (`tensors` not inputs)
 
 
-def _add_prompt_side(stash: dict[int, torch.Tensor], key: int, grad: torch.Tensor) -> torch.Tensor:
-    """A parameter's gradient from the completions, the prompts' added in place into the prompts' (which autograd
-    then takes as the parameter's gradient, or adds into the one it has, as it did their sum before)."""
-    prompt = stash.pop(key, None)
-    return grad if prompt is None else prompt.add_(grad)
+def _add_prompt_side(stash: dict[int, tuple[torch.Tensor, torch.Tensor]], key: int,
+                     grad: torch.Tensor) -> torch.Tensor:
+    """A segment parameter's hook: the gradient autograd is about to set (the completions') added in place into the
+    prompts' part; autograd sets that sum, or adds it to the gradient there, as it did with its own sum before."""
+    found = stash.pop(key, None)
+    return grad if found is None else found[1].add_(grad)
 
 
 def _remove(handles: list) -> None:
     while handles:
         handles.pop().remove()
+
+
+def _finish(segments: PromptLayers) -> None:
+    """At the backward's end: the hooks go, and a prompts' part whose hook never ran (no gradient from the
+    completions) is added to its parameter's gradient."""
+    _remove(segments.handles)
+    with torch.no_grad():
+        for param, grad in segments.stash.values():
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+    segments.stash.clear()
 
 
 class _Boundary(torch.autograd.Function):
@@ -144,11 +159,12 @@ class _Boundary(torch.autograd.Function):
         leaf_grad = found.pop(0) if leaf.requires_grad else None
         for param, grad in zip(params, found):
             if grad is not None:
-                segments.stash[id(param)] = grad.detach()  # (not a view: nothing else holds its memory)
+                segments.stash[id(param)] = (param, grad.detach())  # (not a view: nothing else holds its memory)
         if index > 0:
             segments.grads[index] = leaf_grad
-        if index == 0:  # the last segment: the hooks go when this backward is over
-            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_remove, segments.handles))
+        if not segments.queued:  # (the first segment to run: the final norm's)
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_finish, segments))
+            segments.queued = True
         below = leaf_grad if index == 0 and ctx.with_below else None
         # The parameters' gradients wait for this node: their hooks find the prompts' part here.
         return (None, None, None, None, below, *([None] * len(params)))

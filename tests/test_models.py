@@ -193,10 +193,8 @@ def test_model_init_kwargs_revision_also_loads_the_processing_class(tmp_path, to
     assert calls == ["main"]
 
 
-@pytest.mark.parametrize("kind", ["full", "lora"])
-def test_shared_prompts_give_the_same_logps_entropy_and_gradients(tokenizer, model, kind):
-    """Rows repeating a prompt (left-padded, as the generations of one prompt) run it once and reuse its KV cache."""
-    from rloo.logps import per_token_logps
+def _in_training(model, kind):
+    """The model in training mode, as it is ("full") or with a LoRA adapter whose B is not zero ("lora")."""
     if kind == "lora":
         model = get_peft_model(model, LoraConfig(**LORA))
         with torch.no_grad():
@@ -204,6 +202,14 @@ def test_shared_prompts_give_the_same_logps_entropy_and_gradients(tokenizer, mod
                 if "lora_B" in name:
                     param.normal_(0, 0.1)
     model.train()
+    return model
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_shared_prompts_give_the_same_logps_entropy_and_gradients(tokenizer, model, kind):
+    """Rows repeating a prompt (left-padded, as the generations of one prompt) run it once and reuse its KV cache."""
+    from rloo.logps import per_token_logps
+    model = _in_training(model, kind)
     torch.manual_seed(0)
     prompts = torch.randint(3, len(tokenizer), (3, 7))
     prompt_mask = torch.ones_like(prompts)
@@ -298,13 +304,7 @@ def test_shared_prompts_backward_layer_by_layer_gives_bitwise_the_same_gradients
     trainer's recomputed activations and tied embedding; no hook is left on a parameter after the backward."""
     from rloo import logps, prompt_layers, tied
     from rloo.recompute import recomputed_activations
-    if kind == "lora":
-        model = get_peft_model(model, LoraConfig(**LORA))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.1)
-    model.train()
+    model = _in_training(model, kind)
     torch.manual_seed(0)
     prompts = torch.randint(3, len(tokenizer), (2, 7))
     prompt_mask = torch.ones_like(prompts)
