@@ -50,11 +50,14 @@ class PromptLayers:
 
     @staticmethod
     def applies(decoder: nn.Module | None) -> bool:
-        """A decoder with `layers` and a final `norm` whose parameters get gradients."""
-        return (decoder is not None and torch.is_grad_enabled() and isinstance(getattr(decoder, "layers", None),
-                                                                                nn.ModuleList)
-                and isinstance(getattr(decoder, "norm", None), nn.Module)
-                and any(p.requires_grad for p in decoder.parameters()))
+        """A decoder with `layers` and a final `norm` whose parameters get gradients, none of them with a hook of its
+        own (autograd would also call it on the prompts' part, which a segment's backward captures)."""
+        if decoder is None or not torch.is_grad_enabled() or not isinstance(getattr(decoder, "layers", None),
+                                                                           nn.ModuleList) \
+                or not isinstance(getattr(decoder, "norm", None), nn.Module):
+            return False
+        trainable = [p for p in decoder.parameters() if p.requires_grad]
+        return bool(trainable) and not any(p._backward_hooks for p in trainable)
 
     @contextlib.contextmanager
     def cut(self) -> Iterator[None]:

@@ -352,3 +352,21 @@ def test_shared_prompts_free_each_prompt_layer_within_its_completions_layer_back
     embedded.clear()
     out.logps.sum().backward()
     assert alive == [0]
+
+
+def test_a_parameter_with_a_hook_of_its_own_keeps_the_prompts_backward_after_the_completions(tokenizer, model,
+                                                                                            monkeypatch):
+    """A hook on a parameter sees its gradient once per backward, the sum of the prompts' and the completions' parts:
+    the prompts' layers then run their backward as autograd orders it (the layered one would show it the prompts'
+    part too)."""
+    from rloo import logps, prompt_layers
+    boundaries, seen = [], []
+    boundary = prompt_layers.PromptLayers.boundary
+    monkeypatch.setattr(prompt_layers.PromptLayers, "boundary",
+                        lambda self, *args: boundaries.append(args[0]) or boundary(self, *args))
+    model.train()
+    model.model.layers[0].mlp.up_proj.weight.register_hook(lambda grad: seen.append(grad.clone()))
+    input_ids = torch.randint(3, len(tokenizer), (2, 9))[[0, 0, 1, 1]]
+    logps.per_token_logps(model, input_ids, torch.ones_like(input_ids), 3, 1.0).logps.sum().backward()
+    assert boundaries == [] and len(seen) == 1
+    assert torch.equal(seen[0], model.model.layers[0].mlp.up_proj.weight.grad)
