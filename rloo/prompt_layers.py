@@ -8,7 +8,7 @@ final norm's): prompt layer L is a segment from its input leaf to its keys, valu
 an autograd node made in the completions' layer L forward, where their attention reads those keys and values, so
 within the completions' layer L backward, and that layer's prompt activations go there.
 
-A weight's gradient is still set once per backward, by autograd (DDP's hooks see one): the segment keeps its weights'
+A weight's gradient is still set once per backward, by autograd: the segment keeps its weights'
 gradients, the weights wait for its node, and a hook on each adds the completions' gradient into the prompts' in
 place, the one sum of the same two terms autograd made before. The gradients are bitwise the same
 (tests/test_models.py). Measured (docs/benchmarks.md, SmolLM2-135M, 2 prompts x 4 rows, 32 completion tokens): the
@@ -51,10 +51,14 @@ class PromptLayers:
     @staticmethod
     def applies(decoder: nn.Module | None) -> bool:
         """A decoder with `layers` and a final `norm` whose parameters get gradients, none of them with a hook of its
-        own (autograd would also call it on the prompts' part, which a segment's backward captures)."""
+        own (autograd would also call it on the prompts' part, which a segment's backward captures), in a single
+        process (two processes under DDP crashed, SIGABRT, in one of three runs: not used there until understood)."""
         if decoder is None or not torch.is_grad_enabled() or not isinstance(getattr(decoder, "layers", None),
                                                                            nn.ModuleList) \
                 or not isinstance(getattr(decoder, "norm", None), nn.Module):
+            return False
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1:
             return False
         trainable = [p for p in decoder.parameters() if p.requires_grad]
         return bool(trainable) and not any(p._backward_hooks for p in trainable)
