@@ -15,9 +15,8 @@ from transformers.cache_utils import DynamicLayer
 
 from rloo.models import is_moe, is_peft_model
 from rloo.prompt_layers import PromptLayers
-from rloo.recompute import llama_kind
+from rloo.recompute import checkpointed_layers, checkpointed_or_sharded, llama_kind
 from rloo.tied import head_weight
-from rloo.zero import is_partitioned
 
 
 def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -82,7 +81,7 @@ def can_share_prompts(model: nn.Module) -> bool:
     config = getattr(base, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False) or is_moe(base):
         return False
-    checkpointed = _checkpointed_layers(base)
+    checkpointed = checkpointed_layers(base)
     if checkpointed and torch.is_grad_enabled() and base.training and not all(
             _non_reentrant(layer) for layer in checkpointed):
         return False
@@ -96,10 +95,6 @@ def kl_forwards_share_prompts(policy: nn.Module, reference: nn.Module | None) ->
     return can_share_prompts(policy) and (reference is None or can_share_prompts(reference))
 
 
-def _checkpointed_layers(model: nn.Module) -> list[nn.Module]:
-    return [module for module in model.modules() if getattr(module, "gradient_checkpointing", False) is True]
-
-
 def _non_reentrant(layer: nn.Module) -> bool:
     function = getattr(layer, "_gradient_checkpointing_func", None)
     return getattr(function, "keywords", {}).get("use_reentrant") is False
@@ -109,7 +104,7 @@ def _non_reentrant(layer: nn.Module) -> bool:
 def _checkpoints_keep_cache(model: nn.Module):
     """Checkpointed layers keep the KV cache they are given (transformers drops it, fearing a replay that writes it
     twice; the caches of shared_prompt_logits are written once and read after)."""
-    layers = [layer for layer in _checkpointed_layers(model) if hasattr(layer, "_can_checkpoint_with_cache")]
+    layers = [layer for layer in checkpointed_layers(model) if hasattr(layer, "_can_checkpoint_with_cache")]
     for layer in layers:
         layer._can_checkpoint_with_cache = True
     try:
@@ -205,7 +200,7 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
     first, inverse = found
     name = cache_argument(model)
     # (use_cache only creates a cache where none is given; checkpointed layers warn about it, and keep ours)
-    use_cache = not (_checkpointed_layers(base) and base.training and torch.is_grad_enabled())
+    use_cache = not (checkpointed_layers(base) and base.training and torch.is_grad_enabled())
     # Where the model's forward is lm_head(decoder(...)), the decoder runs on the prompts and on the completions and
     # the head on both in one autograd node (_HeadOverParts): the same logits, but one head gradient (vocabulary x
     # hidden) instead of one per forward plus their sum.
@@ -214,8 +209,8 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
     forward = model if decoder is None else decoder
     # The prompts' backward layer by layer with the completions' (not with activation checkpointing's replays, nor
     # ZeRO-3's gathering hooks).
-    segments = PromptLayers(decoder) if logits_to_keep > 1 and PromptLayers.applies(decoder) and not (
-        _checkpointed_layers(base) or is_partitioned(base)) else None
+    segments = PromptLayers(decoder) if logits_to_keep > 1 and PromptLayers.applies(decoder) and \
+        not checkpointed_or_sharded(base) else None
     with _checkpoints_keep_cache(base):
         with segments.cut() if segments else contextlib.nullcontext():
             prompts = forward(input_ids=input_ids[first, :prompt_length],

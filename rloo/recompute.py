@@ -124,9 +124,15 @@ def _repeat_kv(recipes: _Recipes, repeat: Callable, hidden_states: torch.Tensor,
     return repeated
 
 
-def _checkpointed_or_sharded(model: nn.Module) -> bool:
-    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()) or \
-        is_partitioned(model)
+def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's modules with activation checkpointing on (transformers' `gradient_checkpointing` flag)."""
+    return [module for module in model.modules() if getattr(module, "gradient_checkpointing", False) is True]
+
+
+def checkpointed_or_sharded(model: nn.Module) -> bool:
+    """Whether a forward through the model replays layers in backward (activation checkpointing) or gathers
+    ZeRO-3-partitioned weights in hooks: what keeps a forward from being rearranged around its modules."""
+    return bool(checkpointed_layers(model)) or is_partitioned(model)
 
 
 @contextlib.contextmanager
@@ -136,7 +142,7 @@ def recomputed_activations(model: nn.Module | None) -> Iterator[int]:
     as it is, and so do a model with checkpointed layers (they keep nothing anyway), one sharded by ZeRO-3 (a norm's
     weight is gathered again only for its own backward) and modules with forward wrappers of their own (offloading
     hooks)."""
-    if model is None or not torch.is_grad_enabled() or _checkpointed_or_sharded(model):
+    if model is None or not torch.is_grad_enabled() or checkpointed_or_sharded(model):
         yield 0
         return
     recipes = _Recipes()
