@@ -51,14 +51,10 @@ class PromptLayers:
     @staticmethod
     def applies(decoder: nn.Module | None) -> bool:
         """A decoder with `layers` and a final `norm` whose parameters get gradients, none of them with a hook of its
-        own (autograd would also call it on the prompts' part, which a segment's backward captures), in a single
-        process (two processes under DDP crashed, SIGABRT, in one of three runs: not used there until understood)."""
+        own (autograd would also call it on the prompts' part, which a segment's backward captures)."""
         if decoder is None or not torch.is_grad_enabled() or not isinstance(getattr(decoder, "layers", None),
                                                                            nn.ModuleList) \
                 or not isinstance(getattr(decoder, "norm", None), nn.Module):
-            return False
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
-                torch.distributed.get_world_size() > 1:
             return False
         trainable = [p for p in decoder.parameters() if p.requires_grad]
         return bool(trainable) and not any(p._backward_hooks for p in trainable)
