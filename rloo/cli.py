@@ -292,10 +292,12 @@ def train(argv: list[str]) -> int:
 
 def exit_without_native_teardown(code: int) -> None:
     """Exit as Python would (join the non-daemon threads, run the exit handlers, flush), without the interpreter's
-    final teardown of native modules: DeepSpeed on CPU leaves native threads behind that abort it now and then
-    ("terminate called without an active exception", exit -6, after everything was saved: seen once in CI on one
-    of 4 ranks, which failed the whole job), and after torch, transformers and Prefect were imported it takes
-    ~2.5 s that a command line spends doing nothing."""
+    final teardown of native modules. Native threads outlive it and abort it now and then ("terminate called without
+    an active exception", exit -6, after everything was saved: once in CI on one of 4 DeepSpeed ranks, which failed
+    the whole job; 2 in ~50 runs of tests/distributed_train.py's two gloo ranks): a core of the latter shows a gloo
+    worker thread (`ProcessGroupGloo::runLoop`) dropping a finished all-gather's tensors, whose decref takes the GIL;
+    during finalization that ends the thread (`pthread_exit`) through C++ frames that cannot unwind. And after torch,
+    transformers and Prefect were imported the teardown takes ~2.5 s that a command line spends doing nothing."""
     import atexit
     import logging
     import threading

@@ -8,6 +8,7 @@ import torch.distributed
 from datasets import Dataset
 
 from rloo import RLOOConfig, RLOOTrainer, mapped
+from rloo.cli import exit_without_native_teardown
 from rloo.testing import tiny_causal_lm, tiny_tokenizer
 
 out = sys.argv[1]
@@ -40,6 +41,8 @@ trainer.train()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"seen": seen, "log_history": trainer.state.log_history, "table": list(trainer._logs.prompt),
                "param_sum": sum(p.double().sum().item() for p in trainer.model.parameters())}, f)
-# As `rloo train` does: the process group goes before the interpreter (gloo's threads outliving it aborted a rank at
-# exit once in CI, "terminate called without an active exception", after both ranks had written their results).
+# As `rloo train` exits (rloo.cli.exit_without_native_teardown): the process group destroyed, then no interpreter
+# finalization, where a gloo worker thread dropping a finished collective's tensors aborted a rank after both had
+# written their results (see that function).
 torch.distributed.destroy_process_group()
+exit_without_native_teardown(0)
