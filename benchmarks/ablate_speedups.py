@@ -1,11 +1,11 @@
 """Which speed-up bought what: this trainer's step time on one bench_vs_trl case with the speed-ups of 2026-12-02
 switched on one after another (shared prompts; the decode step written out; packed weights; the KL's pi_old from the
 loss's forward; projections side by side with LoRA merged and the two-level draw; freed memory kept in the heap; the
-decode step's packed GEMM the faster of oneDNN's and MKL's and its attention as matmuls),
+decode step's packed GEMM oneDNN's and its attention as matmuls),
 each stage in its own child process, in one run. A stage switches the later ones off by replacing their entry
 points (before "side by side": each projection its own packed matmul, LoRA written out, the q/k/v and gate/up
 outputs concatenated for the step, one cumulative sum over the vocabulary per draw; before "heap kept": glibc trims
-the heap's free top as by default, allocations of 32 MiB or more in their own mappings; before "kernel measured":
+the heap's free top as by default, allocations of 32 MiB or more in their own mappings; before "oneDNN":
 MKL's packed GEMM for every shape, the attention through SDPA):
 
     .venv/bin/python benchmarks/ablate_speedups.py --cases smollm2-full-32,smollm2-lora-32
@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from loss", "side by side", "heap kept",
-          "kernel measured")
+          "oneDNN")
 
 
 def _one_projection_each(modules, rows):

@@ -6,10 +6,9 @@ The keys and values live in one preallocated buffer per layer (rows x key/value 
 filled in place; attention runs on the key/value heads with the query heads grouped (as transformers' SDPA path does
 for one query token; in fp32 as matmuls). fp32 weights on the CPU are packed for a small-batch GEMM (oneDNN's; MKL's
 in a build without it) once per generation call, a layer's query/key/value and gate/up projections side by side in
-one matmul each, LoRA layers (peft, one active adapter) merged into that copy
-(the model's own tensors are not touched); other weights keep their own products, LoRA written out as peft computes
-it. `lean_decoder` returns None for anything else (and under ZeRO-3), and the decode loop then calls the model's
-forward."""
+one matmul each, LoRA layers (peft, one active adapter) merged into that copy (the model's own tensors are not
+touched); other weights keep their own products, LoRA written out as peft computes it. `lean_decoder` returns None
+for anything else (and under ZeRO-3), and the decode loop then calls the model's forward."""
 
 from __future__ import annotations
 
