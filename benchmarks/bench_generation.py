@@ -4,8 +4,12 @@ SmolLM2-135M-Instruct, fp32, sampling at temperature 1, a fixed number of new to
 `--generations G`: the batch holds batch/G prompts, each G times, as a training step's generation batch does
 (num_generations); both generate and the backend get the same rows. G=1: every row its own prompt.
 The limit is estimated from two rates measured in the same run: the rate of reading a buffer the size of the
-weights (every weight is read once per decode step) and the fp32 matmul rate (a large square matmul: 2 x parameters
-FLOPs per token); a decode step cannot be faster than max(weight bytes / bandwidth, FLOPs / matmul rate).
+weights and the fp32 matmul rate (a large square matmul). A call cannot be faster than its prompts' forward (once per
+distinct prompt, the LM head at the last position only: its FLOPs / matmul rate) plus, for each further token, a
+decode step: max((weight bytes + the KV cache's bytes at that step) / bandwidth, 2 x parameters x rows / matmul rate).
+"3x generate / limit" is the fraction of that limit a backend 3 times as fast as `generate` would reach.
+"backend" packs the decode step's weights on every call, as a training step does; "kept" reuses the packed copy
+(`reusing_weights`), as evaluation's batches of one policy do.
 
     .venv/bin/python benchmarks/bench_generation.py [--batches 8,32] [--tokens 48] [--repeats 3]
 """
@@ -40,6 +44,18 @@ def measured_limits(weight_bytes: int) -> tuple[float, float]:
         a @ b
         matmuls.append(time.perf_counter() - start)
     return bandwidth, 2 * 1024**3 / min(matmuls)
+
+
+def call_floor(config, parameters: int, embedding: int, rows: int, distinct: int, prompt_length: int, tokens: int,
+               bandwidth: float, flops: float) -> float:
+    """Seconds a generation call cannot go below on this machine (the module's docstring): fp32 weights and KV cache,
+    every weight read once per decode step, the prompts' forward at the machine's matmul rate."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # keys and values
+    prefill = 2 * ((parameters - embedding) * distinct * prompt_length + embedding * distinct) / flops
+    steps = sum(max((parameters * 4 + rows * kv_per_position * (prompt_length + step)) / bandwidth,
+                    2 * parameters * rows / flops) for step in range(1, tokens))
+    return prefill + steps
 
 
 def prompts(tokenizer, batch: int, generations: int = 1) -> list[list[int]]:
@@ -84,25 +100,32 @@ def main() -> int:
           f"model "
           f"{parameters / 1e6:.0f}M parameters, {weight_bytes / 2**20:.0f} MiB")
     print(f"\n{'batch':>5} {'rows/prompt':>11} {'generate tok/s':>15} {'backend tok/s':>14} {'ratio':>7} "
-          f"{'limit tok/s':>12} {'backend/limit':>13}")
+          f"{'kept tok/s':>14} {'ratio':>7} {'limit tok/s':>12} {'backend/limit':>13} {'3x generate/limit':>17}")
     for batch, generations in ((int(b), int(g)) for b in options.batches.split(",")
                                for g in options.generations.split(",")):
         ids = prompts(tokenizer, batch, generations)
         input_ids, mask = pad_rows(ids, tokenizer.pad_token_id, "left")
-        plain, ours = [], []
+        plain, ours, kept = [], [], []
+        with backend.reusing_weights():
+            backend.generate(model, ids, 1, 0)  # (packs the copy the `kept` calls reuse)
+            for _ in range(options.repeats):
+                start = time.perf_counter()
+                with torch.no_grad():
+                    model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+                plain.append(batch * tokens / (time.perf_counter() - start))
+                start = time.perf_counter()
+                backend.generate(model, ids, 1, 0)
+                kept.append(batch * tokens / (time.perf_counter() - start))
         for _ in range(options.repeats):
-            start = time.perf_counter()
-            with torch.no_grad():
-                model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
-            plain.append(batch * tokens / (time.perf_counter() - start))
             start = time.perf_counter()
             backend.generate(model, ids, 1, 0)
             ours.append(batch * tokens / (time.perf_counter() - start))
-        step_floor = max(weight_bytes / bandwidth, 2 * parameters * batch / flops)
-        limit = batch / step_floor
-        g, b = statistics.median(plain), statistics.median(ours)
-        print(f"{batch:5d} {generations:11d} {g:15.1f} {b:14.1f} {b / g:6.2f}x {limit:12.0f} {b / limit:12.2f}x",
-              flush=True)
+        floor = call_floor(model.config, parameters, model.get_input_embeddings().weight.numel(), batch,
+                           -(-batch // generations), input_ids.size(1), tokens, bandwidth, flops)
+        limit = batch * tokens / floor
+        g, b, k = statistics.median(plain), statistics.median(ours), statistics.median(kept)
+        print(f"{batch:5d} {generations:11d} {g:15.1f} {b:14.1f} {b / g:6.2f}x {k:14.1f} {k / g:6.2f}x {limit:12.0f} "
+              f"{b / limit:12.2f}x {3 * g / limit:16.2f}x", flush=True)
     return 0
 
 

@@ -39,8 +39,9 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
 
     def generate(prompt_ids):
         completions = []
-        for start in range(0, len(prompt_ids), batch):
-            completions += generator.generate(model, prompt_ids[start:start + batch], 1, state.global_step)
+        with generator.reusing_weights():  # one policy's weights for every batch
+            for start in range(0, len(prompt_ids), batch):
+                completions += generator.generate(model, prompt_ids[start:start + batch], 1, state.global_step)
         return completions
 
     weights = torch.tensor(config.recipe_value("reward_weights") or [1.0] * len(runner.names), dtype=torch.float32)

@@ -61,7 +61,6 @@ class RLOOTrainer(Trainer):
         check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes, model,
                      quantization_config, peft_config)
 
-        # Policy.
         self._model_source = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
         model, init_kwargs = load_policy(model, args, quantization_config)
         self._model_identity = model_identity(model)
@@ -191,7 +190,8 @@ class RLOOTrainer(Trainer):
         `eval_` for one dataset, `eval_<name>_` for each entry of a dict / DatasetDict."""
         previous, self._eval_prefix = self._eval_prefix, metric_key_prefix
         try:
-            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+            with self.generator.reusing_weights():  # every batch from one copy of the weights, where one is made
+                metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         finally:
             self._eval_prefix = previous
         if not isinstance(eval_dataset if eval_dataset is not None else self.eval_dataset, dict):

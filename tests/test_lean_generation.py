@@ -310,3 +310,62 @@ def test_weights_are_packed_for_onednn_and_for_mkl_only_in_a_build_without_it(mo
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     decode._packed_linear(weight, bias, 3)
     assert built == [("mkl", 3)]
+
+
+def _counting_builds(monkeypatch):
+    from rloo.generation import lean
+    built = []
+
+    def counted(model, rows):
+        built.append(rows)
+        return lean_decoder(model, rows)
+    from rloo.generation.decode import lean_decoder
+    monkeypatch.setattr(lean, "lean_decoder", counted)
+    return built
+
+
+def test_packed_weights_are_reused_inside_reusing_weights_until_a_weight_or_adapter_changes(tokenizer,
+                                                                                             monkeypatch):
+    """LeanGenerator.reusing_weights: a call inside takes the previous call's packed decoder while the model, the
+    rows, every parameter and the adapters' settings are unchanged; any change packs anew (the tokens are those of a
+    generator that packs every time), and leaving drops the copy."""
+    built = _counting_builds(monkeypatch)
+    model = _variant(tokenizer, "lora").eval()
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    generation = config(tokenizer, do_sample=False)
+    eos = [tokenizer.eos_token_id]
+    fresh = lambda rows: TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, rows)  # noqa
+    generator = LeanGenerator(generation, tokenizer.pad_token_id, eos)
+    generator.generate(model, prompts)
+    generator.generate(model, prompts)
+    assert built == [4, 4]  # outside: packed on every call
+    built.clear()
+    with generator.reusing_weights():
+        before = generator.generate(model, prompts)
+        assert generator.generate(model, prompts) == before == fresh(prompts) and built == [4]
+        with torch.no_grad():  # an in-place change of one LoRA weight (as an optimizer step makes)
+            next(p for n, p in model.named_parameters() if "q_proj.lora_B" in n).add_(1.5)
+        after = generator.generate(model, prompts)
+        assert built == [4, 4] and after == fresh(prompts) and after != before
+        with model.disable_adapter():  # the adapter's settings, not its weights
+            assert generator.generate(model, prompts) == fresh(prompts) and built == [4, 4, 4]
+        assert generator.generate(model, prompts[:3]) == fresh(prompts[:3]) and built == [4, 4, 4, 3]  # other rows
+        assert generator._kept is not None
+    assert generator._kept is None
+
+
+def test_trainer_evaluation_packs_once_and_training_on_every_call(tmp_path, tokenizer, model, monkeypatch):
+    """RLOOTrainer.evaluate generates every batch inside reusing_weights (one packed copy for all of them);
+    training packs on each call and keeps nothing through its backward."""
+    from helpers import conversational, length_reward, make_args
+
+    from rloo import RLOOTrainer
+    built = _counting_builds(monkeypatch)
+    args = make_args(tmp_path, per_device_eval_batch_size=4, max_steps=1)
+    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=conversational(),
+                          eval_dataset=conversational(8), processing_class=tokenizer)
+    assert isinstance(trainer.generator, LeanGenerator)
+    trainer.evaluate()  # 8 prompts x 2 generations in batches of 4 rows
+    assert built == [4]
+    trainer.train()
+    assert built == [4, 4] and trainer.generator._kept is None

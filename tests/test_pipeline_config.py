@@ -205,6 +205,26 @@ def test_evaluation_scores_one_rollout_with_the_training_state(tmp_path):
     assert prompt_lengths == [n + 1 for n in plain]  # 'hello ' (one token) from chat_template_kwargs
 
 
+def test_evaluation_packs_the_decode_step_once_per_policy(tmp_path, tokenizer, monkeypatch):
+    """The evaluate stage's batches of one policy share one packed copy of its weights (reusing_weights)."""
+    from transformers import GenerationConfig, TrainerState
+
+    from infra.evaluation import _score
+    from rloo.generation import LeanGenerator, lean
+    from rloo.rewards import RewardRunner
+    from rloo.testing import tiny_causal_lm
+    built, build = [], lean.lean_decoder
+    monkeypatch.setattr(lean, "lean_decoder", lambda model, rows: built.append(rows) or build(model, rows))
+    rows = [{"prompt": [{"role": "user", "content": w}]} for w in ("the dog", "a big cat", "one two", "red", "sat")]
+    generation = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=[tokenizer.eos_token_id])
+    generator = LeanGenerator(generation, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    _score(tiny(tmp_path, "evaluation.batch_size=2"), tiny_causal_lm(tokenizer).eval(), tokenizer, rows,
+           RewardRunner([lambda completion_ids, **kw: [1.0] * len(completion_ids)], [None]), generator,
+           TrainerState(global_step=1, max_steps=1))
+    assert built == [2, 1]  # batches of 2, 2 and 1 rows: packed for 2 rows once, then for 1
+
+
 def test_evaluation_applies_the_training_reward_settings(tmp_path, monkeypatch):
     """reward_timeout (and nonfinite_rewards) of `training:` bound the evaluation's reward calls too."""
     from infra.evaluation import score_policies

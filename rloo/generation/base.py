@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -40,6 +42,12 @@ class GenerationBackend:
                  ) -> list[list[int]]:
         """Completion ids per row; vLLM backends return `Completions` with the sampled tokens' log-probs."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def reusing_weights(self):
+        """Calls inside may keep what they derive from the model's weights (rloo.generation.lean: the decode step's
+        packed copy) for the next call with the same weights: evaluation's batches of one policy. No-op here."""
+        yield
 
     def sync_weights(self, model: nn.Module, step: int) -> None:
         """Make the backend generate from `model`'s current weights (no-op for in-process backends)."""

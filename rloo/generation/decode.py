@@ -5,10 +5,11 @@ without its per-module dispatch, its mask building and a KV cache that grows by 
 The keys and values live in one preallocated buffer per layer (rows x key/value heads x total length x head size),
 filled in place; attention runs on the key/value heads with the query heads grouped (as transformers' SDPA path does
 for one query token; in fp32 as matmuls). fp32 weights on the CPU are packed for a small-batch GEMM (oneDNN's; MKL's
-in a build without it) once per generation call, a layer's query/key/value and gate/up projections side by side in
-one matmul each, LoRA layers (peft, one active adapter) merged into that copy (the model's own tensors are not
-touched); other weights keep their own products, LoRA written out as peft computes it. `lean_decoder` returns None
-for anything else (and under ZeRO-3), and the decode loop then calls the model's forward."""
+in a build without it) once per generation call (or per version of the weights, `weights_key`), a layer's
+query/key/value and gate/up projections side by side in one matmul each, LoRA layers (peft, one active adapter)
+merged into that copy (the model's own tensors are not touched); other weights keep their own products, LoRA written
+out as peft computes it. `lean_decoder` returns None for anything else (and under ZeRO-3), and the decode loop then
+calls the model's forward."""
 
 from __future__ import annotations
 
@@ -181,6 +182,19 @@ def lean_decoder(model: nn.Module, rows: int) -> Any:
                 not all(hasattr(mlp, name) for name in PROJECTIONS[4:]):
             return None
     return LeanDecoder(base, rows)
+
+
+def weights_key(model: nn.Module, rows: int) -> tuple | None:
+    """What a LeanDecoder built now for `rows` rows depends on: the model, every parameter's identity, storage and
+    version counter (bumped by any in-place change: an optimizer step, load_state_dict), and each LoRA layer's
+    adapter settings. None where parameters keep no version counter (inference tensors)."""
+    try:
+        parameters = tuple((id(p), p.data_ptr(), p._version) for p in model.parameters())
+    except RuntimeError:
+        return None
+    adapters = tuple((id(m), m.merged, m.disable_adapters, tuple(m.active_adapters), tuple(m.scaling.items()))
+                     for m in model.modules() if hasattr(m, "base_layer") and hasattr(m, "scaling"))
+    return id(model), rows, parameters, adapters
 
 
 class LeanDecoder:
