@@ -3,6 +3,8 @@ same distribution (first token against the exact processed distribution, the fir
 `generate`'s samples), and the settings it does not implement left to `generate`."""
 
 import collections
+import functools
+import shutil
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from transformers.generation.logits_process import (RepetitionPenaltyLogitsProce
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from rloo.generation import LeanGenerator, TransformersGenerator, in_process_generator
+from rloo.generation import kernel
 from rloo.generation.decode import _kernels
 from rloo.generation.lean import sample_from
 
@@ -213,19 +216,21 @@ def _variant(tokenizer, kind):
 
 
 _KERNELS = _kernels()
+if "rloo" not in _KERNELS and kernel.compiled() is not None:  # (built here without AVX-512: tested, not used)
+    _KERNELS["rloo"] = functools.partial(kernel.packed_linear, kernel.compiled())
 _PACKABLE = ("llama", "llama-bias", "qwen2", "lora", "lora-mixed")
 
 
-@pytest.mark.parametrize("kind,kernel", [(kind, kernel) for kind in _PACKABLE for kernel in sorted(_KERNELS)]
+@pytest.mark.parametrize("kind,gemm", [(kind, gemm) for kind in _PACKABLE for gemm in sorted(_KERNELS)]
                          + [("lora-float64", None)])
-def test_written_out_decode_step_is_the_models_forward(tokenizer, kind, kernel, monkeypatch):
+def test_written_out_decode_step_is_the_models_forward(tokenizer, kind, gemm, monkeypatch):
     """rloo.generation.decode: the step's logits are the model's (KV buffers; packed weights with each GEMM kernel
     the build has, q/k/v and gate/up side by side, LoRA merged; or, not packable, LoRA written out; the attention's
     matmuls), and greedy decoding with it gives generate's tokens."""
     from rloo.generation import decode
     from rloo.generation.decode import lean_decoder
-    if kernel is not None:  # that kernel alone (MKL's is otherwise used only in a build without oneDNN)
-        monkeypatch.setattr(decode, "_kernels", lambda: {kernel: _KERNELS[kernel]})
+    if gemm is not None:  # that kernel alone (MKL's is otherwise used only in a build without oneDNN)
+        monkeypatch.setattr(decode, "_kernels", lambda: {gemm: _KERNELS[gemm]})
     model = _variant(tokenizer, kind).eval()
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     assert lean_decoder(model, len(prompts)) is not None
@@ -298,6 +303,7 @@ def test_weights_are_packed_for_onednn_and_for_mkl_only_in_a_build_without_it(mo
         return make
     monkeypatch.setattr(decode, "_onednn", kernel("onednn"))
     monkeypatch.setattr(decode, "_mkl", kernel("mkl"))
+    monkeypatch.setattr(decode.kernel_module, "for_decoding", lambda: None)  # (ours: its own test)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
     weight, bias, x = torch.randn(6, 5), torch.randn(6), torch.randn(3, 1, 5)
@@ -369,3 +375,45 @@ def test_trainer_evaluation_packs_once_and_training_on_every_call(tmp_path, toke
     assert built == [4]
     trainer.train()
     assert built == [4, 4] and trainer.generator._kept is None
+
+
+def test_decode_gemm_is_flinear_for_any_rows_columns_bias_and_threads():
+    """rloo.generation.kernel: built wherever gcc is (its tests need no AVX-512: the build then uses 8-float
+    vectors), and x W^T + b for row counts in and out of its groups of rows, columns in and out of its blocks."""
+    import torch.nn.functional as F
+    library = kernel.compiled()
+    assert library is not None or shutil.which("gcc") is None
+    if library is None:
+        pytest.skip("no gcc on this machine: the decode step uses oneDNN's kernel")
+    threads = torch.get_num_threads()
+    try:
+        for count in {1, threads}:
+            torch.set_num_threads(count)
+            for rows in (1, 3, 8, 9, 32):
+                for n, k in ((50, 7), (96, 64), (200, 576)):
+                    weight, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, 1, k)
+                    for b in (None, bias):
+                        linear = kernel.packed_linear(library, weight, b, rows)
+                        torch.testing.assert_close(linear(x), F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="expected fp32 inputs of 7 features"):
+        kernel.packed_linear(library, torch.randn(4, 7), None, 2)(torch.randn(2, 1, 7).double())
+
+
+def test_decode_gemm_goes_first_with_avx512_and_is_skipped_without_a_compiler(tmp_path, monkeypatch):
+    """The decode step packs for our kernel where it is built for AVX-512, and for oneDNN's where there is no
+    compiler (nothing cached): the build's failure is not an error."""
+    from rloo.generation import decode
+    assert ("rloo" in _kernels()) == (kernel.for_decoding() is not None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-gcc"))
+    kernel.compiled.cache_clear()
+    try:
+        assert kernel.compiled() is None and kernel.for_decoding() is None
+        assert next(iter(decode._kernels())) == "onednn"
+    finally:
+        monkeypatch.undo()
+        kernel.compiled.cache_clear()
+    if kernel.for_decoding() is not None:
+        assert next(iter(decode._kernels())) == "rloo"

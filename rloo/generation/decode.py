@@ -13,6 +13,7 @@ calls the model's forward."""
 
 from __future__ import annotations
 
+import functools
 from importlib import import_module
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rloo.generation import kernel as kernel_module
 from rloo.heap import own_mappings
 from rloo.recompute import llama_kind
 
@@ -47,8 +49,12 @@ def _mkl(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Callable
 
 
 def _kernels() -> dict[str, Callable]:
-    """The packed fp32 GEMM kernels of this torch build, the one used first (oneDNN's, then MKL's)."""
+    """The packed fp32 GEMM kernels here, the one used first: ours (rloo.generation.kernel) where the CPU has
+    AVX-512 and gcc built it, then this torch build's: oneDNN's, then MKL's."""
     found = {}
+    library = kernel_module.for_decoding()
+    if library is not None:
+        found["rloo"] = functools.partial(kernel_module.packed_linear, library)
     if torch.backends.mkldnn.is_available():
         found["onednn"] = _onednn
     if torch.backends.mkl.is_available():
