@@ -417,3 +417,41 @@ def test_decode_gemm_goes_first_with_avx512_and_is_skipped_without_a_compiler(tm
         kernel.compiled.cache_clear()
     if kernel.for_decoding() is not None:
         assert next(iter(decode._kernels())) == "rloo"
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_decode_steps_attention_in_c_is_the_models_forward(tokenizer, path):
+    """rloo.generation.kernel.attention (rotary embedding, key/value write, attention of a step in one call; used
+    where the decode GEMM is): three steps' logits against the model's forward over a left-padded batch, grouped
+    query heads; and the torch path beside it."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from rloo.data import pad_rows
+    from rloo.generation.decode import lean_decoder
+    from rloo.logps import cache_argument
+    library = kernel.compiled()
+    if library is None:
+        assert shutil.which("gcc") is None
+        pytest.skip("no gcc on this machine: the step's attention stays torch's")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         eos_token_id=2, pad_token_id=2, bos_token_id=None)).eval()
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    input_ids, mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache, name = DynamicCache(config=model.config), cache_argument(model)
+    with torch.no_grad():
+        model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
+        decoder = lean_decoder(model, len(prompts))
+        decoder.attend = kernel.attention(library, 4, 2, 16) if path == "c" else None
+        assert (decoder.attend is not None) == (path == "c")
+        decoder.start(cache, mask, 3)
+        step_positions = positions[:, -1:]
+        for tokens in ([7, 8, 9, 10], [3, 4, 5, 6], [11, 12, 13, 14]):
+            tokens, step_positions = torch.tensor(tokens), step_positions + 1
+            mine = decoder.step(tokens, step_positions)
+            mask = torch.cat([mask, torch.ones(4, 1, dtype=mask.dtype)], 1)
+            theirs = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=step_positions,
+                           use_cache=True, **{name: cache}).logits[:, -1]
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)

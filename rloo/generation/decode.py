@@ -226,6 +226,10 @@ class LeanDecoder:
                     gate_up=_side_by_side([mlp.gate_proj, mlp.up_proj], rows),
                     down_proj=_side_by_side([mlp.down_proj], rows)))
             self.lm_head = _side_by_side([model.lm_head], rows)
+        library = kernel_module.for_decoding()
+        # the rotary embedding, key/value write and attention of a step in one call (fp32 on the CPU), else torch's
+        self.attend = None if library is None else kernel_module.attention(library, self.heads, self.kv_heads,
+                                                                           self.head_dim)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.mask: torch.Tensor | None = None
@@ -275,20 +279,25 @@ class LeanDecoder:
         cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
         # rotate_half(x) * sin == x.roll(half) * sin with its first half negated (the same products: one sign moved)
         half = head_dim // 2
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        attend = self.attend if self.attend is not None and hidden.dtype == torch.float32 and \
+            hidden.device.type == "cpu" else None
         for index, layer in enumerate(self.layers):
             projected = layer["qkv"](layer["norm1"](hidden)).view(rows, heads + 2 * kv_heads, head_dim)
-            # the rotary embedding of the queries and keys at once (apply_rotary_pos_emb's formula, cos and sin
-            # broadcast over the heads)
-            rotated = projected[:, : heads + kv_heads]
-            rotated = rotated * cos + rotated.roll(half, -1) * sin
             keys, values = self.keys[index], self.values[index]
-            keys[:, :, at] = rotated[:, heads:]
-            values[:, :, at] = projected[:, heads + kv_heads:]
-            total = keys.size(2)
-            attended = self._attention(rotated[:, :heads].reshape(batch, groups, head_dim),
-                                       keys.view(batch, total, head_dim)[:, :length],
-                                       values.view(batch, total, head_dim)[:, :length], mask, layer["scaling"])
+            if attend is not None:
+                attended = attend(projected, cos, sin, keys, values, self.mask, at, layer["scaling"])
+            else:
+                # the rotary embedding of the queries and keys at once (apply_rotary_pos_emb's formula, cos and sin
+                # broadcast over the heads)
+                rotated = projected[:, : heads + kv_heads]
+                rotated = rotated * cos + rotated.roll(half, -1) * signed_sin
+                keys[:, :, at] = rotated[:, heads:]
+                values[:, :, at] = projected[:, heads + kv_heads:]
+                total = keys.size(2)
+                attended = self._attention(rotated[:, :heads].reshape(batch, groups, head_dim),
+                                           keys.view(batch, total, head_dim)[:, :length],
+                                           values.view(batch, total, head_dim)[:, :length], mask, layer["scaling"])
             hidden = hidden + layer["o_proj"](attended.reshape(rows, 1, heads * head_dim))
             gate_up = layer["gate_up"](layer["norm2"](hidden))
             hidden = hidden + layer["down_proj"](F.silu(gate_up[..., : self.intermediate])

@@ -28,7 +28,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = r"""
+#include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #define NB 16
@@ -97,6 +99,61 @@ void linear(const float *x, const float *p, const float *bias, float *y, int m, 
         }
     }
 }
+
+/* x * cos + rotate_half(x) * sin, rotate_half(x) = (-second half, first half) */
+static void rotate(const float *x, const float *cos, const float *sin, float *out, int dim) {
+    int half = dim / 2;
+    for (int i = 0; i < half; i++) out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+    for (int i = half; i < dim; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+static float total_of(vec v) {  /* pairwise: a chain of log2(NB) additions, not NB */
+    float lanes[NB];
+    memcpy(lanes, &v, sizeof(lanes));
+    for (int width = NB / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
+    return lanes[0];
+}
+
+/* One decode step's attention: qkv [rows][heads + 2 kv_heads][dim] (the projections), cos / sin [rows][dim] at
+   this step's positions; the rotated key and the value are written at position `at` of keys / values [rows][kv_heads]
+   [total][dim]; out [rows][heads][dim] = softmax((q . k) * scale + mask) v over positions 0..at, mask [rows][total]
+   (0 or -inf); query head h uses key/value head h / (heads / kv_heads). dim a multiple of NB, at most 512. */
+void attend(const float *qkv, const float *cos, const float *sin, float *keys, float *values, const float *mask,
+            float *out, int rows, int heads, int kv_heads, int dim, int total, int at, float scale, int threads) {
+    int groups = heads / kv_heads, width = (heads + 2 * kv_heads) * dim, chunks = dim / NB;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int task = 0; task < rows * kv_heads; task++) {
+        int r = task / kv_heads, h = task % kv_heads;
+        const float *row = qkv + (size_t)r * width, *c = cos + (size_t)r * dim, *s = sin + (size_t)r * dim;
+        float *k = keys + ((size_t)r * kv_heads + h) * total * dim, *v = values + ((size_t)r * kv_heads + h) * total * dim;
+        rotate(row + (size_t)(heads + h) * dim, c, s, k + (size_t)at * dim, dim);
+        memcpy(v + (size_t)at * dim, row + (size_t)(heads + kv_heads + h) * dim, dim * sizeof(float));
+        const float *m = mask + (size_t)r * total;
+        float *scores = malloc(sizeof(float) * (size_t)groups * (at + 1));
+        for (int g = 0; g < groups; g++) {
+            vec q[512 / NB], acc[512 / NB];
+            rotate(row + (size_t)(h * groups + g) * dim, c, s, (float *)q, dim);
+            float *sc = scores + (size_t)g * (at + 1), top = -INFINITY, sum = 0.0f;
+            for (int j = 0; j <= at; j++) {
+                const vec *kj = (const vec *)(k + (size_t)j * dim);
+                vec dot = {0};
+                for (int i = 0; i < chunks; i++) dot += q[i] * kj[i];
+                sc[j] = total_of(dot) * scale + m[j];
+                if (sc[j] > top) top = sc[j];
+            }
+            for (int j = 0; j <= at; j++) { sc[j] = expf(sc[j] - top); sum += sc[j]; }
+            for (int i = 0; i < chunks; i++) acc[i] = (vec){0};
+            for (int j = 0; j <= at; j++) {
+                const vec *vj = (const vec *)(v + (size_t)j * dim);
+                float p = sc[j] / sum;
+                for (int i = 0; i < chunks; i++) acc[i] += p * vj[i];
+            }
+            memcpy(out + ((size_t)r * heads + h * groups + g) * dim, acc, dim * sizeof(float));
+        }
+        free(scores);
+    }
+}
 """
 
 
@@ -113,7 +170,7 @@ def compiled() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.machine() != "x86_64" or compiler is None:
         return None
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-Wl,-rpath,{torch_lib}"]
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-Wl,-rpath,{torch_lib}", "-lm"]
     key = hashlib.sha256("\n".join([SOURCE, compiler, torch_lib, *flags]).encode()).hexdigest()[:16]
     cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:8]  # (-march=native: one build per CPU model)
     path = os.path.join(_cache_dir(), f"decode-gemm-{key}-{cpu}.so")
@@ -137,7 +194,8 @@ def compiled() -> ctypes.CDLL | None:
     library = ctypes.CDLL(path)
     library.pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
     library.linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
-    library.pack.restype = library.linear.restype = None
+    library.attend.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    library.pack.restype = library.linear.restype = library.attend.restype = None
     return library
 
 
@@ -176,3 +234,22 @@ def packed_linear(library: ctypes.CDLL, weight: torch.Tensor, bias: torch.Tensor
                        x.numel() // k, n, k, padded, torch.get_num_threads())
         return out
     return linear
+
+
+def attention(library: ctypes.CDLL, heads: int, kv_heads: int, dim: int) -> Callable | None:
+    """(projected, cos, sin, keys, values, mask, at, scale) -> attended (rows, 1, heads x dim): the decode step's rotary
+    embedding, key/value write at position `at` and attention (the C `attend`) for fp32 tensors laid out as
+    rloo.generation.decode.LeanDecoder keeps them; None where its shapes are not ones it takes (dim a multiple of
+    the vector's floats, at most 512)."""
+    if dim % library.vector_floats() or dim > 512 or heads % kv_heads:
+        return None
+
+    def attend(projected, cos, sin, keys, values, mask, at: int, scale: float) -> torch.Tensor:
+        rows = projected.size(0)
+        out = projected.new_empty(rows, 1, heads * dim)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        library.attend(projected.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                       mask.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim, keys.size(2), at, scale,
+                       torch.get_num_threads())
+        return out
+    return attend
