@@ -246,6 +246,8 @@ def attention(library: ctypes.CDLL, heads: int, kv_heads: int, dim: int) -> Call
 
     def attend(projected, cos, sin, keys, values, mask, at: int, scale: float) -> torch.Tensor:
         rows = projected.size(0)
+        if (keys.data_ptr() | values.data_ptr()) % 64 or not (keys.is_contiguous() and values.is_contiguous()):
+            raise ValueError("decode attention: key/value buffers must be contiguous and 64-byte aligned")
         out = projected.new_empty(rows, 1, heads * dim)
         cos, sin = cos.contiguous(), sin.contiguous()
         library.attend(projected.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
