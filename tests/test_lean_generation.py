@@ -320,12 +320,12 @@ def test_weights_are_packed_for_onednn_and_for_mkl_only_in_a_build_without_it(mo
 
 def _counting_builds(monkeypatch):
     from rloo.generation import lean
+    from rloo.generation.decode import lean_decoder
     built = []
 
     def counted(model, rows):
         built.append(rows)
         return lean_decoder(model, rows)
-    from rloo.generation.decode import lean_decoder
     monkeypatch.setattr(lean, "lean_decoder", counted)
     return built
 
@@ -406,7 +406,7 @@ def test_decode_gemm_goes_first_with_avx512_and_is_skipped_without_a_compiler(tm
     compiler (nothing cached): the build's failure is not an error."""
     from rloo.generation import decode
     assert ("rloo" in _kernels()) == (kernel.for_decoding() is not None)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("RLOO_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-gcc"))
     kernel.compiled.cache_clear()
     try:

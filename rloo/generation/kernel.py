@@ -1,14 +1,19 @@
-"""A small-batch fp32 GEMM of our own for the written-out decode step (rloo.generation.decode): y = x W^T (+ bias)
-for a few rows. The weight is packed once per generation call into blocks of NB output columns x K (NB = one vector
-register's floats), read as three sequential streams at a time; x's rows go in groups of 8, every weight vector
-loaded once per group and used for all of its rows; the column blocks are shared out among torch's own OpenMP
-threads (the library links the libgomp torch loaded, so there is one thread pool, not two competing for the cores).
+"""Two kernels of our own for the written-out decode step (rloo.generation.decode), fp32 on the CPU.
 
-C, compiled once per machine and source by the system's gcc (-O3 -march=native, OpenMP) into ~/.cache/rloo/kernels
-and loaded with ctypes. The decode step takes it only where the CPU has AVX-512 (`for_decoding`): there, on 2 cores
-of an Intel Xeon, SmolLM2's 121 matmuls of a decode step took 18.7 ms at 8 rows against oneDNN's 28.9 (42.3 vs 48.4
-at 32 rows). Without AVX-512 (not measured on such a CPU), without gcc, or off Linux on x86-64, the step keeps
-oneDNN's kernel. Each output is one sum over K in order, in fp32: equal to F.linear up to float rounding."""
+`linear`: y = x W^T (+ bias) for a few rows. The weight is packed once per generation call into blocks of NB output
+columns x K (NB = one vector register's floats), read as three sequential streams at a time; x's rows go in groups
+of 8, every weight vector loaded once per group and used for all of its rows; the column blocks are shared out among
+torch's own OpenMP threads (the library links the libgomp torch loaded: one thread pool, not two competing for the
+cores). Each output is one sum over K in order: equal to F.linear up to float rounding.
+`attend`: a step's rotary embedding, key/value write and attention over the written positions, one call per layer,
+parallel over rows x key/value heads: equal to the model's attention up to float rounding.
+
+C, compiled once per machine and source by the system's gcc (-O3 -march=native, OpenMP) into the kernels folder of
+rloo.assets.cache_root (~/.cache/rloo or $RLOO_CACHE) and loaded with ctypes. The decode step takes it only where
+the CPU has AVX-512 (`for_decoding`): there, on 2 cores of an Intel Xeon, SmolLM2's 121 matmuls of a decode step
+took 18.7 ms at 8 rows against oneDNN's 28.9 (42.3 vs 48.4 at 32 rows), and the rest of the step 7.5 -> 3.5 ms.
+Without AVX-512 (not measured on such a CPU), without gcc, or off Linux on x86-64, the step keeps oneDNN's GEMM and
+torch's attention."""
 
 from __future__ import annotations
 
@@ -126,7 +131,8 @@ void attend(const float *qkv, const float *cos, const float *sin, float *keys, f
     for (int task = 0; task < rows * kv_heads; task++) {
         int r = task / kv_heads, h = task % kv_heads;
         const float *row = qkv + (size_t)r * width, *c = cos + (size_t)r * dim, *s = sin + (size_t)r * dim;
-        float *k = keys + ((size_t)r * kv_heads + h) * total * dim, *v = values + ((size_t)r * kv_heads + h) * total * dim;
+        float *k = keys + ((size_t)r * kv_heads + h) * total * dim;
+        float *v = values + ((size_t)r * kv_heads + h) * total * dim;
         rotate(row + (size_t)(heads + h) * dim, c, s, k + (size_t)at * dim, dim);
         memcpy(v + (size_t)at * dim, row + (size_t)(heads + kv_heads + h) * dim, dim * sizeof(float));
         const float *m = mask + (size_t)r * total;
@@ -157,11 +163,6 @@ void attend(const float *qkv, const float *cos, const float *sin, float *keys, f
 """
 
 
-def _cache_dir() -> str:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "rloo", "kernels")
-
-
 @functools.cache
 def compiled() -> ctypes.CDLL | None:
     """The library for this machine (built on first use, then from the cache), or None where it cannot be built
@@ -173,7 +174,8 @@ def compiled() -> ctypes.CDLL | None:
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-Wl,-rpath,{torch_lib}", "-lm"]
     key = hashlib.sha256("\n".join([SOURCE, compiler, torch_lib, *flags]).encode()).hexdigest()[:16]
     cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:8]  # (-march=native: one build per CPU model)
-    path = os.path.join(_cache_dir(), f"decode-gemm-{key}-{cpu}.so")
+    from rloo.assets import cache_root
+    path = os.path.join(cache_root(), "kernels", f"decode-gemm-{key}-{cpu}.so")
     if not os.path.exists(path):
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
