@@ -76,14 +76,22 @@ def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int
     return next(iter(_kernels().values()))(weight, bias, rows)
 
 
-def _norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> module(x) for a layer's norm: Llama's RMSNorm on fp32 as torch.rms_norm (one fused call, the same
-    operations on the same values: equal to the module's output), anything else the module itself."""
+def _rms_parts(module: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """(weight, eps) of Llama's RMSNorm with an fp32 weight and its own forward; None for anything else."""
     weight = getattr(module, "weight", None)
     if llama_kind(type(module)) != "norm" or "forward" in module.__dict__ or weight is None or \
             weight.dtype != torch.float32:
+        return None
+    return weight.detach(), module.variance_epsilon
+
+
+def _norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> module(x) for a layer's norm: Llama's RMSNorm on fp32 as torch.rms_norm (one fused call, the same
+    operations on the same values: equal to the module's output), anything else the module itself."""
+    parts = _rms_parts(module)
+    if parts is None:
         return module
-    eps, shape = module.variance_epsilon, (weight.size(0),)
+    (weight, eps), shape = parts, (parts[0].size(0),)
     return lambda x: torch.rms_norm(x, shape, weight, eps) if x.dtype == torch.float32 else module(x)
 
 
@@ -230,10 +238,29 @@ class LeanDecoder:
         # the rotary embedding, key/value write and attention of a step in one call (fp32 on the CPU), else torch's
         self.attend = None if library is None else kernel_module.attention(library, self.heads, self.kv_heads,
                                                                            self.head_dim)
+        self.whole = self._whole_step(model)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.mask: torch.Tensor | None = None
         self.length = 0
+
+    def _whole_step(self, model: nn.Module) -> kernel_module.Step | None:
+        """The whole step in one C call (kernel.Step) where every part of it is one the C does: all projections
+        and the LM head packed by our GEMM, Llama's RMSNorm on fp32 weights, head sizes its attention takes; else
+        None (the step below, module by module)."""
+        linears = [layer[name] for layer in self.layers for name in ("qkv", "o_proj", "gate_up", "down_proj")]
+        linears.append(self.lm_head)
+        if not all(isinstance(linear, kernel_module.PackedLinear) for linear in linears):
+            return None
+        library = linears[0].library
+        norms = [_rms_parts(getattr(layer, name)) for layer in self.inner.layers
+                 for name in ("input_layernorm", "post_attention_layernorm")] + [_rms_parts(self.inner.norm)]
+        if any(norm is None for norm in norms) or \
+                kernel_module.attention(library, self.heads, self.kv_heads, self.head_dim) is None:
+            return None
+        layers = [dict(layer, norm1=norms[2 * index], norm2=norms[2 * index + 1])
+                  for index, layer in enumerate(self.layers)]
+        return kernel_module.Step(library, layers, norms[-1], self.lm_head, self.heads, self.kv_heads, self.head_dim)
 
     def start(self, cache: Any, attention_mask: torch.Tensor, new_tokens: int) -> None:
         """Take the prompts' keys and values from a transformers cache into buffers with room for `new_tokens`."""
@@ -249,6 +276,8 @@ class LeanDecoder:
         self.mask = self.keys[0].new_full((rows, 1, 1, total), float("-inf"))
         self.mask[:, 0, 0, :prompt_length].masked_fill_(attention_mask.bool(), 0.0)
         self.length = prompt_length
+        if self.whole is not None:
+            self.whole.start(self.keys, self.values, rows)
 
     @staticmethod
     def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
@@ -277,6 +306,10 @@ class LeanDecoder:
         mask = self.mask[..., :length].expand(rows, kv_heads, 1, length).reshape(batch, 1, length)
         hidden = self.inner.embed_tokens(tokens[:, None])
         cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
+        if self.whole is not None and self.whole.table is not None and hidden.dtype == torch.float32 and \
+                hidden.device.type == "cpu":
+            self.length = at + 1
+            return self.whole(hidden, cos, sin, self.mask, at)
         # rotate_half(x) * sin == x.roll(half) * sin with its first half negated (the same products: one sign moved)
         half = head_dim // 2
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)

@@ -1,0 +1,212 @@
+/* The decode step's kernels (rloo.generation.kernel builds this file with gcc -O3 -march=native -fopenmp and loads
+   it with ctypes): fp32, one new token per row, parallel over the OpenMP threads of the torch that loaded it. */
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#define NB 16
+#define MR 8
+#else
+#define NB 8
+#define MR 4
+#endif
+#define S 3
+typedef float vec __attribute__((vector_size(NB * 4)));
+
+int vector_floats(void) { return NB; }
+int block_columns(void) { return NB * S; }
+
+static int padded(int n) { return (n + NB * S - 1) / (NB * S) * (NB * S); }
+
+/* w [n][k] -> p [n_pad / NB][k][NB]; columns past n are 0 */
+void pack(const float *w, float *p, int n, int k, int n_pad, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int nb = 0; nb < n_pad / NB; nb++)
+        for (int kk = 0; kk < k; kk++)
+            for (int j = 0; j < NB; j++) {
+                int row = nb * NB + j;
+                p[((size_t)nb * k + kk) * NB + j] = row < n ? w[(size_t)row * k + kk] : 0.0f;
+            }
+}
+
+/* y[col + j] = (residual[col + j] +) (sum + bias[col + j]), the sums of one block of columns */
+static void store(float *y, const vec *acc, const float *bias, const float *residual, int n, int col) {
+    float sums[NB];
+    memcpy(sums, acc, sizeof(sums));
+    for (int j = 0; j < NB && col + j < n; j++) {
+        float value = sums[j] + (bias ? bias[col + j] : 0.0f);
+        y[col + j] = residual ? residual[col + j] + value : value;
+    }
+}
+
+/* Inside a parallel region: y [m][n] = x [m][k] . w [n][k] (+ bias [n]) (+ residual [m][n], which may be y itself),
+   w packed by `pack`; the column blocks shared out among the threads, every weight vector loaded once per group of
+   MR rows. */
+static void gemm(const float *x, const float *p, const float *bias, const float *residual, float *y, int m, int n,
+                 int k) {
+    int groups = padded(n) / (NB * S);
+    #pragma omp for schedule(static)
+    for (int g = 0; g < groups; g++) {
+        const vec *w[S];
+        for (int s = 0; s < S; s++) w[s] = (const vec *)(p + (size_t)(g * S + s) * k * NB);
+        for (int r0 = 0; r0 < m; r0 += MR) {
+            const float *xr = x + (size_t)r0 * k;
+            int rows = m - r0 < MR ? m - r0 : MR;
+            vec acc[MR][S];
+            memset(acc, 0, sizeof(acc));
+            if (rows == MR) {
+                for (int kk = 0; kk < k; kk++) {
+                    vec wv[S];
+#pragma GCC unroll 4
+                    for (int s = 0; s < S; s++) wv[s] = w[s][kk];
+#pragma GCC unroll 8
+                    for (int i = 0; i < MR; i++) {
+                        float xv = xr[(size_t)i * k + kk];
+#pragma GCC unroll 4
+                        for (int s = 0; s < S; s++) acc[i][s] += xv * wv[s];
+                    }
+                }
+            } else {
+                for (int i = 0; i < rows; i++)
+                    for (int kk = 0; kk < k; kk++) {
+                        float xv = xr[(size_t)i * k + kk];
+                        for (int s = 0; s < S; s++) acc[i][s] += xv * w[s][kk];
+                    }
+            }
+            for (int i = 0; i < rows; i++)
+                for (int s = 0; s < S; s++)
+                    store(y + (size_t)(r0 + i) * n, &acc[i][s], bias, residual ? residual + (size_t)(r0 + i) * n : NULL,
+                          n, (g * S + s) * NB);
+        }
+    }
+}
+
+/* y [m][n] = x [m][k] . w [n][k] (+ bias [n]), w packed by `pack` with n_pad = padded(n) */
+void linear(const float *x, const float *p, const float *bias, float *y, int m, int n, int k, int threads) {
+    #pragma omp parallel num_threads(threads)
+    gemm(x, p, bias, NULL, y, m, n, k);
+}
+
+/* x * cos + rotate_half(x) * sin, rotate_half(x) = (-second half, first half) */
+static void rotate(const float *x, const float *cos, const float *sin, float *out, int dim) {
+    int half = dim / 2;
+    for (int i = 0; i < half; i++) out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+    for (int i = half; i < dim; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+static float total_of(vec v) {  /* pairwise: a chain of log2(NB) additions, not NB */
+    float lanes[NB];
+    memcpy(lanes, &v, sizeof(lanes));
+    for (int width = NB / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
+    return lanes[0];
+}
+
+/* Inside a parallel region, one decode step's attention: qkv [rows][heads + 2 kv_heads][dim] (the projections),
+   cos / sin [rows][dim] at this step's positions; the rotated key and the value are written at position `at` of
+   keys / values [rows][kv_heads][total][dim]; out [rows][heads][dim] = softmax((q . k) * scale + mask) v over
+   positions 0..at, mask [rows][total] (0 or -inf); query head h uses key/value head h / (heads / kv_heads). dim a
+   multiple of NB, at most 512. Parallel over rows x key/value heads. */
+static void attention(const float *qkv, const float *cos, const float *sin, float *keys, float *values,
+                      const float *mask, float *out, int rows, int heads, int kv_heads, int dim, int total, int at,
+                      float scale) {
+    int groups = heads / kv_heads, width = (heads + 2 * kv_heads) * dim, chunks = dim / NB;
+    #pragma omp for schedule(static)
+    for (int task = 0; task < rows * kv_heads; task++) {
+        int r = task / kv_heads, h = task % kv_heads;
+        const float *row = qkv + (size_t)r * width, *c = cos + (size_t)r * dim, *s = sin + (size_t)r * dim;
+        float *k = keys + ((size_t)r * kv_heads + h) * total * dim;
+        float *v = values + ((size_t)r * kv_heads + h) * total * dim;
+        rotate(row + (size_t)(heads + h) * dim, c, s, k + (size_t)at * dim, dim);
+        memcpy(v + (size_t)at * dim, row + (size_t)(heads + kv_heads + h) * dim, dim * sizeof(float));
+        const float *m = mask + (size_t)r * total;
+        float *scores = malloc(sizeof(float) * (size_t)groups * (at + 1));
+        for (int g = 0; g < groups; g++) {
+            vec q[512 / NB], acc[512 / NB];
+            rotate(row + (size_t)(h * groups + g) * dim, c, s, (float *)q, dim);
+            float *sc = scores + (size_t)g * (at + 1), top = -INFINITY, sum = 0.0f;
+            for (int j = 0; j <= at; j++) {
+                const vec *kj = (const vec *)(k + (size_t)j * dim);
+                vec dot = {0};
+                for (int i = 0; i < chunks; i++) dot += q[i] * kj[i];
+                sc[j] = total_of(dot) * scale + m[j];
+                if (sc[j] > top) top = sc[j];
+            }
+            for (int j = 0; j <= at; j++) { sc[j] = expf(sc[j] - top); sum += sc[j]; }
+            for (int i = 0; i < chunks; i++) acc[i] = (vec){0};
+            for (int j = 0; j <= at; j++) {
+                const vec *vj = (const vec *)(v + (size_t)j * dim);
+                float p = sc[j] / sum;
+                for (int i = 0; i < chunks; i++) acc[i] += p * vj[i];
+            }
+            memcpy(out + ((size_t)r * heads + h * groups + g) * dim, acc, dim * sizeof(float));
+        }
+        free(scores);
+    }
+}
+
+void attend(const float *qkv, const float *cos, const float *sin, float *keys, float *values, const float *mask,
+            float *out, int rows, int heads, int kv_heads, int dim, int total, int at, float scale, int threads) {
+    #pragma omp parallel num_threads(threads)
+    attention(qkv, cos, sin, keys, values, mask, out, rows, heads, kv_heads, dim, total, at, scale);
+}
+
+/* Inside a parallel region: out [rows][dim] = weight * (x * 1 / sqrt(mean(x^2) + eps)), Llama's RMSNorm */
+static void rms_norm(const float *x, const float *weight, float *out, int rows, int dim, float eps) {
+    #pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * dim;
+        float sum = 0.0f;
+        for (int i = 0; i < dim; i++) sum += xr[i] * xr[i];
+        float scale = 1.0f / sqrtf(sum / dim + eps);
+        for (int i = 0; i < dim; i++) out[(size_t)r * dim + i] = weight[i] * (xr[i] * scale);
+    }
+}
+
+/* Inside a parallel region: out [rows][size] = silu(gate) * up, gate_up [rows][2 size] the two side by side */
+static void silu_times_up(const float *gate_up, float *out, int rows, int size) {
+    #pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < size; i++) {
+            float gate = gate_up[(size_t)r * 2 * size + i];
+            out[(size_t)r * size + i] = gate / (1.0f + expf(-gate)) * gate_up[(size_t)r * 2 * size + size + i];
+        }
+}
+
+/* One decoder layer's weights (projections packed by `pack`; biases may be NULL) and key/value buffers */
+typedef struct {
+    const float *norm1, *qkv, *qkv_bias, *o, *o_bias, *norm2, *gate_up, *gate_up_bias, *down, *down_bias;
+    float *keys, *values;
+    float eps1, eps2, scale;
+} layer;
+
+/* A whole decode step of a Llama-family decoder in one parallel region: hidden [rows][width] (the tokens'
+   embeddings; the step's residual stream afterwards) through every layer (norm, q/k/v side by side, `attention`,
+   o + residual, norm, gate/up side by side, silu(gate) * up, down + residual), the final norm and the LM head into
+   logits [rows][vocab]. Scratch: normed [rows][width], qkv [rows][(heads + 2 kv_heads) dim], attended
+   [rows][heads dim], gate_up [rows][2 intermediate], act [rows][intermediate]. */
+void decode_step(const layer *layers, int count, const float *final_norm, float final_eps, const float *head,
+                 const float *head_bias, float *hidden, float *logits, const float *cos, const float *sin,
+                 const float *mask, float *normed, float *qkv, float *attended, float *gate_up, float *act, int rows,
+                 int width, int heads, int kv_heads, int dim, int intermediate, int vocab, int total, int at,
+                 int threads) {
+    int projected = (heads + 2 * kv_heads) * dim;
+    #pragma omp parallel num_threads(threads)
+    {
+        for (int l = 0; l < count; l++) {
+            const layer *L = layers + l;
+            rms_norm(hidden, L->norm1, normed, rows, width, L->eps1);
+            gemm(normed, L->qkv, L->qkv_bias, NULL, qkv, rows, projected, width);
+            attention(qkv, cos, sin, L->keys, L->values, mask, attended, rows, heads, kv_heads, dim, total, at,
+                      L->scale);
+            gemm(attended, L->o, L->o_bias, hidden, hidden, rows, width, heads * dim);
+            rms_norm(hidden, L->norm2, normed, rows, width, L->eps2);
+            gemm(normed, L->gate_up, L->gate_up_bias, NULL, gate_up, rows, 2 * intermediate, width);
+            silu_times_up(gate_up, act, rows, intermediate);
+            gemm(act, L->down, L->down_bias, hidden, hidden, rows, width, intermediate);
+        }
+        rms_norm(hidden, final_norm, normed, rows, width, final_eps);
+        gemm(normed, head, head_bias, NULL, logits, rows, vocab, width);
+    }
+}
