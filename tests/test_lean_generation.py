@@ -379,7 +379,8 @@ def test_trainer_evaluation_packs_once_and_training_on_every_call(tmp_path, toke
 
 def test_decode_gemm_is_flinear_for_any_rows_columns_bias_and_threads():
     """rloo.generation.kernel: built wherever gcc is (its tests need no AVX-512: the build then uses 8-float
-    vectors), and x W^T + b for row counts in and out of its groups of rows, columns in and out of its blocks."""
+    vectors), and x W^T + b for row counts in and out of its groups of rows, columns in and out of its blocks, and
+    for weights packed side by side (segments of sizes in and out of a block) as the one concatenated weight."""
     import torch.nn.functional as F
     library = kernel.compiled()
     assert library is not None or shutil.which("gcc") is None
@@ -395,10 +396,15 @@ def test_decode_gemm_is_flinear_for_any_rows_columns_bias_and_threads():
                     for b in (None, bias):
                         linear = kernel.packed_linear(library, weight, b, rows)
                         torch.testing.assert_close(linear(x), F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
+                    parts = list(weight.split([n // 2, 3, n - n // 2 - 3]))
+                    torch.testing.assert_close(kernel.packed_linear(library, parts, bias, rows)(x),
+                                               F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
     finally:
         torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="expected fp32 inputs of 7 features"):
         kernel.packed_linear(library, torch.randn(4, 7), None, 2)(torch.randn(2, 1, 7).double())
+    with pytest.raises(ValueError, match="one input size"):
+        kernel.packed_linear(library, [torch.randn(4, 7), torch.randn(4, 6)], None, 2)
 
 
 def test_decode_gemm_goes_first_with_avx512_and_is_skipped_without_a_compiler(tmp_path, monkeypatch):

@@ -62,9 +62,9 @@ def _kernels() -> dict[str, Callable]:
     return found
 
 
-def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+def _packed_linear(weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, rows: int
                    ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> F.linear(x, weight, bias) for inputs of `rows` rows (fp32 on the CPU): the weight packed once per
+    """x -> F.linear(x, weight, bias) (a list of weights: side by side) for inputs of `rows` rows (fp32 on the CPU): the weight packed once per
     generation call for oneDNN's small-batch GEMM, MKL's where the build has no oneDNN. oneDNN's packed copy is the
     weight's size, MKL's 2-21x it at 8 rows (1.7 GB for SmolLM2's layers, mostly never touched): a fresh mapping on
     every generation call, where oneDNN's copies fit into the memory the previous step's gradients freed. In the
@@ -73,7 +73,10 @@ def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: int
     peak RSS went 3.19 -> 2.90 GiB; on an AMD EPYC oneDNN's GEMM itself is 1.4-3x faster (LM head at 8 rows 6.4 vs
     20.1 ms)."""
     bias = None if bias is None else bias.detach()
-    return next(iter(_kernels().values()))(weight, bias, rows)
+    name, make = next(iter(_kernels().items()))
+    if isinstance(weight, list) and name != "rloo":  # (ours packs weights side by side where they are)
+        weight = weight[0] if len(weight) == 1 else torch.cat(weight)
+    return make(weight, bias, rows)
 
 
 def _rms_parts(module: nn.Module) -> tuple[torch.Tensor, float] | None:
@@ -134,18 +137,20 @@ def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 def _side_by_side(modules: list[nn.Module], rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> torch.cat([m(x) for m in modules], dim=-1). Packable (fp32 on the CPU) Linear and LoRA layers: one packed
     matmul over their weights side by side (q/k/v and gate/up of a layer: measured at 8 rows, SmolLM2's 150 such
-    matmuls per decode step 15.6 -> 14.5 ms), LoRA merged into that copy (equal to peft's base(x) + B(A(x)) * scaling
-    up to float rounding); otherwise each module's own product."""
+    matmuls per decode step 15.6 -> 14.5 ms), LoRA merged first (equal to peft's base(x) + B(A(x)) * scaling up to
+    float rounding). Our GEMM packs the weights side by side from where they are (the model's own, or the merged
+    copy); the other kernels pack one buffer written once with all of them. Otherwise each module's own product."""
     found = [_weight_parts(module) for module in modules]
     if all(part is not None and _packable(part[0]) for part in found):
-        with torch.no_grad():
-            if len(found) == 1 and found[0][2] is None:
-                weight = found[0][0]  # (packed straight from the model's own)
-            else:  # written once into one buffer: LoRA merged as W + (B @ A) * scaling (peft's merge), in one addmm
-                weight = found[0][0].new_empty(sum(w.size(0) for w, _, _ in found), found[0][0].size(1))
+        with torch.no_grad():  # LoRA merged as W + (B @ A) * scaling (peft's merge), in one addmm
+            if next(iter(_kernels())) == "rloo" or len(found) == 1:  # (ours packs them side by side where they are)
+                weights = [w if lora is None else torch.addmm(w, lora[1], lora[0], alpha=lora[2])
+                           for w, _, lora in found]
+            else:  # one buffer, written once, for the other kernels to pack
+                weights = [found[0][0].new_empty(sum(w.size(0) for w, _, _ in found), found[0][0].size(1))]
                 start = 0
                 for w, _, lora in found:
-                    part = weight[start: start + w.size(0)]
+                    part = weights[0][start: start + w.size(0)]
                     if lora is None:
                         part.copy_(w)
                     else:
@@ -154,7 +159,7 @@ def _side_by_side(modules: list[nn.Module], rows: int) -> Callable[[torch.Tensor
             biases = [bias for _, bias, _ in found]
             bias = None if all(b is None for b in biases) else torch.cat(
                 [b.detach() if b is not None else w.new_zeros(w.size(0)) for (w, _, _), b in zip(found, biases)])
-            return _packed_linear(weight, bias, rows)
+            return _packed_linear(weights, bias, rows)
     linears = [_linear(module) for module in modules]
     if len(linears) == 1:
         return linears[0]

@@ -19,15 +19,21 @@ int block_columns(void) { return NB * S; }
 
 static int padded(int n) { return (n + NB * S - 1) / (NB * S) * (NB * S); }
 
-/* w [n][k] -> p [n_pad / NB][k][NB]; columns past n are 0 */
-void pack(const float *w, float *p, int n, int k, int n_pad, int threads) {
+/* The weights of `count` segments side by side (segment s: ns[s] rows of k floats at ws[s]; n rows in all) -> p
+   [n_pad / NB][k][NB]; columns past n are 0 */
+void pack(const float *const *ws, const int *ns, int count, float *p, int k, int n_pad, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int nb = 0; nb < n_pad / NB; nb++)
+    for (int nb = 0; nb < n_pad / NB; nb++) {
+        const float *rows[NB];
+        for (int j = 0; j < NB; j++) {
+            int row = nb * NB + j, s = 0;
+            while (s < count && row >= ns[s]) row -= ns[s++];
+            rows[j] = s < count ? ws[s] + (size_t)row * k : NULL;
+        }
+        float *block = p + (size_t)nb * k * NB;
         for (int kk = 0; kk < k; kk++)
-            for (int j = 0; j < NB; j++) {
-                int row = nb * NB + j;
-                p[((size_t)nb * k + kk) * NB + j] = row < n ? w[(size_t)row * k + kk] : 0.0f;
-            }
+            for (int j = 0; j < NB; j++) block[(size_t)kk * NB + j] = rows[j] ? rows[j][kk] : 0.0f;
+    }
 }
 
 /* y[col + j] = (residual[col + j] +) (sum + bias[col + j]), the sums of one block of columns */

@@ -70,7 +70,7 @@ def compiled() -> ctypes.CDLL | None:
             os.replace(built, path)  # (atomic: another process never loads half a file)
     library = ctypes.CDLL(path)
     pointer, number, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    library.pack.argtypes = [pointer] * 2 + [number] * 4
+    library.pack.argtypes = [pointer, pointer, number, pointer] + [number] * 3
     library.linear.argtypes = [pointer] * 4 + [number] * 4
     library.attend.argtypes = [pointer] * 7 + [number] * 6 + [real, number]
     library.decode_step.argtypes = [pointer, number, pointer, real] + [pointer] * 12 + [number] * 10
@@ -93,17 +93,23 @@ def for_decoding() -> ctypes.CDLL | None:
 
 
 class PackedLinear:
-    """x -> F.linear(x, weight, bias) for fp32 inputs on the CPU (any number of rows), the weight packed now by the
-    library's `pack` (kept: `packed`, `bias`, `n`, `k`, for `Step`)."""
+    """x -> F.linear(x, torch.cat(weights), bias) for fp32 inputs on the CPU (any number of rows): the weights (one,
+    or several side by side: a layer's q/k/v) packed now by the library's `pack` straight from where they are, no
+    concatenated copy (kept: `packed`, `bias`, `n`, `k`, for `Step`)."""
 
-    def __init__(self, library: ctypes.CDLL, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, library: ctypes.CDLL, weights: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None):
+        weights = [w.detach().contiguous() for w in ([weights] if isinstance(weights, torch.Tensor) else weights)]
         self.library = library
-        self.n, self.k = weight.shape
+        self.n, self.k = sum(w.size(0) for w in weights), weights[0].size(1)
+        if any(w.size(1) != self.k or w.dtype != torch.float32 for w in weights):
+            raise ValueError(f"decode GEMM: weights side by side need fp32 and one input size, got "
+                             f"{[(w.dtype, tuple(w.shape)) for w in weights]}")
         block = library.block_columns()
         padded = -(-self.n // block) * block
-        source = weight.detach().contiguous()
         self.packed = torch.empty(padded * self.k, dtype=torch.float32)
-        library.pack(source.data_ptr(), self.packed.data_ptr(), self.n, self.k, padded, torch.get_num_threads())
+        addresses = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
+        sizes = (ctypes.c_int * len(weights))(*(w.size(0) for w in weights))
+        library.pack(addresses, sizes, len(weights), self.packed.data_ptr(), self.k, padded, torch.get_num_threads())
         self.bias = None if bias is None else bias.detach().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,9 +123,10 @@ class PackedLinear:
         return out
 
 
-def packed_linear(library: ctypes.CDLL, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> PackedLinear:
+def packed_linear(library: ctypes.CDLL, weights: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None,
+                  rows: int) -> PackedLinear:
     """decode._kernels' interface (`rows` is the other kernels': this one takes any number)."""
-    return PackedLinear(library, weight, bias)
+    return PackedLinear(library, weights, bias)
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:
