@@ -12,6 +12,7 @@
 #define MR 4
 #endif
 #define S 3
+#define AHEAD 32  /* weight vectors prefetched ahead in each stream */
 typedef float vec __attribute__((vector_size(NB * 4)));
 
 int vector_floats(void) { return NB; }
@@ -65,7 +66,10 @@ static void gemm(const float *x, const float *p, const float *bias, const float 
                 for (int kk = 0; kk < k; kk++) {
                     vec wv[S];
 #pragma GCC unroll 4
-                    for (int s = 0; s < S; s++) wv[s] = w[s][kk];
+                    for (int s = 0; s < S; s++) {
+                        wv[s] = w[s][kk];
+                        __builtin_prefetch(&w[s][kk + AHEAD]);
+                    }
 #pragma GCC unroll 8
                     for (int i = 0; i < MR; i++) {
                         float xv = xr[(size_t)i * k + kk];
