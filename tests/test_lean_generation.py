@@ -488,3 +488,38 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, monkeypat
         generation, eos = config(tokenizer, do_sample=False), [tokenizer.eos_token_id]
         assert LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts) == \
             TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)
+
+
+def test_decode_attention_in_c_is_sdpas_for_scores_far_apart_and_masked_positions():
+    """rloo.generation.kernel.attention (its own exp and softmax, NB positions at a time): the rotated key and the
+    value written at the step's position, and softmax(q k^T * scale + mask) v as SDPA computes it, for scores from
+    0 to hundreds apart (weights that underflow to 0), masked positions, position counts in and out of a vector."""
+    import torch.nn.functional as F
+    library = kernel.compiled()
+    if library is None:
+        pytest.skip("no gcc on this machine: the step's attention stays torch's")
+    heads, kv_heads, dim = 6, 2, 2 * library.vector_floats()
+    attend = kernel.attention(library, heads, kv_heads, dim)
+    torch.manual_seed(0)
+    for at, spread in ((0, 1.0), (5, 1.0), (37, 30.0), (40, 300.0)):
+        rows, total = 3, at + 4
+        projected = torch.randn(rows, heads + 2 * kv_heads, dim) * spread
+        keys, values = torch.randn(rows, kv_heads, total, dim), torch.randn(rows, kv_heads, total, dim)
+        mask = torch.zeros(rows, 1, 1, total)
+        mask[1, ..., : at // 2] = float("-inf")  # (a row's left padding)
+        cos, sin = torch.randn(rows, 1, dim), torch.randn(rows, 1, dim)
+        expected_keys, expected_values = keys.clone(), values.clone()
+        out = attend(projected, cos, sin, keys, values, mask, at, 0.125)
+
+        def rotated(x):
+            return x * cos + torch.cat([-x[..., dim // 2:], x[..., : dim // 2]], -1) * sin
+        expected_keys[:, :, at] = rotated(projected[:, heads: heads + kv_heads])
+        expected_values[:, :, at] = projected[:, heads + kv_heads:]
+        torch.testing.assert_close(keys, expected_keys)
+        torch.testing.assert_close(values, expected_values)
+        query = rotated(projected[:, :heads])[:, :, None]  # (rows, heads, 1, dim)
+        theirs = F.scaled_dot_product_attention(
+            query, expected_keys[..., : at + 1, :].repeat_interleave(heads // kv_heads, 1),
+            expected_values[..., : at + 1, :].repeat_interleave(heads // kv_heads, 1),
+            attn_mask=mask[..., : at + 1], scale=0.125)
+        torch.testing.assert_close(out.view(rows, heads, dim), theirs[:, :, 0], atol=1e-5, rtol=1e-5)

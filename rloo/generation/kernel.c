@@ -105,6 +105,8 @@ static void rotate(const float *x, const float *cos, const float *sin, float *ou
     for (int i = half; i < dim; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
+typedef int ivec __attribute__((vector_size(NB * 4)));
+
 static float total_of(vec v) {  /* pairwise: a chain of log2(NB) additions, not NB */
     float lanes[NB];
     memcpy(lanes, &v, sizeof(lanes));
@@ -113,15 +115,40 @@ static float total_of(vec v) {  /* pairwise: a chain of log2(NB) additions, not 
     return lanes[0];
 }
 
+static float largest_of(vec v) {
+    float lanes[NB], top = -INFINITY;
+    memcpy(lanes, &v, sizeof(lanes));
+    for (int j = 0; j < NB; j++) top = lanes[j] > top ? lanes[j] : top;
+    return top;
+}
+
+static vec pick(ivec where, vec yes, vec no) { return (vec)(((ivec)yes & where) | ((ivec)no & ~where)); }
+
+/* e^x lane by lane for x <= 0 (a softmax's shifted scores): Cephes' expf (a degree-6 polynomial on x - n ln 2, then
+   2^n into the exponent), within a few ulp of expf; below -86 (e^-86 ~ 4e-38) and -inf -> 0 */
+static vec exp_of(vec x) {
+    const vec zero = {0}, low = zero - 86.0f, big = zero + 12582912.0f;  /* 1.5 x 2^23: adding it rounds to integers */
+    ivec kept = x >= low;
+    x = pick(kept, x, low);
+    vec n = (x * 1.44269504088896341f + big) - big;
+    vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vec y = ((((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+               1.6666665459e-1f) * r + 5.0000001201e-1f) * r * r + r) + 1.0f;
+    ivec scaled = (ivec)y + (__builtin_convertvector(n, ivec) << 23);
+    return pick(kept, (vec)scaled, zero);
+}
+
 /* Inside a parallel region, one decode step's attention: qkv [rows][heads + 2 kv_heads][dim] (the projections),
    cos / sin [rows][dim] at this step's positions; the rotated key and the value are written at position `at` of
    keys / values [rows][kv_heads][total][dim]; out [rows][heads][dim] = softmax((q . k) * scale + mask) v over
    positions 0..at, mask [rows][total] (0 or -inf); query head h uses key/value head h / (heads / kv_heads). dim a
-   multiple of NB, at most 512. Parallel over rows x key/value heads. */
+   multiple of NB, at most 512. Parallel over rows x key/value heads; each key and value is loaded once for all the
+   query heads that read it, the softmax runs NB positions at a time. */
 static void attention(const float *qkv, const float *cos, const float *sin, float *keys, float *values,
                       const float *mask, float *out, int rows, int heads, int kv_heads, int dim, int total, int at,
                       float scale) {
     int groups = heads / kv_heads, width = (heads + 2 * kv_heads) * dim, chunks = dim / NB;
+    int positions = at + 1, stride = (positions + NB - 1) / NB * NB;
     #pragma omp for schedule(static)
     for (int task = 0; task < rows * kv_heads; task++) {
         int r = task / kv_heads, h = task % kv_heads;
@@ -131,27 +158,43 @@ static void attention(const float *qkv, const float *cos, const float *sin, floa
         rotate(row + (size_t)(heads + h) * dim, c, s, k + (size_t)at * dim, dim);
         memcpy(v + (size_t)at * dim, row + (size_t)(heads + kv_heads + h) * dim, dim * sizeof(float));
         const float *m = mask + (size_t)r * total;
-        float *scores = malloc(sizeof(float) * (size_t)groups * (at + 1));
-        for (int g = 0; g < groups; g++) {
-            vec q[512 / NB], acc[512 / NB];
-            rotate(row + (size_t)(h * groups + g) * dim, c, s, (float *)q, dim);
-            float *sc = scores + (size_t)g * (at + 1), top = -INFINITY, sum = 0.0f;
-            for (int j = 0; j <= at; j++) {
-                const vec *kj = (const vec *)(k + (size_t)j * dim);
+        vec q[groups * chunks], acc[groups * chunks];
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)groups * stride), inverse[groups];
+        for (int g = 0; g < groups; g++) rotate(row + (size_t)(h * groups + g) * dim, c, s, (float *)(q + g * chunks), dim);
+        for (int j = 0; j < positions; j++) {
+            const vec *kj = (const vec *)(k + (size_t)j * dim);
+            for (int i = 0; i < dim; i += 16) {  /* (16 floats: a cache line) the keys ahead, this position's value */
+                __builtin_prefetch(k + (size_t)(j + 8) * dim + i);
+                __builtin_prefetch(v + (size_t)j * dim + i, 0, 2);
+            }
+            for (int g = 0; g < groups; g++) {
                 vec dot = {0};
-                for (int i = 0; i < chunks; i++) dot += q[i] * kj[i];
-                sc[j] = total_of(dot) * scale + m[j];
-                if (sc[j] > top) top = sc[j];
+                for (int i = 0; i < chunks; i++) dot += q[g * chunks + i] * kj[i];
+                scores[(size_t)g * stride + j] = total_of(dot) * scale + m[j];
             }
-            for (int j = 0; j <= at; j++) { sc[j] = expf(sc[j] - top); sum += sc[j]; }
-            for (int i = 0; i < chunks; i++) acc[i] = (vec){0};
-            for (int j = 0; j <= at; j++) {
-                const vec *vj = (const vec *)(v + (size_t)j * dim);
-                float p = sc[j] / sum;
-                for (int i = 0; i < chunks; i++) acc[i] += p * vj[i];
-            }
-            memcpy(out + ((size_t)r * heads + h * groups + g) * dim, acc, dim * sizeof(float));
         }
+        for (int g = 0; g < groups; g++) {
+            vec *sc = (vec *)(scores + (size_t)g * stride), top = {0}, sum = {0};
+            for (int j = positions; j < stride; j++) scores[(size_t)g * stride + j] = -INFINITY;
+            top -= INFINITY;
+            for (int j = 0; j < stride / NB; j++) top = pick(sc[j] > top, sc[j], top);
+            float largest = largest_of(top);
+            for (int j = 0; j < stride / NB; j++) {
+                sc[j] = exp_of(sc[j] - largest);
+                sum += sc[j];
+            }
+            inverse[g] = 1.0f / total_of(sum);
+        }
+        for (int i = 0; i < groups * chunks; i++) acc[i] = (vec){0};
+        for (int j = 0; j < positions; j++) {
+            const vec *vj = (const vec *)(v + (size_t)j * dim);
+            for (int i = 0; i < dim; i += 16) __builtin_prefetch(v + (size_t)(j + 8) * dim + i);
+            for (int g = 0; g < groups; g++) {
+                float p = scores[(size_t)g * stride + j] * inverse[g];
+                for (int i = 0; i < chunks; i++) acc[g * chunks + i] += p * vj[i];
+            }
+        }
+        memcpy(out + ((size_t)r * heads + h * groups) * dim, acc, (size_t)groups * dim * sizeof(float));
         free(scores);
     }
 }
