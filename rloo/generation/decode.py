@@ -4,12 +4,14 @@ without its per-module dispatch, its mask building and a KV cache that grows by 
 
 The keys and values live in one preallocated buffer per layer (rows x key/value heads x total length x head size),
 filled in place; attention runs on the key/value heads with the query heads grouped (as transformers' SDPA path does
-for one query token; in fp32 as matmuls). fp32 weights on the CPU are packed for a small-batch GEMM (oneDNN's; MKL's
-in a build without it) once per generation call (or per version of the weights, `weights_key`), a layer's
-query/key/value and gate/up projections side by side in one matmul each, LoRA layers (peft, one active adapter)
-merged into that copy (the model's own tensors are not touched); other weights keep their own products, LoRA written
-out as peft computes it. `lean_decoder` returns None for anything else (and under ZeRO-3), and the decode loop then
-calls the model's forward."""
+for one query token; in fp32 as matmuls). fp32 weights on the CPU are packed for a small-batch GEMM (ours,
+rloo.generation.kernel, where the CPU has AVX-512; else oneDNN's, MKL's in a build without it) once per generation
+call (or per version of the weights, `weights_key`), a layer's query/key/value and gate/up projections side by side
+in one matmul each, LoRA layers (peft, one active adapter) merged into that copy (the model's own tensors are not
+touched); other weights keep their own products, LoRA written out as peft computes it. Where every part of the step
+is one our C does (its GEMM for every projection, Llama's RMSNorm, head sizes its attention takes), the whole step
+is one call into it (kernel.Step). `lean_decoder` returns None for anything else (and under ZeRO-3), and the decode
+loop then calls the model's forward."""
 
 from __future__ import annotations
 
@@ -64,8 +66,9 @@ def _kernels() -> dict[str, Callable]:
 
 def _packed_linear(weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, rows: int
                    ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> F.linear(x, weight, bias) (a list of weights: side by side) for inputs of `rows` rows (fp32 on the CPU): the weight packed once per
-    generation call for oneDNN's small-batch GEMM, MKL's where the build has no oneDNN. oneDNN's packed copy is the
+    """x -> F.linear(x, weight, bias) (a list of weights: side by side) for inputs of `rows` rows (fp32 on the CPU):
+    the weight packed once per generation call for the first of `_kernels` (ours where the CPU has AVX-512), else
+    oneDNN's small-batch GEMM, MKL's where the build has no oneDNN. oneDNN's packed copy is the
     weight's size, MKL's 2-21x it at 8 rows (1.7 GB for SmolLM2's layers, mostly never touched): a fresh mapping on
     every generation call, where oneDNN's copies fit into the memory the previous step's gradients freed. In the
     training loop (2 cores of an Intel Xeon, SmolLM2 full fine-tune, 8 rows x 32 tokens) generation took 2.21 s with
@@ -134,7 +137,27 @@ def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: base(x) + F.linear(F.linear(x, a), b) * scaling
 
 
-def _side_by_side(modules: list[nn.Module], rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _merged_into(scratch: list[torch.Tensor], weights: list[tuple]) -> list[torch.Tensor]:
+    """Each (weight, LoRA (A, B, scaling) or None): the weight itself, or W + (B @ A) * scaling (peft's merge, one
+    addmm) written into `scratch`'s one buffer (grown as needed, reused by the next projection once its weights are
+    packed: LoRA's merged copies then cost no fresh pages per projection; SmolLM2 with LoRA on every projection, the
+    packing of a generation call 0.25 -> 0.15 s on 2 cores)."""
+    need = sum(w.numel() for w, lora in weights if lora is not None)
+    if need and (not scratch or scratch[0].numel() < need or scratch[0].dtype != weights[0][0].dtype):
+        scratch[:] = [weights[0][0].new_empty(need)]
+    found, used = [], 0
+    for w, lora in weights:
+        if lora is None:
+            found.append(w)
+            continue
+        part = scratch[0][used: used + w.numel()].view(w.shape)
+        found.append(torch.addmm(w, lora[1], lora[0], alpha=lora[2], out=part))
+        used += w.numel()
+    return found
+
+
+def _side_by_side(modules: list[nn.Module], rows: int, scratch: list[torch.Tensor] | None = None
+                  ) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> torch.cat([m(x) for m in modules], dim=-1). Packable (fp32 on the CPU) Linear and LoRA layers: one packed
     matmul over their weights side by side (q/k/v and gate/up of a layer: measured at 8 rows, SmolLM2's 150 such
     matmuls per decode step 15.6 -> 14.5 ms), LoRA merged first (equal to peft's base(x) + B(A(x)) * scaling up to
@@ -144,8 +167,7 @@ def _side_by_side(modules: list[nn.Module], rows: int) -> Callable[[torch.Tensor
     if all(part is not None and _packable(part[0]) for part in found):
         with torch.no_grad():  # LoRA merged as W + (B @ A) * scaling (peft's merge), in one addmm
             if next(iter(_kernels())) == "rloo" or len(found) == 1:  # (ours packs them side by side where they are)
-                weights = [w if lora is None else torch.addmm(w, lora[1], lora[0], alpha=lora[2])
-                           for w, _, lora in found]
+                weights = _merged_into([] if scratch is None else scratch, [(w, lora) for w, _, lora in found])
             else:  # one buffer, written once, for the other kernels to pack
                 weights = [found[0][0].new_empty(sum(w.size(0) for w, _, _ in found), found[0][0].size(1))]
                 start = 0
@@ -228,17 +250,19 @@ class LeanDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.intermediate = config.intermediate_size
         self.layers = []
+        scratch: list[torch.Tensor] = []  # (LoRA's merged weights, one projection at a time: _merged_into)
         with own_mappings():  # (rloo.heap)
             for layer in self.inner.layers:
                 attention, mlp = layer.self_attn, layer.mlp
                 self.layers.append(dict(
                     norm1=_norm(layer.input_layernorm), norm2=_norm(layer.post_attention_layernorm),
                     scaling=attention.scaling,
-                    qkv=_side_by_side([attention.q_proj, attention.k_proj, attention.v_proj], rows),
-                    o_proj=_side_by_side([attention.o_proj], rows),
-                    gate_up=_side_by_side([mlp.gate_proj, mlp.up_proj], rows),
-                    down_proj=_side_by_side([mlp.down_proj], rows)))
-            self.lm_head = _side_by_side([model.lm_head], rows)
+                    qkv=_side_by_side([attention.q_proj, attention.k_proj, attention.v_proj], rows, scratch),
+                    o_proj=_side_by_side([attention.o_proj], rows, scratch),
+                    gate_up=_side_by_side([mlp.gate_proj, mlp.up_proj], rows, scratch),
+                    down_proj=_side_by_side([mlp.down_proj], rows, scratch)))
+            self.lm_head = _side_by_side([model.lm_head], rows, scratch)
+            del scratch
         library = kernel_module.for_decoding()
         # the rotary embedding, key/value write and attention of a step in one call (fp32 on the CPU), else torch's
         self.attend = None if library is None else kernel_module.attention(library, self.heads, self.kv_heads,

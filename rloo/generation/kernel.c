@@ -160,7 +160,8 @@ static void attention(const float *qkv, const float *cos, const float *sin, floa
         const float *m = mask + (size_t)r * total;
         vec q[groups * chunks], acc[groups * chunks];
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)groups * stride), inverse[groups];
-        for (int g = 0; g < groups; g++) rotate(row + (size_t)(h * groups + g) * dim, c, s, (float *)(q + g * chunks), dim);
+        for (int g = 0; g < groups; g++)
+            rotate(row + (size_t)(h * groups + g) * dim, c, s, (float *)(q + g * chunks), dim);
         for (int j = 0; j < positions; j++) {
             const vec *kj = (const vec *)(k + (size_t)j * dim);
             for (int i = 0; i < dim; i += 16) {  /* (16 floats: a cache line) the keys ahead, this position's value */
