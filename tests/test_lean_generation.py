@@ -180,6 +180,61 @@ def test_repeated_prompts_are_prefilled_once_with_generates_tokens(tokenizer, mo
     assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)
 
 
+def test_prompt_lengths_are_grouped_where_the_padding_saved_outweighs_a_forward():
+    from rloo.generation.prefill import length_groups
+    assert length_groups([5, 50, 5, 50, 5], 32) == [[0, 2, 4], [1, 3]]  # 3 x 5 + 32 + 2 x 50 + 32 < 5 x 50 + 32
+    assert length_groups([5, 50, 5, 50, 5], 200) == [[0, 1, 2, 3, 4]]  # 515 > 450
+    assert length_groups([10, 11, 12]) == [[0, 1, 2]]  # padding 3 tokens: one forward
+    assert length_groups([44] * 3 + [56] * 3, forward_cost=40) == [[0, 1, 2, 3, 4, 5]]  # saves 36 < 40
+    assert length_groups([44] * 3 + [56] * 3, forward_cost=30) == [[0, 1, 2], [3, 4, 5]]
+    assert length_groups([7]) == [[0]]
+    lengths = torch.randint(20, 2000, (500,), generator=torch.Generator().manual_seed(0)).tolist()
+    groups = length_groups(lengths)  # (more distinct lengths than the search takes: bounds among 64 of them)
+    assert sorted(row for group in groups for row in group) == list(range(500)) and 1 < len(groups) <= 64
+    assert all(max(lengths[row] for row in a) < min(lengths[row] for row in b) for a, b in zip(groups, groups[1:]))
+
+
+def test_prompts_of_far_apart_lengths_go_through_in_groups_with_one_forwards_cache_and_tokens(tokenizer, model,
+                                                                                              monkeypatch):
+    """rloo.generation.prefill: distinct prompts of 4-5 and ~60 tokens through the model in two forwards, each padded
+    to its own longest; the merged cache equals one forward's at every unmasked position, the last positions' logits
+    too, and greedy decoding gives generate's tokens (with num_generations copies as well)."""
+    from transformers import DynamicCache
+
+    from rloo.data import pad_rows
+    from rloo.generation import prefill as prefill_module
+    from rloo.generation.prefill import prefill
+    from rloo.logps import cache_argument
+    monkeypatch.setattr(prefill_module, "FORWARD_COST", 32)  # (a forward of the tiny model costs ~nothing)
+    long = " ".join(["one two three four the dog sat on the mat"] * 6)
+    texts = ["the dog sat", long, "red", long + " a big cat"]
+    prompts = [tokenizer(text)["input_ids"] for text in texts]
+    input_ids, mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    widths = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    with torch.no_grad():
+        try:
+            logits, arguments = prefill(model.eval(), input_ids, mask, positions, {})
+        finally:
+            hook.remove()
+        assert sorted(widths) == [(2, max(len(prompts[0]), len(prompts[2]))), (2, input_ids.size(1))]
+        cache, name = DynamicCache(config=model.config), cache_argument(model)
+        theirs = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                       logits_to_keep=1, **{name: cache}).logits[:, -1]
+    torch.testing.assert_close(logits, theirs, atol=1e-5, rtol=1e-5)
+    seen = mask.bool()[:, None, :, None]
+    for ours_layer, their_layer in zip(arguments[name].layers, cache.layers):
+        for mine, reference in ((ours_layer.keys, their_layer.keys), (ours_layer.values, their_layer.values)):
+            assert mine.shape == reference.shape
+            torch.testing.assert_close(mine * seen, reference * seen, atol=1e-5, rtol=1e-5)
+    generation, eos = config(tokenizer, do_sample=False), [tokenizer.eos_token_id]
+    for rows in (prompts, [p for p in prompts for _ in range(2)]):
+        assert LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model, rows) == \
+            TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, rows)
+
+
 def _variant(tokenizer, kind):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM

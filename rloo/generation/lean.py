@@ -1,8 +1,8 @@
 """Sampling completions with a decode loop of our own (the default in-process backend when the sampling settings
-allow it): the prompts through the model's forward once per distinct prompt (rows repeating a prompt share its KV
-cache), then one decode step per token (rloo.generation.decode's written-out step for the Llama family, else the
-model's forward), transformers' own logits processors in `generate`'s order, and an inverse-CDF draw instead of
-`torch.multinomial`.
+allow it): the prompts through the model's forward once per distinct prompt (rloo.generation.prefill: rows repeating a
+prompt share its KV cache; on the CPU in groups of similar length), then one decode step per token
+(rloo.generation.decode's written-out step for the Llama family, else the model's forward), transformers' own
+logits processors in `generate`'s order, and an inverse-CDF draw instead of `torch.multinomial`.
 
 Same distribution as `model.generate`: the same logits (same function, positions and mask), the same processors
 (repetition penalty, min_new_tokens, temperature, top-k, top-p, min-p), the same EOS handling; only the random
@@ -27,8 +27,9 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from rloo.generation.decode import lean_decoder, weights_key
+from rloo.generation.prefill import prefill
 from rloo.generation.transformers_backend import TransformersGenerator
-from rloo.logps import cache_argument, distinct_prompts, selective_log_softmax, share_cache_rows
+from rloo.logps import cache_argument, selective_log_softmax
 
 # GenerationConfig fields this loop implements; any other field set away from its default keeps model.generate.
 HANDLED = {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
@@ -165,25 +166,6 @@ class LeanGenerator(TransformersGenerator):
                 found.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
         return found
 
-    @staticmethod
-    def _prefill(model, input_ids, attention_mask, positions, arguments: dict) -> tuple[torch.Tensor, dict]:
-        """The prompts through the model: the logits of each row's last position, and `arguments` with the KV cache
-        they filled. Rows with the same prompt (the num_generations copies of one) go through once and share it."""
-        from transformers import DynamicCache
-        cache_name = cache_argument(model)
-        found = distinct_prompts(input_ids, attention_mask)
-        if found is not None:
-            (first, inverse), cache = found, DynamicCache(config=model.config)
-            logits = model(input_ids=input_ids[first], attention_mask=attention_mask[first],
-                           position_ids=positions[first], use_cache=True, logits_to_keep=1,
-                           **{cache_name: cache}, **arguments).logits[:, -1]
-            if share_cache_rows(cache, inverse):
-                return logits[inverse], {cache_name: cache, **arguments}
-        cache = DynamicCache(config=model.config)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                       logits_to_keep=1, **{cache_name: cache}, **arguments).logits[:, -1]
-        return logits, {cache_name: cache, **arguments}
-
     def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         config, temperature = self.generation_config, self.policy_temperature
@@ -193,7 +175,7 @@ class LeanGenerator(TransformersGenerator):
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         # MoE: no auxiliary loss while decoding (as generate)
         extra = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
-        logits, arguments = self._prefill(model, input_ids, attention_mask, positions, extra)
+        logits, arguments = prefill(model, input_ids, attention_mask, positions, extra)
         decoder = None if self.synced else self._decoder(model, rows)  # (ZeRO-3: the model's collective forward)
         if decoder is not None:
             decoder.start(arguments[cache_argument(model)], attention_mask, config.max_new_tokens)
