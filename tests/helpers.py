@@ -57,3 +57,18 @@ def assert_step_timing(records, generated=True):
     if generated:
         assert sum(r["timing/generation"] for r in records) > 0 and sum(r["timing/train"] for r in records) > 0
     return records
+
+
+def with_lora(model, std: float = 0.3, **settings):
+    """`model` with a peft LoRA adapter (r 4, alpha 8, every linear layer, no dropout, unless `settings` say otherwise)
+    whose B matrices are drawn from N(0, std) instead of peft's zeros, so that an adapter a computation drops changes
+    its outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(model, LoraConfig(**{**dict(r=4, lora_alpha=8, target_modules="all-linear",
+                                                       lora_dropout=0.0), **settings}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, std)
+    return model

@@ -17,6 +17,8 @@ from rloo.generation import kernel
 from rloo.generation.decode import _kernels
 from rloo.generation.lean import sample_from
 
+from helpers import with_lora
+
 PROMPTS = ["the dog sat", "one two three four", "red", "a big cat on the mat"]
 
 
@@ -236,7 +238,6 @@ def test_prompts_of_far_apart_lengths_go_through_in_groups_with_one_forwards_cac
 
 
 def _variant(tokenizer, kind):
-    from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rloo.testing import tiny_causal_lm
@@ -260,13 +261,9 @@ def _variant(tokenizer, kind):
                             alpha_pattern={"v_proj": 6})
         if kind == "lora-float64":  # not packed for MKL: each projection its own product, LoRA written out
             settings.update(lora_alpha=12)
-        model = get_peft_model(model, LoraConfig(**settings))
+        model = with_lora(model, **settings)
         if kind == "lora-float64":
             model = model.double()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.3)
     return model
 
 
@@ -487,7 +484,6 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, monkeypat
     SiLU x up, residuals, LM head; with biases on every projection, with LoRA merged), the C attention alone in the
     step module by module, and torch's attention: three steps' logits against the model's forward over a
     left-padded batch, grouped query heads, tied embeddings; greedy decoding gives generate's tokens."""
-    from peft import LoraConfig, get_peft_model
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
     from rloo.data import pad_rows
@@ -512,11 +508,7 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, monkeypat
                 if name == "bias" or "norm" in type(module).__name__.lower():
                     param.normal_(0.5 if name == "weight" else 0.0, 0.3)
     if kind == "lora":
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.3)
+        model = with_lora(model)
     model.eval()
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     input_ids, mask = pad_rows(prompts, tokenizer.pad_token_id, "left")

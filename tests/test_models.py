@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from rloo import RLOOTrainer
 from rloo.testing import save_remote_code_model, save_tiny, tiny_causal_lm, tiny_moe_causal_lm
 
-from helpers import conversational, length_reward, logged, make_args, position_reward
+from helpers import conversational, length_reward, logged, make_args, position_reward, with_lora
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
@@ -36,11 +36,7 @@ def test_lora_trains_adapter_only_and_reference_is_the_base(tmp_path, tokenizer,
 
 
 def test_peft_model_passed_in_keeps_its_adapter_as_reference(tmp_path, tokenizer, model):
-    peft_model = get_peft_model(model, LoraConfig(**LORA))
-    with torch.no_grad():  # a "trained" adapter (e.g. after SFT): the reference must include it
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
+    peft_model = with_lora(model, 0.5, **LORA)  # a "trained" adapter (e.g. after SFT): the reference must include it
     initial = copy.deepcopy(peft_model)
     trainer = RLOOTrainer(model=peft_model, reward_funcs=length_reward,
                           args=make_args(tmp_path, beta=0.05, max_steps=2), train_dataset=conversational(),
@@ -196,11 +192,7 @@ def test_model_init_kwargs_revision_also_loads_the_processing_class(tmp_path, to
 def _in_training(model, kind):
     """The model in training mode, as it is ("full") or with a LoRA adapter whose B is not zero ("lora")."""
     if kind == "lora":
-        model = get_peft_model(model, LoraConfig(**LORA))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.1)
+        model = with_lora(model, 0.1, **LORA)
     model.train()
     return model
 

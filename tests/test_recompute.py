@@ -12,7 +12,7 @@ from rloo import RLOOTrainer, recompute
 from rloo.logps import per_token_logps
 from rloo.testing import tiny_causal_lm
 
-from helpers import conversational, make_args, position_reward
+from helpers import conversational, make_args, position_reward, with_lora
 
 
 def _model(tokenizer, kind):
@@ -24,12 +24,7 @@ def _model(tokenizer, kind):
                                             eos_token_id=2, pad_token_id=2, bos_token_id=None))
     model = tiny_causal_lm(tokenizer, tie_word_embeddings=kind == "tied")
     if kind == "lora":
-        from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.3)
+        model = with_lora(model)
     return model.to(torch.bfloat16) if kind == "bfloat16" else model
 
 

@@ -1,10 +1,11 @@
 """Kernels of our own for the written-out decode step (rloo.generation.decode), fp32 on the CPU, in kernel.c.
 
-`linear` (PackedLinear): y = x W^T (+ bias) for a few rows. The weight is packed once per generation call into blocks
-of NB output columns x K (NB = one vector register's floats), read as three sequential streams at a time; x's rows go
-in groups of 8, every weight vector loaded once per group and used for all of its rows; the column blocks are shared
-out among torch's own OpenMP threads (the library links the libgomp torch loaded: one thread pool, not two competing
-for the cores). Each output is one sum over K in order: equal to F.linear up to float rounding.
+`linear` (PackedLinear): y = x W^T (+ bias) for a few rows. The weights (several side by side: a layer's q/k/v) are
+packed once per generation call, straight from where they are, into blocks of NB output columns x K (NB = one vector
+register's floats), read as three sequential streams at a time, each prefetched 2 KiB ahead; x's rows go in groups of
+8, every weight vector loaded once per group and used for all of its rows; the column blocks are shared out among
+torch's own OpenMP threads (the library links the libgomp torch loaded: one thread pool, not two competing for the
+cores). Each output is one sum over K in order: equal to F.linear up to float rounding.
 `attend`: a step's rotary embedding, key/value write and attention over the written positions, one call per layer,
 parallel over rows x key/value heads, each key and value loaded once for its group of query heads and prefetched
 ahead, the softmax NB positions at a time with an exp of its own (Cephes' polynomial): equal to the model's attention
@@ -16,8 +17,9 @@ Compiled once per machine and source by the system's gcc (-O3 -march=native, Ope
 rloo.assets.cache_root (~/.cache/rloo or $RLOO_CACHE) and loaded with ctypes. The decode step takes it only where
 the CPU has AVX-512 (`for_decoding`): there, on 2 cores of an Intel Xeon, SmolLM2's 121 matmuls of a decode step
 took 18.7 ms at 8 rows against oneDNN's 28.9 (42.3 vs 48.4 at 32 rows), the rest of the step 7.5 -> 3.5 ms module by
-module, and the whole step 29.7 -> 25.0 ms (8 rows) and 58.2 -> 52.5 ms (32 rows) in one call. Without AVX-512 (not
-measured on such a CPU), without gcc, or off Linux on x86-64, the step keeps oneDNN's GEMM and torch's attention."""
+module; the whole step in one call 29.7 -> 25.0 ms (8 rows) and 58.2 -> 52.5 ms (32 rows), with the prefetching and
+this attention 21.7 / 44.8 ms. Without AVX-512 (not measured on such a CPU), without gcc, or off Linux on x86-64, the
+step keeps oneDNN's GEMM and torch's attention."""
 
 from __future__ import annotations
 
