@@ -96,24 +96,26 @@ def _grouped(model, input_ids, attention_mask, positions, arguments: dict) -> tu
     return logits, merged
 
 
+def _through(model, input_ids, attention_mask, positions, arguments: dict) -> tuple[torch.Tensor, Any]:
+    """(the logits of each row's last position, the KV cache): in length groups where that pays, else one forward."""
+    grouped = _grouped(model, input_ids, attention_mask, positions, arguments)
+    if grouped is not None:
+        return grouped
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    return _forward(model, input_ids, attention_mask, positions, arguments, cache), cache
+
+
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, arguments: dict
             ) -> tuple[torch.Tensor, dict]:
     """The prompts through the model: the logits of each row's last position, and `arguments` with the KV cache they
     filled under the model's cache argument. Rows with the same prompt go through once and share it."""
-    from transformers import DynamicCache
     name = cache_argument(model)
     found = distinct_prompts(input_ids, attention_mask)
     if found is not None:
         first, inverse = found
-        grouped = _grouped(model, input_ids[first], attention_mask[first], positions[first], arguments)
-        if grouped is None:
-            cache = DynamicCache(config=model.config)
-            grouped = _forward(model, input_ids[first], attention_mask[first], positions[first], arguments, cache), cache
-        logits, cache = grouped
+        logits, cache = _through(model, input_ids[first], attention_mask[first], positions[first], arguments)
         if share_cache_rows(cache, inverse):
             return logits[inverse], {name: cache, **arguments}
-    grouped = _grouped(model, input_ids, attention_mask, positions, arguments)
-    if grouped is None:
-        cache = DynamicCache(config=model.config)
-        grouped = _forward(model, input_ids, attention_mask, positions, arguments, cache), cache
-    return grouped[0], {name: grouped[1], **arguments}
+    logits, cache = _through(model, input_ids, attention_mask, positions, arguments)
+    return logits, {name: cache, **arguments}
