@@ -235,6 +235,18 @@ def test_prompts_of_far_apart_lengths_go_through_in_groups_with_one_forwards_cac
     for rows in (prompts, [p for p in prompts for _ in range(2)]):
         assert LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model, rows) == \
             TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, rows)
+    # under ZeRO-3 each forward is collective (every rank must run as many): one forward, whatever the lengths
+    import rloo.zero
+    monkeypatch.setattr(rloo.zero, "is_partitioned", lambda model: True)
+    widths.clear()
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    with torch.no_grad():
+        try:
+            prefill(model, input_ids, mask, positions, {})
+        finally:
+            hook.remove()
+    assert widths == [tuple(input_ids.shape)]
 
 
 def _variant(tokenizer, kind):

@@ -65,11 +65,14 @@ def _forward(model, input_ids, attention_mask, positions, arguments: dict, cache
 
 def _grouped(model, input_ids, attention_mask, positions, arguments: dict) -> tuple[torch.Tensor, Any] | None:
     """The rows' forward in length_groups, their caches merged into one left-padded cache; None where one forward
-    is the better (one group, a GPU, padding not all on the left, a cache with other than plain layers)."""
-    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
-    if input_ids.device.type != "cpu" or input_ids.size(0) < 2 or plain_cache(config) is None or \
-            not _left_padded(attention_mask):
+    is the better (one group, a GPU, padding not all on the left, a cache with other than plain layers) or the only
+    way (ZeRO-3: every forward gathers the parameters with the other ranks, which must run as many)."""
+    from rloo.zero import is_partitioned
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if input_ids.device.type != "cpu" or input_ids.size(0) < 2 or plain_cache(base.config) is None or \
+            is_partitioned(base) or not _left_padded(attention_mask):
         return None
+    config = base.config
     lengths = attention_mask.sum(-1).tolist()
     groups = length_groups(lengths)
     if len(groups) == 1:
