@@ -8,7 +8,8 @@ vary more. Grouping by length costs a forward per group, so `length_groups` weig
 a fixed cost per forward. The groups' caches are put back into one left-padded cache (zeros at the padding, which
 the mask hides), so that what follows sees the cache one forward would have made: the same keys and values at every
 unmasked position, up to float rounding (a matmul's sums may run in another order for another number of rows). On
-a GPU a forward's cost hardly grows with its rows, so there the prompts go through in one forward, as before."""
+a GPU a forward's cost hardly grows with its rows, and under ZeRO-3 every forward is collective (each rank must run
+as many): there the prompts go through in one forward."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def _grouped(model, input_ids, attention_mask, positions, arguments: dict) -> tu
     config = base.config
     lengths = attention_mask.sum(-1).tolist()
     groups = length_groups(lengths)
-    if len(groups) == 1:
+    if len(groups) == 1 or 0 in lengths:  # (an empty prompt: nothing to slice its group by)
         return None
     total, parts = input_ids.size(1), []
     logits = None
