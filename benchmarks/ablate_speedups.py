@@ -24,7 +24,7 @@ STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from 
           "oneDNN")
 
 
-def _one_projection_each(modules, rows):
+def _one_projection_each(modules, rows, scratch=None):
     """rloo.generation.decode._side_by_side as before the "side by side" stage: a matmul per projection."""
     import torch
     import torch.nn.functional as F
@@ -54,21 +54,26 @@ def _one_cumulative_sum(probs):
 
 
 def child(stage: str, case: str) -> dict:
+    import functools
+
+    import torch
     import torch.nn.functional as F
 
     import bench_vs_trl
     import rloo.generation.decode as decode
     import rloo.generation.lean as lean
+    import rloo.generation.prefill as prefill
     import rloo.logps as logps
     import rloo.trainer as trainer
     level = STAGES.index(stage)
     if level < 1:
         logps.can_share_prompts = lambda model: False
-        lean.distinct_prompts = lambda *args: None
+        prefill.distinct_prompts = lambda *args: None
     if level < 2:
         lean.lean_decoder = lambda *args: None
     if level < 3:
-        decode._packed_linear = lambda weight, bias, rows: (lambda x: F.linear(x, weight, bias))
+        decode._packed_linear = lambda weight, bias, rows: functools.partial(
+            F.linear, weight=torch.cat(weight) if isinstance(weight, list) else weight, bias=bias)
     if level < 4:  # (the trainer takes pi_old from the loss only where no dropout is drawn)
         trainer.dropout_active = lambda model: True
     if level < 5:
