@@ -196,11 +196,15 @@ def test_prompt_lengths_are_grouped_where_the_padding_saved_outweighs_a_forward(
     assert all(max(lengths[row] for row in a) < min(lengths[row] for row in b) for a, b in zip(groups, groups[1:]))
 
 
-def test_prompts_of_far_apart_lengths_go_through_in_groups_with_one_forwards_cache_and_tokens(tokenizer, model,
-                                                                                              monkeypatch):
+@pytest.mark.parametrize("shared", ["", "you are a careful helper who answers the question below in one short line: "])
+def test_prompts_go_through_once_for_their_shared_start_then_in_length_groups_with_one_forwards_cache_and_tokens(
+        tokenizer, model, monkeypatch, shared):
     """rloo.generation.prefill: distinct prompts of 4-5 and ~60 tokens through the model in two forwards, each padded
-    to its own longest; the merged cache equals one forward's at every unmasked position, the last positions' logits
-    too, and greedy decoding gives generate's tokens (with num_generations copies as well)."""
+    to its own longest, after one forward of the first tokens they all share where they share enough; the merged
+    cache equals one forward's at every unmasked position, the last positions' logits too, and greedy decoding gives
+    generate's tokens (with num_generations copies as well)."""
+    import os
+
     from transformers import DynamicCache
 
     from rloo.data import pad_rows
@@ -209,8 +213,10 @@ def test_prompts_of_far_apart_lengths_go_through_in_groups_with_one_forwards_cac
     from rloo.logps import cache_argument
     monkeypatch.setattr(prefill_module, "FORWARD_COST", 32)  # (a forward of the tiny model costs ~nothing)
     long = " ".join(["one two three four the dog sat on the mat"] * 6)
-    texts = ["the dog sat", long, "red", long + " a big cat"]
+    texts = [shared + text for text in ("the dog sat", long, "red", long + " a big cat")]
     prompts = [tokenizer(text)["input_ids"] for text in texts]
+    start = len(os.path.commonprefix(prompts)) if shared else 0
+    assert start * (len(prompts) - 1) > 32 if shared else start == 0
     input_ids, mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     widths = []
@@ -221,7 +227,8 @@ def test_prompts_of_far_apart_lengths_go_through_in_groups_with_one_forwards_cac
             logits, arguments = prefill(model.eval(), input_ids, mask, positions, {})
         finally:
             hook.remove()
-        assert sorted(widths) == [(2, max(len(prompts[0]), len(prompts[2]))), (2, input_ids.size(1))]
+        short = max(len(prompts[0]), len(prompts[2])) - start
+        assert sorted(widths) == sorted([(1, start)] * bool(start) + [(2, short), (2, input_ids.size(1) - start)])
         cache, name = DynamicCache(config=model.config), cache_argument(model)
         theirs = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                        logits_to_keep=1, **{name: cache}).logits[:, -1]

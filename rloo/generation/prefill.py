@@ -1,15 +1,17 @@
 """The prompts' forward of a generation call (rloo.generation.lean): each distinct prompt once (the num_generations
-copies of a prompt share its KV cache), and on the CPU the prompts in groups of similar length, each group padded
-only to its own longest prompt.
+copies of a prompt share its KV cache), and on the CPU in parts: the first tokens every prompt shares (a chat
+template's system turn, a shared instruction) once, and the rest in groups of similar length, each group padded only
+to its own longest.
 
 A batch's prompts are left-padded to the longest one, and a forward computes every padded position: 14-15 % of the
 prompts' forward for the generation benchmark's arithmetic prompts (44-58 tokens), far more for datasets whose prompts
-vary more. Grouping by length costs a forward per group, so `length_groups` weighs the padding a group saves against
-a fixed cost per forward. The groups' caches are put back into one left-padded cache (zeros at the padding, which
-the mask hides), so that what follows sees the cache one forward would have made: the same keys and values at every
-unmasked position, up to float rounding (a matmul's sums may run in another order for another number of rows). On
-a GPU a forward's cost hardly grows with its rows, and under ZeRO-3 every forward is collective (each rank must run
-as many): there the prompts go through in one forward."""
+vary more; and SmolLM2's chat template alone puts the same 24 tokens before every one of those prompts. Each part
+costs a forward of its own, so `_plan` weighs the tokens a part saves against a fixed cost per forward
+(`FORWARD_COST`). The parts' caches are put back into one left-padded cache (zeros at the padding, which the mask
+hides), so that what follows sees the cache one forward would have made: the same keys and values at every unmasked
+position, up to float rounding (a matmul's sums may run in another order for another number of rows). On a GPU a
+forward's cost hardly grows with its rows, and under ZeRO-3 every forward is collective (each rank must run as
+many): there the prompts go through in one forward."""
 
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ import torch
 
 from rloo.logps import cache_argument, distinct_prompts, plain_cache, share_cache_rows
 
-# a forward's fixed cost in padded tokens, for length_groups. Measured on 2 cores (SmolLM2, the generation benchmark's
+# a forward's fixed cost in padded tokens, for _plan. Measured on 2 cores (SmolLM2, the generation benchmark's
 # distinct prompts): 32 rows of 44-58 tokens in two groups 1.35 -> 1.28 s; 8 rows (45-57) in two groups 0.36 -> 0.38 s,
-# which this cost keeps in one.
+# which this cost keeps in one; their shared 24 first tokens once: 8 rows 0.345 -> 0.31 s, 32 rows 1.33 -> 0.78 s.
 FORWARD_COST = 128
 
 
@@ -58,53 +60,92 @@ def _left_padded(attention_mask: torch.Tensor) -> bool:
     return bool(torch.equal(attention_mask.bool(), columns >= attention_mask.size(1) - lengths[:, None]))
 
 
+def shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> int:
+    """How many first tokens every row's prompt shares (ids and positions alike; rows left-padded), at most each
+    row's length but one: every row keeps a last position of its own to predict from."""
+    lengths = attention_mask.sum(-1)
+    shortest = int(lengths.min()) - 1
+    if shortest < 1:
+        return 0
+    columns = (input_ids.size(1) - lengths)[:, None] + torch.arange(shortest, device=input_ids.device)
+    ids, places = input_ids.gather(1, columns), positions.gather(1, columns)
+    same = ((ids == ids[:1]) & (places == places[:1])).all(0)
+    return int(same.long().cumprod(0).sum())
+
+
 def _forward(model, input_ids, attention_mask, positions, arguments: dict, cache) -> torch.Tensor:
-    """The logits of each row's last position, the KV cache filled into `cache`."""
+    """The logits of each row's last position, the KV cache filled into `cache` (after what it holds)."""
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
                  logits_to_keep=1, **{cache_argument(model): cache}, **arguments).logits[:, -1]
 
 
-def _grouped(model, input_ids, attention_mask, positions, arguments: dict) -> tuple[torch.Tensor, Any] | None:
-    """The rows' forward in length_groups, their caches merged into one left-padded cache; None where one forward
-    is the better (one group, a GPU, padding not all on the left, a cache with other than plain layers) or the only
-    way (ZeRO-3: every forward gathers the parameters with the other ranks, which must run as many)."""
+def _plan(model, input_ids, attention_mask, positions) -> tuple[int, list[list[int]]] | None:
+    """(the shared prefix's length, 0 where sharing it does not pay; the rows' groups by the length after it) for
+    the prompts' forward in parts; None where one forward is the better (no prefix worth its own forward and one
+    group, a GPU, padding not all on the left, a cache with other than plain layers) or the only way (ZeRO-3: every
+    forward gathers the parameters with the other ranks, which must run as many)."""
     from rloo.zero import is_partitioned
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if input_ids.device.type != "cpu" or input_ids.size(0) < 2 or plain_cache(base.config) is None or \
             is_partitioned(base) or not _left_padded(attention_mask):
         return None
-    config = base.config
-    lengths = attention_mask.sum(-1).tolist()
-    groups = length_groups(lengths)
-    if len(groups) == 1 or 0 in lengths:  # (an empty prompt: nothing to slice its group by)
-        return None
-    total, parts = input_ids.size(1), []
-    logits = None
+    prefix = shared_prefix(input_ids, attention_mask, positions)
+    if prefix * (input_ids.size(0) - 1) <= FORWARD_COST:  # (the tokens it saves vs the prefix's own forward)
+        prefix = 0
+    lengths = (attention_mask.sum(-1) - prefix).tolist()
+    groups = length_groups(lengths) if 0 not in lengths else [list(range(len(lengths)))]
+    return None if prefix == 0 and len(groups) == 1 else (prefix, groups)
+
+
+def _in_parts(model, input_ids, attention_mask, positions, arguments: dict, prefix: int, groups: list[list[int]]
+              ) -> tuple[torch.Tensor, Any]:
+    """The prompts' forward in parts (`_plan`): their shared first `prefix` tokens once, then each group of rows
+    after them, padded to the group's longest; every part's cache put back into one left-padded cache."""
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    total, lengths = input_ids.size(1), attention_mask.sum(-1)
+    shared = plain_cache(config)
+    if prefix:
+        first = total - int(lengths[0])
+        _forward(model, input_ids[:1, first:first + prefix], attention_mask[:1, first:first + prefix],
+                 positions[:1, first:first + prefix], arguments, shared)
+    logits, parts = None, []
     for rows in groups:
-        index, width = torch.tensor(rows, device=input_ids.device), max(lengths[row] for row in rows)
+        index = torch.tensor(rows, device=input_ids.device)
+        after = lengths[index] - prefix
+        width = int(after.max())
         cache = plain_cache(config)
-        found = _forward(model, input_ids[index, -width:], attention_mask[index, -width:], positions[index, -width:],
-                         arguments, cache)
+        for number, layer in enumerate(shared.layers if prefix else ()):
+            cache.update(layer.keys.expand(len(rows), *layer.keys.shape[1:]),
+                         layer.values.expand(len(rows), *layer.values.shape[1:]), number)
+        mask = (torch.arange(width, device=index.device) >= width - after[:, None]).to(attention_mask.dtype)
+        found = _forward(model, input_ids[index, -width:], torch.cat([mask.new_ones(len(rows), prefix), mask], 1),
+                         positions[index, -width:], arguments, cache)
         logits = found.new_empty(input_ids.size(0), found.size(-1)) if logits is None else logits
         logits[index] = found
-        parts.append((index, width, cache))
+        # each row's cache column, in the one left-padded cache: its prefix, then its tokens after it
+        columns = torch.arange(total, device=index.device)
+        start = total - lengths[index][:, None]
+        source = torch.where(columns >= total - after[:, None], columns - total + prefix + width, columns - start)
+        parts.append((index, source.clamp(min=0), columns >= start, cache))
     merged = plain_cache(config)
     for number in range(len(merged.layers)):
-        first = parts[0][2].layers[number]
-        keys = first.keys.new_zeros(input_ids.size(0), *first.keys.shape[1:-2], total, first.keys.size(-1))
-        values = first.values.new_zeros(input_ids.size(0), *first.values.shape[1:-2], total, first.values.size(-1))
-        for index, width, cache in parts:
-            keys[index, ..., total - width:, :] = cache.layers[number].keys
-            values[index, ..., total - width:, :] = cache.layers[number].values
+        layer = parts[0][3].layers[number]
+        keys = layer.keys.new_empty(input_ids.size(0), layer.keys.size(1), total, layer.keys.size(-1))
+        values = layer.values.new_empty(input_ids.size(0), layer.values.size(1), total, layer.values.size(-1))
+        for index, source, seen, cache in parts:
+            for into, found in ((keys, cache.layers[number].keys), (values, cache.layers[number].values)):
+                picked = found.gather(-2, source[:, None, :, None].expand(-1, found.size(1), -1, found.size(-1)))
+                into[index] = picked.masked_fill(~seen[:, None, :, None], 0)
         merged.update(keys, values, number)
     return logits, merged
 
 
 def _through(model, input_ids, attention_mask, positions, arguments: dict) -> tuple[torch.Tensor, Any]:
-    """(the logits of each row's last position, the KV cache): in length groups where that pays, else one forward."""
-    grouped = _grouped(model, input_ids, attention_mask, positions, arguments)
-    if grouped is not None:
-        return grouped
+    """(the logits of each row's last position, the KV cache): in parts where that pays (`_plan`), else one
+    forward."""
+    plan = _plan(model, input_ids, attention_mask, positions)
+    if plan is not None:
+        return _in_parts(model, input_ids, attention_mask, positions, arguments, *plan)
     from transformers import DynamicCache
     cache = DynamicCache(config=model.config)
     return _forward(model, input_ids, attention_mask, positions, arguments, cache), cache
