@@ -287,8 +287,12 @@ def _variant(tokenizer, kind):
 
 
 _KERNELS = _kernels()
-if "rloo" not in _KERNELS and kernel.compiled() is not None:  # (built here without AVX-512: tested, not used)
+if "rloo" not in _KERNELS and kernel.compiled() is not None:  # (built here without AVX2 and FMA: tested, not used)
     _KERNELS["rloo"] = functools.partial(kernel.packed_linear, kernel.compiled())
+# our kernel's builds tested here: this CPU's, and where that one has 16-float vectors (AVX-512) and the CPU AVX2
+# and FMA, the build for x86-64-v3 as well (8-float vectors: what a CPU without AVX-512 runs)
+_TARGETS = ["native"] + (["x86-64-v3"] if kernel.compiled() is not None and kernel.compiled().vector_floats() == 16
+                         and {"avx2", "fma"} <= set(kernel._cpu_flags().split()) else [])
 _PACKABLE = ("llama", "llama-bias", "qwen2", "lora", "lora-mixed")
 
 
@@ -448,12 +452,13 @@ def test_trainer_evaluation_packs_once_and_training_on_every_call(tmp_path, toke
     assert built == [4, 4] and trainer.generator._kept is None
 
 
-def test_decode_gemm_is_flinear_for_any_rows_columns_bias_and_threads():
-    """rloo.generation.kernel: built wherever gcc is (its tests need no AVX-512: the build then uses 8-float
-    vectors), and x W^T + b for row counts in and out of its groups of rows, columns in and out of its blocks, and
-    for weights packed side by side (segments of sizes in and out of a block) as the one concatenated weight."""
+@pytest.mark.parametrize("target", _TARGETS)
+def test_decode_gemm_is_flinear_for_any_rows_columns_bias_and_threads(target):
+    """rloo.generation.kernel: built wherever gcc is (8-float vectors without AVX-512), and x W^T + b for row counts
+    in and out of its groups of rows, columns in and out of its blocks, and for weights packed side by side
+    (segments of sizes in and out of a block) as the one concatenated weight."""
     import torch.nn.functional as F
-    library = kernel.compiled()
+    library = kernel.compiled(target)
     assert library is not None or shutil.which("gcc") is None
     if library is None:
         pytest.skip("no gcc on this machine: the decode step uses oneDNN's kernel")
@@ -478,11 +483,16 @@ def test_decode_gemm_is_flinear_for_any_rows_columns_bias_and_threads():
         kernel.packed_linear(library, [torch.randn(4, 7), torch.randn(4, 6)], None, 2)
 
 
-def test_decode_gemm_goes_first_with_avx512_and_is_skipped_without_a_compiler(tmp_path, monkeypatch):
-    """The decode step packs for our kernel where it is built for AVX-512, and for oneDNN's where there is no
-    compiler (nothing cached): the build's failure is not an error."""
+def test_decode_gemm_goes_first_with_avx512_or_avx2_and_is_skipped_without_a_compiler(tmp_path, monkeypatch):
+    """The decode step packs for our kernel where it is built for AVX-512 or for AVX2 with FMA, and for oneDNN's
+    where there is no compiler (nothing cached): the build's failure is not an error."""
     from rloo.generation import decode
     assert ("rloo" in _kernels()) == (kernel.for_decoding() is not None)
+    flags = set(kernel._cpu_flags().split())
+    if kernel.compiled() is not None:
+        assert (kernel.for_decoding() is not None) == ("avx512f" in flags or {"avx2", "fma"} <= flags)
+    for target in _TARGETS[1:]:
+        assert kernel.compiled(target).vector_floats() == 8 and kernel.compiled(target).fused() == 1
     monkeypatch.setenv("RLOO_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-gcc"))
     kernel.compiled.cache_clear()
@@ -496,9 +506,10 @@ def test_decode_gemm_goes_first_with_avx512_and_is_skipped_without_a_compiler(tm
         assert next(iter(decode._kernels())) == "rloo"
 
 
-@pytest.mark.parametrize("path,kind", [("whole", "plain"), ("whole", "biases"), ("whole", "lora"),
-                                       ("attention", "plain"), ("torch", "plain")])
-def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, monkeypatch):
+@pytest.mark.parametrize("path,kind,target", [("whole", "plain", target) for target in _TARGETS] +
+                         [("whole", "biases", "native"), ("whole", "lora", "native")] +
+                         [("attention", "plain", target) for target in _TARGETS] + [("torch", "plain", "native")])
+def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, monkeypatch):
     """rloo.generation.kernel: the whole step in one C call (kernel.Step: norms, packed projections, attention,
     SiLU x up, residuals, LM head; with biases on every projection, with LoRA merged), the C attention alone in the
     step module by module, and torch's attention: three steps' logits against the model's forward over a
@@ -509,11 +520,11 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, monkeypat
     from rloo.generation import decode
     from rloo.generation.decode import lean_decoder
     from rloo.logps import cache_argument
-    library = kernel.compiled()
+    library = kernel.compiled(target)
     if library is None:
         assert shutil.which("gcc") is None
         pytest.skip("no gcc on this machine: the step stays torch's")
-    # our GEMM (on a CPU without AVX-512 built with 8-float vectors: tested here, not used there)
+    # our GEMM (on a CPU without AVX2 and FMA built with 8-float vectors: tested here, not used there)
     monkeypatch.setattr(decode, "_kernels", lambda: {"rloo": functools.partial(kernel.packed_linear, library)})
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
@@ -556,12 +567,13 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, monkeypat
             TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)
 
 
-def test_decode_attention_in_c_is_sdpas_for_scores_far_apart_and_masked_positions():
+@pytest.mark.parametrize("target", _TARGETS)
+def test_decode_attention_in_c_is_sdpas_for_scores_far_apart_and_masked_positions(target):
     """rloo.generation.kernel.attention (its own exp and softmax, NB positions at a time): the rotated key and the
     value written at the step's position, and softmax(q k^T * scale + mask) v as SDPA computes it, for scores from
     0 to hundreds apart (weights that underflow to 0), masked positions, position counts in and out of a vector."""
     import torch.nn.functional as F
-    library = kernel.compiled()
+    library = kernel.compiled(target)
     if library is None:
         pytest.skip("no gcc on this machine: the step's attention stays torch's")
     heads, kv_heads, dim = 6, 2, 2 * library.vector_floats()

@@ -16,6 +16,11 @@
 typedef float vec __attribute__((vector_size(NB * 4)));
 
 int vector_floats(void) { return NB; }
+#if defined(__AVX2__) && defined(__FMA__)
+int fused(void) { return 1; }  /* 8-float vectors in ymm registers, multiply-adds fused */
+#else
+int fused(void) { return 0; }
+#endif
 int block_columns(void) { return NB * S; }
 
 static int padded(int n) { return (n + NB * S - 1) / (NB * S) * (NB * S); }

@@ -14,12 +14,13 @@ up to float rounding. SmolLM2's 30 layers at 32 rows x 100 positions: 11.9 -> 7.
 above, SiLU x up, residual adds, LM head), where every part of the model is one it does.
 
 Compiled once per machine and source by the system's gcc (-O3 -march=native, OpenMP) into the kernels folder of
-rloo.assets.cache_root (~/.cache/rloo or $RLOO_CACHE) and loaded with ctypes. The decode step takes it only where
-the CPU has AVX-512 (`for_decoding`): there, on 2 cores of an Intel Xeon, SmolLM2's 121 matmuls of a decode step
-took 18.7 ms at 8 rows against oneDNN's 28.9 (42.3 vs 48.4 at 32 rows), the rest of the step 7.5 -> 3.5 ms module by
-module; the whole step in one call 29.7 -> 25.0 ms (8 rows) and 58.2 -> 52.5 ms (32 rows), with the prefetching and
-this attention 21.7 / 44.8 ms. Without AVX-512 (not measured on such a CPU), without gcc, or off Linux on x86-64, the
-step keeps oneDNN's GEMM and torch's attention."""
+rloo.assets.cache_root (~/.cache/rloo or $RLOO_CACHE) and loaded with ctypes. The decode step takes it where the CPU
+has AVX-512 or AVX2 with FMA (`for_decoding`). With AVX-512, on 2 cores of an Intel Xeon, SmolLM2's 121 matmuls of a
+decode step took 18.7 ms at 8 rows against oneDNN's 28.9 (42.3 vs 48.4 at 32 rows), the rest of the step 7.5 -> 3.5
+ms module by module; the whole step in one call 29.7 -> 25.0 ms (8 rows) and 58.2 -> 52.5 ms (32 rows), with the
+prefetching and this attention 21.7 / 44.8 ms. With AVX2 (measured on that Xeon held to AVX2: built for x86-64-v3,
+oneDNN, MKL and torch's own kernels capped at AVX2), the step 51.9 -> 26.6 ms at 8 rows and 84.4 -> 70.1 ms at 32.
+Without either, without gcc, or off Linux on x86-64, the step keeps oneDNN's GEMM and torch's attention."""
 
 from __future__ import annotations
 
@@ -43,14 +44,15 @@ SOURCE = (resources.files("rloo.generation") / "kernel.c").read_text()
 
 
 @functools.cache
-def compiled() -> ctypes.CDLL | None:
+def compiled(target: str = "native") -> ctypes.CDLL | None:
     """The library for this machine (built on first use, then from the cache), or None where it cannot be built
-    here: not Linux on x86-64, no gcc, or the build failed (logged)."""
+    here: not Linux on x86-64, no gcc, or the build failed (logged). `target`: gcc's -march (the tests also build
+    for x86-64-v3, AVX2 and FMA without AVX-512, on a CPU that has AVX-512)."""
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if platform.system() != "Linux" or platform.machine() != "x86_64" or compiler is None:
         return None
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-Wl,-rpath,{torch_lib}", "-lm"]
+    flags = ["-O3", f"-march={target}", "-fopenmp", "-shared", "-fPIC", f"-Wl,-rpath,{torch_lib}", "-lm"]
     key = hashlib.sha256("\n".join([SOURCE, compiler, torch_lib, *flags]).encode()).hexdigest()[:16]
     cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:8]  # (-march=native: one build per CPU model)
     from rloo.assets import cache_root
@@ -78,6 +80,7 @@ def compiled() -> ctypes.CDLL | None:
     library.linear.argtypes = [pointer] * 4 + [number] * 4
     library.attend.argtypes = [pointer] * 7 + [number] * 6 + [real, number]
     library.decode_step.argtypes = [pointer, number, pointer, real] + [pointer] * 12 + [number] * 10
+    library.fused.restype = library.vector_floats.restype = ctypes.c_int
     library.pack.restype = library.linear.restype = library.attend.restype = library.decode_step.restype = None
     return library
 
@@ -91,9 +94,10 @@ def _cpu_flags() -> str:
 
 
 def for_decoding() -> ctypes.CDLL | None:
-    """The library where the decode step should use it: built, and built for AVX-512 (16 floats a vector)."""
+    """The library where the decode step should use it: built, for AVX-512 (16 floats a vector) or for AVX2 with
+    FMA (8 floats a vector, fused multiply-adds)."""
     library = compiled()
-    return library if library is not None and library.vector_floats() == 16 else None
+    return library if library is not None and (library.vector_floats() == 16 or library.fused()) else None
 
 
 class PackedLinear:
