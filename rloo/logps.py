@@ -176,10 +176,15 @@ def plain_cache(config: Any, layer_type: type = DynamicLayer) -> Any:
     return cache
 
 
+def cache_rows_shareable(cache: Any) -> bool:
+    """The cache's rows can be copied to other rows (`share_cache_rows`): plain layers, none sliding."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(isinstance(layer, DynamicLayer) and not layer.is_sliding for layer in layers)
+
+
 def share_cache_rows(cache: Any, rows: torch.Tensor) -> bool:
     """Copy the cache of each distinct prompt to its rows (in place); False for cache kinds that cannot."""
-    layers = getattr(cache, "layers", None)
-    if not layers or any(not isinstance(layer, DynamicLayer) or layer.is_sliding for layer in layers):
+    if not cache_rows_shareable(cache):
         return False
     cache.batch_select_indices(rows)
     return True

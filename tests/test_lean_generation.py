@@ -224,7 +224,7 @@ def test_prompts_go_through_once_for_their_shared_start_then_in_length_groups_wi
                                            with_kwargs=True)
     with torch.no_grad():
         try:
-            logits, arguments = prefill(model.eval(), input_ids, mask, positions, {})
+            logits, arguments, _ = prefill(model.eval(), input_ids, mask, positions, {})
         finally:
             hook.remove()
         short = max(len(prompts[0]), len(prompts[2])) - start
@@ -506,14 +506,18 @@ def test_decode_gemm_goes_first_with_avx512_or_avx2_and_is_skipped_without_a_com
         assert next(iter(decode._kernels())) == "rloo"
 
 
-@pytest.mark.parametrize("path,kind,target", [("whole", "plain", target) for target in _TARGETS] +
+@pytest.mark.parametrize("path,kind,target", [("whole", kind, target) for kind in ("plain", "shared")
+                                              for target in _TARGETS] +
                          [("whole", "biases", "native"), ("whole", "lora", "native")] +
-                         [("attention", "plain", target) for target in _TARGETS] + [("torch", "plain", "native")])
+                         [("attention", kind, target) for kind in ("plain", "shared") for target in _TARGETS] +
+                         [("torch", "plain", "native"), ("torch", "shared", "native")])
 def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, monkeypatch):
     """rloo.generation.kernel: the whole step in one C call (kernel.Step: norms, packed projections, attention,
     SiLU x up, residuals, LM head; with biases on every projection, with LoRA merged), the C attention alone in the
     step module by module, and torch's attention: three steps' logits against the model's forward over a
-    left-padded batch, grouped query heads, tied embeddings; greedy decoding gives generate's tokens."""
+    left-padded batch, grouped query heads, tied embeddings; greedy decoding gives generate's tokens. `shared`:
+    rows repeating a prompt start from a cache with each prompt once, which the C attention reads for all of its
+    rows (each row's own buffers only its new tokens) and torch's copies to each row."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
     from rloo.data import pad_rows
@@ -541,18 +545,28 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
         model = with_lora(model)
     model.eval()
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    rows_of = torch.tensor([0, 1, 0, 1]) if kind == "shared" else None  # (each row's prompt among the first two)
+    if rows_of is not None:
+        prompts = [prompts[index] for index in rows_of.tolist()]
     input_ids, mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache, name = DynamicCache(config=model.config), cache_argument(model)
     with torch.no_grad():
         model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
+        start = cache
+        if rows_of is not None:  # (the prompts' cache, each once: rows 0 and 1)
+            start = DynamicCache(config=model.config)
+            model(input_ids=input_ids[:2], attention_mask=mask[:2], position_ids=positions[:2], use_cache=True,
+                  **{name: start})
         decoder = lean_decoder(model, len(prompts))
         assert decoder.whole is not None
         if path != "whole":
             decoder.whole = None
             decoder.attend = kernel.attention(library, 4, 2, 16) if path == "attention" else None
-        decoder.start(cache, mask, 3)
+        decoder.start(start, mask, 3, rows_of)
         assert (path == "whole") == (decoder.whole is not None and decoder.whole.table is not None)
+        assert (decoder.shared is not None) == (rows_of is not None and path != "torch")
+        assert decoder.keys[0].size(2) == 3 + (0 if decoder.shared is not None else input_ids.size(1))
         step_positions = positions[:, -1:]
         for tokens in ([7, 8, 9, 10], [3, 4, 5, 6], [11, 12, 13, 14]):
             tokens, step_positions = torch.tensor(tokens), step_positions + 1

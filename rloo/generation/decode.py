@@ -264,7 +264,8 @@ class LeanDecoder:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.mask: torch.Tensor | None = None
-        self.length = 0
+        self.shared: list[kernel_module.Shared] | None = None
+        self.length = self.offset = 0
 
     def _whole_step(self, model: nn.Module) -> kernel_module.Step | None:
         """The whole step in one C call (kernel.Step) where every part of it is one the C does: all projections
@@ -284,22 +285,36 @@ class LeanDecoder:
                   for index, layer in enumerate(self.layers)]
         return kernel_module.Step(library, layers, norms[-1], self.lm_head, self.heads, self.kv_heads, self.head_dim)
 
-    def start(self, cache: Any, attention_mask: torch.Tensor, new_tokens: int) -> None:
-        """Take the prompts' keys and values from a transformers cache into buffers with room for `new_tokens`."""
+    def start(self, cache: Any, attention_mask: torch.Tensor, new_tokens: int,
+              prompt_rows: torch.Tensor | None = None) -> None:
+        """Take the prompts' keys and values from a transformers cache into buffers with room for `new_tokens`.
+        `prompt_rows`: the cache holds each distinct prompt once, row r of the batch reads its row prompt_rows[r]
+        (rloo.generation.prefill). Where the step's attention is ours (kernel.attention: fp32 on the CPU), the rows of
+        a prompt then read its keys and values from that one copy, and each row's buffers hold only its new tokens;
+        else the cache's rows are first copied to each row."""
         rows, prompt_length = attention_mask.shape
-        total = prompt_length + new_tokens
+        first = cache.layers[0].keys
+        shared = prompt_rows is not None and self.attend is not None and first.dtype == torch.float32 and \
+            first.device.type == "cpu"
+        if prompt_rows is not None and not shared:
+            cache.batch_select_indices(prompt_rows)
+        self.offset = prompt_length if shared else 0  # (the positions before each row's own buffers)
         self.keys, self.values = [], []
         for layer in cache.layers:
             for source, target in ((layer.keys, self.keys), (layer.values, self.values)):
-                buffer = source.new_empty(rows, self.kv_heads, total, self.head_dim)
-                buffer[:, :, :prompt_length] = source
+                buffer = source.new_empty(rows, self.kv_heads, prompt_length + new_tokens - self.offset, self.head_dim)
+                if not shared:
+                    buffer[:, :, :prompt_length] = source
                 target.append(buffer)
+        prompt = prompt_rows.to(torch.int32).contiguous() if shared else None
+        self.shared = [kernel_module.Shared(layer.keys.contiguous(), layer.values.contiguous(), prompt)
+                       for layer in cache.layers] if shared else None
         # added to the attention scores: 0 where a row attends, -inf at its padding and at positions not yet written
-        self.mask = self.keys[0].new_full((rows, 1, 1, total), float("-inf"))
+        self.mask = self.keys[0].new_full((rows, 1, 1, prompt_length + new_tokens), float("-inf"))
         self.mask[:, 0, 0, :prompt_length].masked_fill_(attention_mask.bool(), 0.0)
         self.length = prompt_length
         if self.whole is not None:
-            self.whole.start(self.keys, self.values, rows)
+            self.whole.start(self.keys, self.values, rows, self.shared)
 
     @staticmethod
     def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
@@ -331,17 +346,20 @@ class LeanDecoder:
         if self.whole is not None and self.whole.table is not None and hidden.dtype == torch.float32 and \
                 hidden.device.type == "cpu":
             self.length = at + 1
-            return self.whole(hidden, cos, sin, self.mask, at)
+            return self.whole(hidden, cos, sin, self.mask, at - self.offset)
         # rotate_half(x) * sin == x.roll(half) * sin with its first half negated (the same products: one sign moved)
         half = head_dim // 2
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         attend = self.attend if self.attend is not None and hidden.dtype == torch.float32 and \
             hidden.device.type == "cpu" else None
+        if self.shared is not None and attend is None:
+            raise RuntimeError("LeanDecoder: the prompts' shared keys and values need the C attention")
         for index, layer in enumerate(self.layers):
             projected = layer["qkv"](layer["norm1"](hidden)).view(rows, heads + 2 * kv_heads, head_dim)
             keys, values = self.keys[index], self.values[index]
             if attend is not None:
-                attended = attend(projected, cos, sin, keys, values, self.mask, at, layer["scaling"])
+                attended = attend(projected, cos, sin, keys, values, self.mask, at - self.offset, layer["scaling"],
+                                  self.shared[index] if self.shared is not None else None)
             else:
                 # the rotary embedding of the queries and keys at once (apply_rotary_pos_emb's formula, cos and sin
                 # broadcast over the heads)

@@ -143,42 +143,66 @@ static vec exp_of(vec x) {
     return pick(kept, (vec)scaled, zero);
 }
 
+/* The scores of `count` positions: scores[g][j] = (q_g . k_j) * scale + mask[j] for the keys at k, j from 0 */
+static void score(const vec *q, const float *k, const float *mask, float *scores, int count, int groups, int chunks,
+                  int stride, int dim, float scale) {
+    for (int j = 0; j < count; j++) {
+        const vec *kj = (const vec *)(k + (size_t)j * dim);
+        for (int i = 0; i < dim; i += 16)  /* (16 floats: a cache line) the keys ahead */
+            __builtin_prefetch(k + (size_t)(j + 8) * dim + i);
+        for (int g = 0; g < groups; g++) {
+            vec dot = {0};
+            for (int i = 0; i < chunks; i++) dot += q[g * chunks + i] * kj[i];
+            scores[(size_t)g * stride + j] = total_of(dot) * scale + mask[j];
+        }
+    }
+}
+
+/* acc_g += p_gj v_j over `count` positions: the weights p at scores (times inverse[g]), the values at v */
+static void weigh(vec *acc, const float *v, const float *scores, const float *inverse, int count, int groups,
+                  int chunks, int stride, int dim) {
+    for (int j = 0; j < count; j++) {
+        const vec *vj = (const vec *)(v + (size_t)j * dim);
+        for (int i = 0; i < dim; i += 16) __builtin_prefetch(v + (size_t)(j + 8) * dim + i);
+        for (int g = 0; g < groups; g++) {
+            float p = scores[(size_t)g * stride + j] * inverse[g];
+            for (int i = 0; i < chunks; i++) acc[g * chunks + i] += p * vj[i];
+        }
+    }
+}
+
 /* Inside a parallel region, one decode step's attention: qkv [rows][heads + 2 kv_heads][dim] (the projections),
    cos / sin [rows][dim] at this step's positions; the rotated key and the value are written at position `at` of
-   keys / values [rows][kv_heads][total][dim]; out [rows][heads][dim] = softmax((q . k) * scale + mask) v over
-   positions 0..at, mask [rows][total] (0 or -inf); query head h uses key/value head h / (heads / kv_heads). dim a
-   multiple of NB, at most 512. Parallel over rows x key/value heads; each key and value is loaded once for all the
-   query heads that read it, the softmax runs NB positions at a time. */
-static void attention(const float *qkv, const float *cos, const float *sin, float *keys, float *values,
+   keys / values [rows][kv_heads][total][dim]; out [rows][heads][dim] = softmax((q . k) * scale + mask) v over the
+   row's positions: first the `shared` positions of its prompt's keys / values [prompts][kv_heads][shared][dim]
+   (prompt[r]; the rows of one prompt read the same ones), then 0..at of its own; mask [rows][shared + total] (0 or
+   -inf). query head h uses key/value head h / (heads / kv_heads). dim a multiple of NB, at most 512. Parallel over
+   rows x key/value heads (rows of one prompt next to each other: its keys and values stay in the cache for them);
+   each key and value is loaded once for all the query heads that read it, the softmax runs NB positions at a
+   time. */
+static void attention(const float *qkv, const float *cos, const float *sin, const float *shared_keys,
+                      const float *shared_values, const int *prompt, int shared, float *keys, float *values,
                       const float *mask, float *out, int rows, int heads, int kv_heads, int dim, int total, int at,
                       float scale) {
     int groups = heads / kv_heads, width = (heads + 2 * kv_heads) * dim, chunks = dim / NB;
-    int positions = at + 1, stride = (positions + NB - 1) / NB * NB;
+    int positions = shared + at + 1, stride = (positions + NB - 1) / NB * NB;
     #pragma omp for schedule(static)
     for (int task = 0; task < rows * kv_heads; task++) {
         int r = task / kv_heads, h = task % kv_heads;
         const float *row = qkv + (size_t)r * width, *c = cos + (size_t)r * dim, *s = sin + (size_t)r * dim;
         float *k = keys + ((size_t)r * kv_heads + h) * total * dim;
         float *v = values + ((size_t)r * kv_heads + h) * total * dim;
+        size_t from = shared ? ((size_t)prompt[r] * kv_heads + h) * shared * dim : 0;
         rotate(row + (size_t)(heads + h) * dim, c, s, k + (size_t)at * dim, dim);
         memcpy(v + (size_t)at * dim, row + (size_t)(heads + kv_heads + h) * dim, dim * sizeof(float));
-        const float *m = mask + (size_t)r * total;
+        const float *m = mask + (size_t)r * (shared + total);
         vec q[groups * chunks], acc[groups * chunks];
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)groups * stride), inverse[groups];
         for (int g = 0; g < groups; g++)
             rotate(row + (size_t)(h * groups + g) * dim, c, s, (float *)(q + g * chunks), dim);
-        for (int j = 0; j < positions; j++) {
-            const vec *kj = (const vec *)(k + (size_t)j * dim);
-            for (int i = 0; i < dim; i += 16) {  /* (16 floats: a cache line) the keys ahead, this position's value */
-                __builtin_prefetch(k + (size_t)(j + 8) * dim + i);
-                __builtin_prefetch(v + (size_t)j * dim + i, 0, 2);
-            }
-            for (int g = 0; g < groups; g++) {
-                vec dot = {0};
-                for (int i = 0; i < chunks; i++) dot += q[g * chunks + i] * kj[i];
-                scores[(size_t)g * stride + j] = total_of(dot) * scale + m[j];
-            }
-        }
+        if (shared)
+            score(q, shared_keys + from, m, scores, shared, groups, chunks, stride, dim, scale);
+        score(q, k, m + shared, scores + shared, at + 1, groups, chunks, stride, dim, scale);
         for (int g = 0; g < groups; g++) {
             vec *sc = (vec *)(scores + (size_t)g * stride), top = {0}, sum = {0};
             for (int j = positions; j < stride; j++) scores[(size_t)g * stride + j] = -INFINITY;
@@ -192,23 +216,20 @@ static void attention(const float *qkv, const float *cos, const float *sin, floa
             inverse[g] = 1.0f / total_of(sum);
         }
         for (int i = 0; i < groups * chunks; i++) acc[i] = (vec){0};
-        for (int j = 0; j < positions; j++) {
-            const vec *vj = (const vec *)(v + (size_t)j * dim);
-            for (int i = 0; i < dim; i += 16) __builtin_prefetch(v + (size_t)(j + 8) * dim + i);
-            for (int g = 0; g < groups; g++) {
-                float p = scores[(size_t)g * stride + j] * inverse[g];
-                for (int i = 0; i < chunks; i++) acc[g * chunks + i] += p * vj[i];
-            }
-        }
+        if (shared)
+            weigh(acc, shared_values + from, scores, inverse, shared, groups, chunks, stride, dim);
+        weigh(acc, v, scores + shared, inverse, at + 1, groups, chunks, stride, dim);
         memcpy(out + ((size_t)r * heads + h * groups) * dim, acc, (size_t)groups * dim * sizeof(float));
         free(scores);
     }
 }
 
-void attend(const float *qkv, const float *cos, const float *sin, float *keys, float *values, const float *mask,
+void attend(const float *qkv, const float *cos, const float *sin, const float *shared_keys,
+            const float *shared_values, const int *prompt, int shared, float *keys, float *values, const float *mask,
             float *out, int rows, int heads, int kv_heads, int dim, int total, int at, float scale, int threads) {
     #pragma omp parallel num_threads(threads)
-    attention(qkv, cos, sin, keys, values, mask, out, rows, heads, kv_heads, dim, total, at, scale);
+    attention(qkv, cos, sin, shared_keys, shared_values, prompt, shared, keys, values, mask, out, rows, heads,
+              kv_heads, dim, total, at, scale);
 }
 
 /* Inside a parallel region: out [rows][dim] = weight * (x * 1 / sqrt(mean(x^2) + eps)), Llama's RMSNorm */
@@ -238,18 +259,20 @@ typedef struct {
     const float *norm1, *qkv, *qkv_bias, *o, *o_bias, *norm2, *gate_up, *gate_up_bias, *down, *down_bias;
     float *keys, *values;
     float eps1, eps2, scale;
+    const float *shared_keys, *shared_values;
 } layer;
 
 /* A whole decode step of a Llama-family decoder in one parallel region: hidden [rows][width] (the tokens'
    embeddings; the step's residual stream afterwards) through every layer (norm, q/k/v side by side, `attention`,
    o + residual, norm, gate/up side by side, silu(gate) * up, down + residual), the final norm and the LM head into
-   logits [rows][vocab]. Scratch: normed [rows][width], qkv [rows][(heads + 2 kv_heads) dim], attended
+   logits [rows][vocab]; each layer's keys and values as `attention` takes them (`shared` positions of prompt[r]'s
+   first, where shared > 0). Scratch: normed [rows][width], qkv [rows][(heads + 2 kv_heads) dim], attended
    [rows][heads dim], gate_up [rows][2 intermediate], act [rows][intermediate]. */
 void decode_step(const layer *layers, int count, const float *final_norm, float final_eps, const float *head,
                  const float *head_bias, float *hidden, float *logits, const float *cos, const float *sin,
                  const float *mask, float *normed, float *qkv, float *attended, float *gate_up, float *act, int rows,
                  int width, int heads, int kv_heads, int dim, int intermediate, int vocab, int total, int at,
-                 int threads) {
+                 const int *prompt, int shared, int threads) {
     int projected = (heads + 2 * kv_heads) * dim;
     #pragma omp parallel num_threads(threads)
     {
@@ -257,8 +280,8 @@ void decode_step(const layer *layers, int count, const float *final_norm, float 
             const layer *L = layers + l;
             rms_norm(hidden, L->norm1, normed, rows, width, L->eps1);
             gemm(normed, L->qkv, L->qkv_bias, NULL, qkv, rows, projected, width);
-            attention(qkv, cos, sin, L->keys, L->values, mask, attended, rows, heads, kv_heads, dim, total, at,
-                      L->scale);
+            attention(qkv, cos, sin, L->shared_keys, L->shared_values, prompt, shared, L->keys, L->values, mask,
+                      attended, rows, heads, kv_heads, dim, total, at, L->scale);
             gemm(attended, L->o, L->o_bias, hidden, hidden, rows, width, heads * dim);
             rms_norm(hidden, L->norm2, normed, rows, width, L->eps2);
             gemm(normed, L->gate_up, L->gate_up_bias, NULL, gate_up, rows, 2 * intermediate, width);

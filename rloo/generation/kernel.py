@@ -34,7 +34,7 @@ import shutil
 import subprocess
 import tempfile
 from importlib import resources
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -78,8 +78,9 @@ def compiled(target: str = "native") -> ctypes.CDLL | None:
     pointer, number, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     library.pack.argtypes = [pointer, pointer, number, pointer] + [number] * 3
     library.linear.argtypes = [pointer] * 4 + [number] * 4
-    library.attend.argtypes = [pointer] * 7 + [number] * 6 + [real, number]
-    library.decode_step.argtypes = [pointer, number, pointer, real] + [pointer] * 12 + [number] * 10
+    library.attend.argtypes = [pointer] * 6 + [number] + [pointer] * 4 + [number] * 6 + [real, number]
+    library.decode_step.argtypes = [pointer, number, pointer, real] + [pointer] * 12 + [number] * 9 + \
+        [pointer, number, number]
     library.fused.restype = library.vector_floats.restype = ctypes.c_int
     library.pack.restype = library.linear.restype = library.attend.restype = library.decode_step.restype = None
     return library
@@ -146,30 +147,57 @@ def _checked_buffers(keys: torch.Tensor, values: torch.Tensor) -> None:
         raise ValueError("decode attention: key/value buffers must be contiguous and 64-byte aligned")
 
 
+class Shared(NamedTuple):
+    """The prompts' keys and values that their rows share, for one layer: keys / values (prompts, kv_heads,
+    positions, dim), fp32 contiguous; prompt (rows,) int32: each row's prompt."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    prompt: torch.Tensor
+
+
 def attention(library: ctypes.CDLL, heads: int, kv_heads: int, dim: int) -> Callable | None:
-    """(projected, cos, sin, keys, values, mask, at, scale) -> attended (rows, 1, heads x dim): the decode step's rotary
-    embedding, key/value write at position `at` and attention (the C `attend`) for fp32 tensors laid out as
-    rloo.generation.decode.LeanDecoder keeps them; None where its shapes are not ones it takes (dim a multiple of
-    the vector's floats, at most 512)."""
+    """(projected, cos, sin, keys, values, mask, at, scale, shared=None) -> attended (rows, 1, heads x dim): the
+    decode step's rotary embedding, key/value write at position `at` and attention (the C `attend`) for fp32 tensors
+    laid out as rloo.generation.decode.LeanDecoder keeps them: each row's own keys / values (rows, kv_heads, total,
+    dim), after its prompt's (`Shared`) where given, mask (rows, ..., shared positions + total); None where its
+    shapes are not ones it takes (dim a multiple of the vector's floats, at most 512)."""
     if dim % library.vector_floats() or dim > 512 or heads % kv_heads:
         return None
 
-    def attend(projected, cos, sin, keys, values, mask, at: int, scale: float) -> torch.Tensor:
+    def attend(projected, cos, sin, keys, values, mask, at: int, scale: float, shared: Shared | None = None
+               ) -> torch.Tensor:
         rows = projected.size(0)
         _checked_buffers(keys, values)
+        _checked_position(at, keys.size(2))
         out = projected.new_empty(rows, 1, heads * dim)
         cos, sin = cos.contiguous(), sin.contiguous()
-        library.attend(projected.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                       mask.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim, keys.size(2), at, scale,
-                       torch.get_num_threads())
+        library.attend(projected.data_ptr(), cos.data_ptr(), sin.data_ptr(), *_shared_arguments(shared),
+                       keys.data_ptr(), values.data_ptr(), mask.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim,
+                       keys.size(2), at, scale, torch.get_num_threads())
         return out
     return attend
+
+
+def _checked_position(at: int, total: int) -> None:
+    if not 0 <= at < total:  # (the C writes the step's key and value there)
+        raise ValueError(f"decode attention: position {at} is outside the buffers' {total}")
+
+
+def _shared_arguments(shared: Shared | None) -> tuple:
+    """(shared keys, shared values, prompt of each row, shared positions) for the C; nothing shared: Nones, 0."""
+    if shared is None:
+        return None, None, None, 0
+    _checked_buffers(shared.keys, shared.values)
+    if shared.prompt.dtype != torch.int32 or not shared.prompt.is_contiguous():
+        raise ValueError("decode attention: the rows' prompt indices must be contiguous int32")
+    return shared.keys.data_ptr(), shared.values.data_ptr(), shared.prompt.data_ptr(), shared.keys.size(2)
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "qkv", "qkv_bias", "o", "o_bias", "norm2", "gate_up",
                                                       "gate_up_bias", "down", "down_bias", "keys", "values")] + \
-        [(name, ctypes.c_float) for name in ("eps1", "eps2", "scale")]
+        [(name, ctypes.c_float) for name in ("eps1", "eps2", "scale")] + \
+        [(name, ctypes.c_void_p) for name in ("shared_keys", "shared_values")]
 
 
 class Step:
@@ -185,16 +213,21 @@ class Step:
         self.width, self.intermediate = head.k, layers[0]["down_proj"].k
         self.table = None
 
-    def start(self, keys: list[torch.Tensor], values: list[torch.Tensor], rows: int) -> None:
-        """Point each layer at its key/value buffers (rows x kv_heads x total x dim) and allocate the scratch; buffers
-        that are not fp32 on the CPU leave the step unset (`table` None: the caller steps module by module)."""
+    def start(self, keys: list[torch.Tensor], values: list[torch.Tensor], rows: int,
+              shared: list[Shared] | None = None) -> None:
+        """Point each layer at its key/value buffers (rows x kv_heads x total x dim; after the prompts' `shared`
+        ones where given, see `attention`) and allocate the scratch; buffers that are not fp32 on the CPU leave the
+        step unset (`table` None: the caller steps module by module)."""
         self.table = None
         if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (*keys, *values)):
             return
         for k, v in zip(keys, values):
             _checked_buffers(k, v)
+        self.shared = shared
+        self.prompt, self.positions = _shared_arguments(shared[0] if shared else None)[2:]
         self.table = (_Layer * len(self.layers))()
-        for entry, layer, k, v in zip(self.table, self.layers, keys, values):
+        for number, (entry, layer, k, v) in enumerate(zip(self.table, self.layers, keys, values)):
+            entry.shared_keys, entry.shared_values = _shared_arguments(shared[number] if shared else None)[:2]
             (norm1, eps1), (norm2, eps2) = layer["norm1"], layer["norm2"]
             entry.norm1, entry.norm2, entry.eps1, entry.eps2 = norm1.data_ptr(), norm2.data_ptr(), eps1, eps2
             for name in ("qkv", "o", "gate_up", "down"):
@@ -212,8 +245,10 @@ class Step:
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, at: int
                  ) -> torch.Tensor:
         """hidden (rows, 1, width): the tokens' embeddings; cos / sin (rows, 1, dim) at their positions; mask (rows,
-        ..., total) with 0 up to `at` where a row attends -> logits (rows, vocab)."""
+        ..., shared positions + total) with 0 up to the shared ones + `at` where a row attends -> logits (rows,
+        vocab)."""
         rows = hidden.size(0)
+        _checked_position(at, self.total)
         hidden = hidden.reshape(rows, self.width).contiguous()  # (the step's own: written in place)
         cos, sin = cos.contiguous(), sin.contiguous()
         logits = hidden.new_empty(rows, self.head.n)
@@ -222,5 +257,6 @@ class Step:
             ctypes.addressof(self.table), len(self.layers), weight.data_ptr(), eps, self.head.packed.data_ptr(),
             _address(self.head.bias), hidden.data_ptr(), logits.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             mask.data_ptr(), *(t.data_ptr() for t in self.scratch), rows, self.width, self.heads, self.kv_heads,
-            self.dim, self.intermediate, self.head.n, self.total, at, torch.get_num_threads())
+            self.dim, self.intermediate, self.head.n, self.total, at, self.prompt, self.positions,
+            torch.get_num_threads())
         return logits

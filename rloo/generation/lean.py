@@ -29,7 +29,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
 from rloo.generation.decode import lean_decoder, weights_key
 from rloo.generation.prefill import prefill
 from rloo.generation.transformers_backend import TransformersGenerator
-from rloo.logps import cache_argument, selective_log_softmax
+from rloo.logps import cache_argument, selective_log_softmax, share_cache_rows
 
 # GenerationConfig fields this loop implements; any other field set away from its default keeps model.generate.
 HANDLED = {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
@@ -175,10 +175,13 @@ class LeanGenerator(TransformersGenerator):
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         # MoE: no auxiliary loss while decoding (as generate)
         extra = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
-        logits, arguments = prefill(model, input_ids, attention_mask, positions, extra)
+        logits, arguments, prompt_rows = prefill(model, input_ids, attention_mask, positions, extra,
+                                                 keep_distinct=not self.synced)
         decoder = None if self.synced else self._decoder(model, rows)  # (ZeRO-3: the model's collective forward)
         if decoder is not None:
-            decoder.start(arguments[cache_argument(model)], attention_mask, config.max_new_tokens)
+            decoder.start(arguments[cache_argument(model)], attention_mask, config.max_new_tokens, prompt_rows)
+        elif prompt_rows is not None:  # (the model's own forward reads a cache row per row)
+            share_cache_rows(arguments[cache_argument(model)], prompt_rows)
         sequences, unfinished = input_ids, torch.ones(rows, dtype=torch.bool, device=input_ids.device)
         logps: list[torch.Tensor] = []
         for index in range(config.max_new_tokens):

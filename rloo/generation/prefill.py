@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rloo.logps import cache_argument, distinct_prompts, plain_cache, share_cache_rows
+from rloo.logps import cache_argument, cache_rows_shareable, distinct_prompts, plain_cache, share_cache_rows
 
 # a forward's fixed cost in padded tokens, for _plan. Measured on 2 cores (SmolLM2, the generation benchmark's
 # distinct prompts): 32 rows of 44-58 tokens in two groups 1.35 -> 1.28 s; 8 rows (45-57) in two groups 0.36 -> 0.38 s,
@@ -151,16 +151,20 @@ def _through(model, input_ids, attention_mask, positions, arguments: dict) -> tu
     return _forward(model, input_ids, attention_mask, positions, arguments, cache), cache
 
 
-def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, arguments: dict
-            ) -> tuple[torch.Tensor, dict]:
-    """The prompts through the model: the logits of each row's last position, and `arguments` with the KV cache they
-    filled under the model's cache argument. Rows with the same prompt go through once and share it."""
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, arguments: dict,
+            keep_distinct: bool = False) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+    """The prompts through the model: the logits of each row's last position, `arguments` with the KV cache they
+    filled under the model's cache argument, and None, or with `keep_distinct` where rows repeat a prompt, each
+    row's row in a cache that holds every distinct prompt once (the caller copies or shares them). Rows with the
+    same prompt go through once; without `keep_distinct` their cache rows are copied to each of them."""
     name = cache_argument(model)
     found = distinct_prompts(input_ids, attention_mask)
     if found is not None:
         first, inverse = found
         logits, cache = _through(model, input_ids[first], attention_mask[first], positions[first], arguments)
+        if keep_distinct and cache_rows_shareable(cache):
+            return logits[inverse], {name: cache, **arguments}, inverse
         if share_cache_rows(cache, inverse):
-            return logits[inverse], {name: cache, **arguments}
+            return logits[inverse], {name: cache, **arguments}, None
     logits, cache = _through(model, input_ids, attention_mask, positions, arguments)
-    return logits, {name: cache, **arguments}
+    return logits, {name: cache, **arguments}, None
