@@ -3,12 +3,14 @@ model's own weights, norms and rotary embedding: what the model's forward comput
 without its per-module dispatch, its mask building and a KV cache that grows by concatenation.
 
 The keys and values live in one preallocated buffer per layer (rows x key/value heads x total length x head size),
-filled in place; attention runs on the key/value heads with the query heads grouped (as transformers' SDPA path does
-for one query token; in fp32 as matmuls). fp32 weights on the CPU are packed for a small-batch GEMM (ours,
-rloo.generation.kernel, where the CPU has AVX-512 or AVX2 with FMA; else oneDNN's, MKL's in a build without it) once per generation
-call (or per version of the weights, `weights_key`), a layer's query/key/value and gate/up projections side by side
-in one matmul each, LoRA layers (peft, one active adapter) merged into that copy (the model's own tensors are not
-touched); other weights keep their own products, LoRA written out as peft computes it. Where every part of the step
+filled in place; where rows repeat a prompt and the attention is our C, the prompts' keys and values stay once in
+the prefill's cache, which the rows of a prompt all read, and each row's buffer holds only its new tokens. Attention
+runs on the key/value heads with the query heads grouped (as transformers' SDPA path does for one query token; in
+fp32 as matmuls). fp32 weights on the CPU are packed for a small-batch GEMM (ours, rloo.generation.kernel, where the
+CPU has AVX-512 or AVX2 with FMA; else oneDNN's, MKL's in a build without it) once per generation call (or per
+version of the weights, `weights_key`), a layer's query/key/value and gate/up projections side by side in one matmul
+each, LoRA layers (peft, one active adapter) merged into that copy (the model's own tensors are not touched); other
+weights keep their own products, LoRA written out as peft computes it. Where every part of the step
 is one our C does (its GEMM for every projection, Llama's RMSNorm, head sizes its attention takes), the whole step
 is one call into it (kernel.Step). `lean_decoder` returns None for anything else (and under ZeRO-3), and the decode
 loop then calls the model's forward."""
@@ -67,8 +69,8 @@ def _kernels() -> dict[str, Callable]:
 def _packed_linear(weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, rows: int
                    ) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> F.linear(x, weight, bias) (a list of weights: side by side) for inputs of `rows` rows (fp32 on the CPU):
-    the weight packed once per generation call for the first of `_kernels` (ours where the CPU has AVX-512 or AVX2 with FMA), else
-    oneDNN's small-batch GEMM, MKL's where the build has no oneDNN. oneDNN's packed copy is the
+    the weight packed once per generation call for the first of `_kernels` (ours where the CPU has AVX-512 or AVX2
+    with FMA), else oneDNN's small-batch GEMM, MKL's where the build has no oneDNN. oneDNN's packed copy is the
     weight's size, MKL's 2-21x it at 8 rows (1.7 GB for SmolLM2's layers, mostly never touched): a fresh mapping on
     every generation call, where oneDNN's copies fit into the memory the previous step's gradients freed. In the
     training loop (2 cores of an Intel Xeon, SmolLM2 full fine-tune, 8 rows x 32 tokens) generation took 2.21 s with

@@ -6,10 +6,11 @@ register's floats), read as three sequential streams at a time, each prefetched 
 8, every weight vector loaded once per group and used for all of its rows; the column blocks are shared out among
 torch's own OpenMP threads (the library links the libgomp torch loaded: one thread pool, not two competing for the
 cores). Each output is one sum over K in order: equal to F.linear up to float rounding.
-`attend`: a step's rotary embedding, key/value write and attention over the written positions, one call per layer,
-parallel over rows x key/value heads, each key and value loaded once for its group of query heads and prefetched
-ahead, the softmax NB positions at a time with an exp of its own (Cephes' polynomial): equal to the model's attention
-up to float rounding. SmolLM2's 30 layers at 32 rows x 100 positions: 11.9 -> 7.5 ms a step.
+`attend`: a step's rotary embedding, key/value write and attention over the written positions (first those of the
+row's prompt in a copy its rows share, `Shared`, where given), one call per layer, parallel over rows x key/value
+heads, each key and value loaded once for its group of query heads and prefetched ahead, the softmax NB positions
+at a time with an exp of its own (Cephes' polynomial): equal to the model's attention up to float rounding.
+SmolLM2's 30 layers at 32 rows x 100 positions: 11.9 -> 7.5 ms a step.
 `decode_step` (Step): the whole step of a Llama-family decoder in one call and one parallel region (norms, the two
 above, SiLU x up, residual adds, LM head), where every part of the model is one it does.
 
