@@ -342,13 +342,13 @@ class LeanDecoder:
         # pack_gqa for one query token), the buffers seen as (rows x key/value heads, positions, head size)
         batch, groups, length = rows * kv_heads, heads // kv_heads, at + 1
         self.mask[:, 0, 0, at] = 0.0
-        mask = self.mask[..., :length].expand(rows, kv_heads, 1, length).reshape(batch, 1, length)
         hidden = self.inner.embed_tokens(tokens[:, None])
         cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
         if self.whole is not None and self.whole.table is not None and hidden.dtype == torch.float32 and \
                 hidden.device.type == "cpu":
             self.length = at + 1
             return self.whole(hidden, cos, sin, self.mask, at - self.offset)
+        mask = self.mask[..., :length].expand(rows, kv_heads, 1, length).reshape(batch, 1, length)
         # rotate_half(x) * sin == x.roll(half) * sin with its first half negated (the same products: one sign moved)
         half = head_dim // 2
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
