@@ -563,6 +563,9 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
         if path != "whole":
             decoder.whole = None
             decoder.attend = kernel.attention(library, 4, 2, 16) if path == "attention" else None
+        if rows_of is not None and path != "torch":  # (a row pointing past the cache's prompts: refused)
+            with pytest.raises(ValueError, match="prompt_rows must name one of the cache's 2 rows"):
+                decoder.start(start, mask, 3, torch.tensor([0, 1, 2, 1]))
         decoder.start(start, mask, 3, rows_of)
         assert (path == "whole") == (decoder.whole is not None and decoder.whole.table is not None)
         assert (decoder.shared is not None) == (rows_of is not None and path != "torch")

@@ -52,6 +52,12 @@ def _mkl(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> Callable
     return lambda x: torch.ops.mkl._mkl_linear(x, packed, stand_in, bias, rows)
 
 
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a copy of it, contiguous and 64-byte aligned (as the C attention reads it)."""
+    tensor = tensor.contiguous()
+    return tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
+
+
 def _kernels() -> dict[str, Callable]:
     """The packed fp32 GEMM kernels here, the one used first: ours (rloo.generation.kernel) where the CPU has
     AVX-512 or AVX2 with FMA and gcc built it, then this torch build's: oneDNN's, then MKL's."""
@@ -308,9 +314,14 @@ class LeanDecoder:
                 if not shared:
                     buffer[:, :, :prompt_length] = source
                 target.append(buffer)
-        prompt = prompt_rows.to(torch.int32).contiguous() if shared else None
-        self.shared = [kernel_module.Shared(layer.keys.contiguous(), layer.values.contiguous(), prompt)
-                       for layer in cache.layers] if shared else None
+        self.shared = None
+        if shared:
+            if prompt_rows.numel() != rows or not 0 <= int(prompt_rows.min()) <= int(prompt_rows.max()) < first.size(0):
+                raise ValueError(f"LeanDecoder: prompt_rows must name one of the cache's {first.size(0)} rows for "
+                                 f"each of the {rows} rows, got {prompt_rows.tolist()}")
+            prompt = prompt_rows.to(torch.int32).contiguous()
+            self.shared = [kernel_module.Shared(_aligned(layer.keys), _aligned(layer.values), prompt)
+                           for layer in cache.layers]
         # added to the attention scores: 0 where a row attends, -inf at its padding and at positions not yet written
         self.mask = self.keys[0].new_full((rows, 1, 1, prompt_length + new_tokens), float("-inf"))
         self.mask[:, 0, 0, :prompt_length].masked_fill_(attention_mask.bool(), 0.0)

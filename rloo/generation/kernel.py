@@ -172,7 +172,7 @@ def attention(library: ctypes.CDLL, heads: int, kv_heads: int, dim: int) -> Call
         _checked_position(at, keys.size(2))
         out = projected.new_empty(rows, 1, heads * dim)
         cos, sin = cos.contiguous(), sin.contiguous()
-        library.attend(projected.data_ptr(), cos.data_ptr(), sin.data_ptr(), *_shared_arguments(shared),
+        library.attend(projected.data_ptr(), cos.data_ptr(), sin.data_ptr(), *_shared_arguments(shared, rows),
                        keys.data_ptr(), values.data_ptr(), mask.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim,
                        keys.size(2), at, scale, torch.get_num_threads())
         return out
@@ -184,13 +184,13 @@ def _checked_position(at: int, total: int) -> None:
         raise ValueError(f"decode attention: position {at} is outside the buffers' {total}")
 
 
-def _shared_arguments(shared: Shared | None) -> tuple:
+def _shared_arguments(shared: Shared | None, rows: int) -> tuple:
     """(shared keys, shared values, prompt of each row, shared positions) for the C; nothing shared: Nones, 0."""
     if shared is None:
         return None, None, None, 0
     _checked_buffers(shared.keys, shared.values)
-    if shared.prompt.dtype != torch.int32 or not shared.prompt.is_contiguous():
-        raise ValueError("decode attention: the rows' prompt indices must be contiguous int32")
+    if shared.prompt.dtype != torch.int32 or not shared.prompt.is_contiguous() or shared.prompt.numel() != rows:
+        raise ValueError(f"decode attention: the rows' prompt indices must be {rows} contiguous int32")
     return shared.keys.data_ptr(), shared.values.data_ptr(), shared.prompt.data_ptr(), shared.keys.size(2)
 
 
@@ -225,10 +225,10 @@ class Step:
         for k, v in zip(keys, values):
             _checked_buffers(k, v)
         self.shared = shared
-        self.prompt, self.positions = _shared_arguments(shared[0] if shared else None)[2:]
+        self.prompt, self.positions = _shared_arguments(shared[0] if shared else None, rows)[2:]
         self.table = (_Layer * len(self.layers))()
         for number, (entry, layer, k, v) in enumerate(zip(self.table, self.layers, keys, values)):
-            entry.shared_keys, entry.shared_values = _shared_arguments(shared[number] if shared else None)[:2]
+            entry.shared_keys, entry.shared_values = _shared_arguments(shared[number] if shared else None, rows)[:2]
             (norm1, eps1), (norm2, eps2) = layer["norm1"], layer["norm2"]
             entry.norm1, entry.norm2, entry.eps1, entry.eps2 = norm1.data_ptr(), norm2.data_ptr(), eps1, eps2
             for name in ("qkv", "o", "gate_up", "down"):
