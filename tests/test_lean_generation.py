@@ -292,7 +292,8 @@ if "rloo" not in _KERNELS and kernel.compiled() is not None:  # (built here with
 # our kernel's builds tested here: this CPU's, and where that one has 16-float vectors (AVX-512) and the CPU AVX2
 # and FMA, the build for x86-64-v3 as well (8-float vectors: what a CPU without AVX-512 runs)
 _TARGETS = ["native"] + (["x86-64-v3"] if kernel.compiled() is not None and kernel.compiled().vector_floats() == 16
-                         and {"avx2", "fma"} <= set(kernel._cpu_flags().split()) else [])
+                         and {"avx2", "fma"} <= set(kernel._cpu_flags().split())
+                         and kernel.compiled("x86-64-v3") is not None else [])  # (a gcc older than 11: no such -march)
 _PACKABLE = ("llama", "llama-bias", "qwen2", "lora", "lora-mixed")
 
 
