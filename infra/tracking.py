@@ -55,11 +55,21 @@ def artifact_location(tracking_uri: str) -> str | None:
 
 
 def experiment_id(tracking_uri: str, name: str) -> str:
+    """The experiment's id, made if there is none. Runs started at once (several Run clicks on a fresh store) can
+    all find none and all make it: the ones whose making is refused take the one that won."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
     mlflow_client = client(tracking_uri)
     experiment = mlflow_client.get_experiment_by_name(name)
     if experiment:
         return experiment.experiment_id
-    return mlflow_client.create_experiment(name, artifact_location=artifact_location(tracking_uri))
+    try:
+        return mlflow_client.create_experiment(name, artifact_location=artifact_location(tracking_uri))
+    except MlflowException as error:
+        experiment = mlflow_client.get_experiment_by_name(name)
+        if error.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS) or experiment is None:
+            raise
+        return experiment.experiment_id
 
 
 def flatten(values: dict, prefix: str = "") -> dict[str, Any]:

@@ -111,7 +111,8 @@ def test_runs_started_like_the_ui_run_button_run_at_once_each_in_its_own_mlflow_
                 states[run_id] = run["state"]
     print(f"five deployment-started tiny runs at once: {time.time() - started:.0f} s from the Run buttons to done")
     pair = [created[0], created[1]]
-    assert [states[i]["type"] for i in created[2:]] == ["COMPLETED"] * 3, open(served["log"]).read()[-4000:]
+    assert [states[i]["type"] for i in created[2:]] == ["COMPLETED"] * 3, (
+        [states[i]["message"] for i in created[2:]], open(served["log"]).read()[-4000:])
     assert sorted(states[i]["type"] for i in pair) == ["COMPLETED", "FAILED"], [states[i] for i in pair]
     winner, loser = pair if states[pair[0]]["type"] == "COMPLETED" else pair[::-1]
     assert "is being written by process" in states[loser]["message"]

@@ -154,6 +154,24 @@ def test_sqlite_store_keeps_artifacts_beside_the_database(tmp_path):
     assert experiment.artifact_location == f"file://{tmp_path}/mlartifacts"
 
 
+def test_runs_started_at_once_on_a_fresh_store_share_the_experiment_one_of_them_made(tmp_path, monkeypatch):
+    """Two runs both find no experiment, then both make it: the second's making is refused by the store and it takes
+    the first one's (five Run clicks at once on a fresh MLflow failed one run with 'already exists' before)."""
+    from mlflow import MlflowClient
+
+    from infra import tracking
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = tracking.experiment_id(uri, "rloo")
+    lookup = MlflowClient.get_experiment_by_name
+    looked = []  # the second run's first look came before the first one made it
+
+    def late_lookup(self, name):
+        looked.append(name)
+        return None if len(looked) == 1 else lookup(self, name)
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", late_lookup)
+    assert tracking.experiment_id(uri, "rloo") == first
+
+
 def test_prefect_deployments_point_at_the_flow_and_valid_recipes():
     import importlib
 
