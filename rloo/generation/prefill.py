@@ -79,9 +79,9 @@ def _forward(model, input_ids, attention_mask, positions, arguments: dict, cache
                  logits_to_keep=1, **{cache_argument(model): cache}, **arguments).logits[:, -1]
 
 
-def _plan(model, input_ids, attention_mask, positions) -> tuple[int, list[list[int]]] | None:
-    """(the shared prefix's length, 0 where sharing it does not pay; the rows' groups by the length after it) for
-    the prompts' forward in parts; None where one forward is the better (no prefix worth its own forward and one
+def _plan(model, input_ids, attention_mask, positions) -> tuple[Any, int, list[list[int]]] | None:
+    """(the base model's config; the shared prefix's length, 0 where sharing it does not pay; the rows' groups by
+    the length after it) for the prompts' forward in parts; None where one forward is the better (no prefix worth its own forward and one
     group, a GPU, padding not all on the left, a cache with other than plain layers) or the only way (ZeRO-3: every
     forward gathers the parameters with the other ranks, which must run as many)."""
     from rloo.zero import is_partitioned
@@ -94,16 +94,16 @@ def _plan(model, input_ids, attention_mask, positions) -> tuple[int, list[list[i
         prefix = 0
     lengths = (attention_mask.sum(-1) - prefix).tolist()
     groups = length_groups(lengths) if 0 not in lengths else [list(range(len(lengths)))]
-    return None if prefix == 0 and len(groups) == 1 else (prefix, groups)
+    return None if prefix == 0 and len(groups) == 1 else (base.config, prefix, groups)
 
 
-def _in_parts(model, input_ids, attention_mask, positions, arguments: dict, prefix: int, groups: list[list[int]]
-              ) -> tuple[torch.Tensor, Any]:
+def _in_parts(model, input_ids, attention_mask, positions, arguments: dict, config: Any, prefix: int,
+              groups: list[list[int]]) -> tuple[torch.Tensor, Any]:
     """The prompts' forward in parts (`_plan`): their shared first `prefix` tokens once, then each group of rows
     after them, padded to the group's longest; every part's cache put back into one left-padded cache."""
-    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
     total, lengths = input_ids.size(1), attention_mask.sum(-1)
-    shared = plain_cache(config)
+    columns = torch.arange(total, device=input_ids.device)
+    shared = plain_cache(config) if prefix else None
     if prefix:
         first = total - int(lengths[0])
         _forward(model, input_ids[:1, first:first + prefix], attention_mask[:1, first:first + prefix],
@@ -123,7 +123,6 @@ def _in_parts(model, input_ids, attention_mask, positions, arguments: dict, pref
         logits = found.new_empty(input_ids.size(0), found.size(-1)) if logits is None else logits
         logits[index] = found
         # each row's cache column, in the one left-padded cache: its prefix, then its tokens after it
-        columns = torch.arange(total, device=index.device)
         start = total - lengths[index][:, None]
         source = torch.where(columns >= total - after[:, None], columns - total + prefix + width, columns - start)
         parts.append((index, source.clamp(min=0), columns >= start, cache))
