@@ -52,6 +52,25 @@ def _distance(counts, probabilities, rows):
     return 0.5 * sum(abs(counts.get(k, 0) / rows - probabilities.get(k, 0.0)) for k in keys)
 
 
+@pytest.mark.parametrize("eos", [[2], [5, 0, 7], [3, -1, 40]])  # (ids outside the vocabulary mark nothing)
+def test_min_new_tokens_processor_gives_transformers_scores(eos):
+    """Our MinNewTokens against transformers' MinNewTokensLengthLogitsProcessor, bit for bit, before and after the
+    minimum, float32 and bfloat16, -inf / nan / -0.0 among the scores; a fresh tensor either way."""
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    from rloo.generation.lean import MinNewTokens
+    theirs, ours = (kind(5, 3, torch.tensor(eos)) for kind in (MinNewTokensLengthLogitsProcessor, MinNewTokens))
+    for dtype in (torch.float32, torch.bfloat16):
+        scores = torch.randn(4, 32).to(dtype)
+        scores[0, 2], scores[1, 5], scores[2, 7] = float("-inf"), float("nan"), -0.0
+        for length in (5, 6, 7, 8, 9):
+            ids = torch.zeros(4, length, dtype=torch.long)
+            expected, found = theirs(ids, scores), ours(ids, scores)
+            assert found.dtype == expected.dtype and found.data_ptr() != scores.data_ptr()
+            assert torch.equal(found.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
 def test_sampled_tokens_follow_generates_distribution(tokenizer, model):
     model.eval()
     with torch.no_grad():  # sharper logits than a random tiny model's: temperature, top-k and top-p all matter

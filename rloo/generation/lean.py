@@ -100,6 +100,19 @@ def policy_logps_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return selective_log_softmax((logits / temperature)[:, None], tokens[:, None])[:, 0]
 
 
+class MinNewTokens(MinNewTokensLengthLogitsProcessor):
+    """transformers' processor, the same scores (EOS at -inf until `min_new_tokens` new tokens, a copy either way)
+    without its vocabulary-wide `isin` mask and `where` at every step: the EOS columns filled in the copy (0.3 -> 0.05
+    ms a step at 8 rows x 49152 entries on 2 cores)."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[-1] - self.prompt_length_to_skip >= self.min_new_tokens:
+            return scores.clone()
+        eos = self.eos_token_id.to(scores.device).reshape(-1)
+        eos = eos[(eos >= 0) & (eos < scores.shape[-1])]  # (isin over the vocabulary marks only these)
+        return scores.index_fill(-1, eos, float("-inf"))
+
+
 class LeanGenerator(TransformersGenerator):
     """TransformersGenerator (left padding, the cut after the first EOS) with its `generate` call replaced by a
     decode loop on the model's KV cache. `synced` (ZeRO-3 without gathering: every forward is collective): every
@@ -153,8 +166,8 @@ class LeanGenerator(TransformersGenerator):
             padding = (attention_mask != 0).int().argmax(dim=1)
             found.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, prompt_ignore_length=padding))
         if config.min_new_tokens and self.eos_ids:
-            found.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens,
-                                                           torch.tensor(self.eos_ids, device=device), device=device))
+            found.append(MinNewTokens(prompt_length, config.min_new_tokens, torch.tensor(self.eos_ids, device=device),
+                                      device=device))
         if config.do_sample:
             if config.temperature is not None and config.temperature != 1.0:
                 found.append(TemperatureLogitsWarper(config.temperature))
