@@ -81,9 +81,9 @@ def _forward(model, input_ids, attention_mask, positions, arguments: dict, cache
 
 def _plan(model, input_ids, attention_mask, positions) -> tuple[Any, int, list[list[int]]] | None:
     """(the base model's config; the shared prefix's length, 0 where sharing it does not pay; the rows' groups by
-    the length after it) for the prompts' forward in parts; None where one forward is the better (no prefix worth its own forward and one
-    group, a GPU, padding not all on the left, a cache with other than plain layers) or the only way (ZeRO-3: every
-    forward gathers the parameters with the other ranks, which must run as many)."""
+    the length after it) for the prompts' forward in parts; None where one forward is the better (no prefix worth
+    its own forward and one group, a GPU, padding not all on the left, a cache with other than plain layers) or the
+    only way (ZeRO-3: every forward gathers the parameters with the other ranks, which must run as many)."""
     from rloo.zero import is_partitioned
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if input_ids.device.type != "cpu" or input_ids.size(0) < 2 or plain_cache(base.config) is None or \
