@@ -376,3 +376,55 @@ def test_an_invalid_config_in_a_used_run_root_stops_the_api_started_early(tmp_pa
     with sqlite3.connect(home / "prefect.db") as database:  # it did start early: the empty database was migrated
         assert database.execute("select count(*) from alembic_version").fetchone()[0] == 1
     assert sorted(os.listdir(tmp_path)) == [".prefect"]  # no run directory, no MLflow store
+
+
+def test_a_new_run_roots_prefect_database_is_copied_from_the_one_the_first_start_made(tmp_path):
+    """Migrating a new Prefect database takes seconds: the first ephemeral API start on a new run root keeps its
+    database, still empty, as the template (per Prefect version, in the rloo cache); the next new run root gets a copy
+    before its API starts, which then starts on it. A database holding more than a start writes (a flow) is never
+    made the template."""
+    import sqlite3
+    import subprocess
+    import sys
+    script = ("import os, sys\n"
+              "from flows.prefect_api import EphemeralApi\n"
+              "api = EphemeralApi()\n"
+              "api.start(sys.argv[1])\n"
+              "seeded = os.path.exists(os.path.join(sys.argv[1], '.prefect', 'prefect.db')) and not api.fresh\n"
+              "api.wait_ready()\n"
+              "print(seeded, api.started)\n")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
+    env.update(RLOO_CACHE=str(tmp_path / "cache"), PYTHONPATH=ROOT)
+
+    def start(root) -> str:
+        result = subprocess.run([sys.executable, "-c", script, str(root)], cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=240)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout.split()[-2:]
+
+    assert start(tmp_path / "first") == ["False", "True"]  # migrated in place: no template yet
+    templates = os.listdir(tmp_path / "cache" / "prefect-db")
+    assert len(templates) == 1 and templates[0].startswith("prefect-") and templates[0].endswith(".db")
+    template = tmp_path / "cache" / "prefect-db" / templates[0]
+    assert start(tmp_path / "second") == ["True", "True"]  # copied before the start, and the API started on it
+
+    def contents(path) -> tuple:
+        with sqlite3.connect(path) as database:
+            return (database.execute("select version_num from alembic_version").fetchall(),
+                    database.execute("select count(*) from block_type").fetchone()[0],
+                    database.execute("select count(*) from flow").fetchone()[0])
+    first, second = (contents(tmp_path / name / ".prefect" / "prefect.db") for name in ("first", "second"))
+    assert first == second == contents(template) and first[1] > 0 and first[2] == 0
+
+    from flows import prefect_api
+    used = tmp_path / "used.db"
+    with sqlite3.connect(template) as source, sqlite3.connect(used) as target:
+        source.backup(target)
+        target.execute("insert into flow (id, name) values ('f', 'rloo-pipeline')")
+    os.remove(template)
+    os.environ["RLOO_CACHE"], before = str(tmp_path / "cache"), os.environ.get("RLOO_CACHE")
+    try:
+        prefect_api.save_template(str(used))
+    finally:
+        os.environ.pop("RLOO_CACHE") if before is None else os.environ.update(RLOO_CACHE=before)
+    assert os.listdir(tmp_path / "cache" / "prefect-db") == []
