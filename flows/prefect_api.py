@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+from contextlib import closing
 
 DEFAULT_ROOT = "runs"
 
@@ -87,33 +88,34 @@ TEMPLATE_TABLES = {"alembic_version", "block_type", "block_schema", "block_schem
 
 
 def seed_database(database: str) -> bool:
-    """A new run root's Prefect database as a copy of the template (False: none yet). The API still checks it at
-    start: a template from an older schema is migrated on, block types are registered again (both idempotent)."""
+    """A new run root's Prefect database as a copy of the template (False: none yet). The API still checks it as it
+    starts (its migrations, its block types: both find nothing to do)."""
     template = template_path()
     if not os.path.exists(template):
         return False
     os.makedirs(os.path.dirname(database), exist_ok=True)
-    with sqlite3.connect(template) as source, sqlite3.connect(database + ".seeding") as target:
+    with closing(sqlite3.connect(template)) as source, closing(sqlite3.connect(database + ".seeding")) as target:
         source.backup(target)  # a consistent copy, written beside the database then renamed into place
     os.replace(database + ".seeding", database)
     return True
 
 
 def save_template(database: str | None) -> None:
-    """Keep a database the API has just migrated and started on, before any flow ran, as the template (a
-    consistent snapshot, renamed into place; nothing is kept when it holds more than the start wrote)."""
+    """Keep a database the API has just migrated and started on, before any flow ran, as the template: a consistent
+    snapshot, checked to hold nothing but what the start writes, then renamed into place."""
     if database is None or not os.path.exists(database) or os.path.exists(template_path()):
         return
     template = template_path()
     os.makedirs(os.path.dirname(template), exist_ok=True)
     staging = f"{template}.{os.getpid()}"
     try:
-        with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as source:
-            tables = [name for (name,) in source.execute("select name from sqlite_master where type = 'table'")]
-            if any(source.execute(f'select exists (select 1 from "{name}")').fetchone()[0]
+        with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as source:
+            source.execute("vacuum into ?", (staging,))
+        with closing(sqlite3.connect(staging)) as snapshot:
+            tables = [name for (name,) in snapshot.execute("select name from sqlite_master where type = 'table'")]
+            if any(snapshot.execute(f'select exists (select 1 from "{name}")').fetchone()[0]
                    for name in tables if name not in TEMPLATE_TABLES):
                 return
-            source.execute("vacuum into ?", (staging,))
         os.replace(staging, template)
     except sqlite3.Error:
         pass  # no template this time: the next new run root migrates its own database again
