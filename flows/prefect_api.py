@@ -103,9 +103,9 @@ def seed_database(database: str) -> bool:
 def save_template(database: str | None) -> None:
     """Keep a database the API has just migrated and started on, before any flow ran, as the template: a consistent
     snapshot, checked to hold nothing but what the start writes, then renamed into place."""
-    if database is None or not os.path.exists(database) or os.path.exists(template_path()):
-        return
     template = template_path()
+    if database is None or not os.path.exists(database) or os.path.exists(template):
+        return
     os.makedirs(os.path.dirname(template), exist_ok=True)
     staging = f"{template}.{os.getpid()}"
     try:

@@ -378,7 +378,7 @@ def test_an_invalid_config_in_a_used_run_root_stops_the_api_started_early(tmp_pa
     assert sorted(os.listdir(tmp_path)) == [".prefect"]  # no run directory, no MLflow store
 
 
-def test_a_new_run_roots_prefect_database_is_copied_from_the_one_the_first_start_made(tmp_path):
+def test_a_new_run_roots_prefect_database_is_copied_from_the_one_the_first_start_made(tmp_path, monkeypatch):
     """Migrating a new Prefect database takes seconds: the first ephemeral API start on a new run root keeps its
     database, still empty, as the template (per Prefect version, in the rloo cache); the next new run root gets a copy
     before its API starts, which then starts on it. A database holding more than a start writes (a flow) is never
@@ -422,9 +422,6 @@ def test_a_new_run_roots_prefect_database_is_copied_from_the_one_the_first_start
         source.backup(target)
         target.execute("insert into flow (id, name) values ('f', 'rloo-pipeline')")
     os.remove(template)
-    os.environ["RLOO_CACHE"], before = str(tmp_path / "cache"), os.environ.get("RLOO_CACHE")
-    try:
-        prefect_api.save_template(str(used))
-    finally:
-        os.environ.pop("RLOO_CACHE") if before is None else os.environ.update(RLOO_CACHE=before)
+    monkeypatch.setenv("RLOO_CACHE", str(tmp_path / "cache"))
+    prefect_api.save_template(str(used))
     assert os.listdir(tmp_path / "cache" / "prefect-db") == []
