@@ -528,12 +528,13 @@ def test_decode_gemm_goes_first_with_avx512_or_avx2_and_is_skipped_without_a_com
 
 @pytest.mark.parametrize("path,kind,target", [("whole", kind, target) for kind in ("plain", "shared")
                                               for target in _TARGETS] +
-                         [("whole", "biases", "native"), ("whole", "lora", "native")] +
+                         [("whole", "biases", "native"), ("whole", "lora", "native"), ("whole", "wide", "native")] +
                          [("attention", kind, target) for kind in ("plain", "shared") for target in _TARGETS] +
                          [("torch", "plain", "native"), ("torch", "shared", "native")])
 def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, monkeypatch):
     """rloo.generation.kernel: the whole step in one C call (kernel.Step: norms, packed projections, attention,
-    SiLU x up, residuals, LM head; with biases on every projection, with LoRA merged), the C attention alone in the
+    SiLU x up, residuals, LM head; with biases on every projection, with LoRA merged, with gates far out on both
+    sides, where e^-|gate| underflows), the C attention alone in the
     step module by module, and torch's attention: three steps' logits against the model's forward over a
     left-padded batch, grouped query heads, tied embeddings; greedy decoding gives generate's tokens. `shared`:
     rows repeating a prompt start from a cache with each prompt once, which the C attention reads for all of its
@@ -563,6 +564,11 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
                     param.normal_(0.5 if name == "weight" else 0.0, 0.3)
     if kind == "lora":
         model = with_lora(model)
+    gates = []
+    if kind == "wide":  # (SiLU's vectorised exp: gates from about -200 to 200)
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.weight.data.mul_(400)
+            layer.mlp.gate_proj.register_forward_hook(lambda module, inputs, output: gates.append(output))
     model.eval()
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     rows_of = torch.tensor([0, 1, 0, 1]) if kind == "shared" else None  # (each row's prompt among the first two)
@@ -598,6 +604,8 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
             theirs = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=step_positions,
                            use_cache=True, **{name: cache}).logits[:, -1]
             torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    if kind == "wide":
+        assert min(gate.min() for gate in gates) < -100 and max(gate.max() for gate in gates) > 100
     if path == "whole":
         generation, eos = config(tokenizer, do_sample=False), [tokenizer.eos_token_id]
         assert LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts) == \

@@ -14,6 +14,7 @@
 #define S 3
 #define AHEAD 32  /* weight vectors prefetched ahead in each stream */
 typedef float vec __attribute__((vector_size(NB * 4)));
+typedef int ivec __attribute__((vector_size(NB * 4)));
 
 int vector_floats(void) { return NB; }
 #if defined(__AVX2__) && defined(__FMA__)
@@ -110,14 +111,34 @@ static void rotate(const float *x, const float *cos, const float *sin, float *ou
     for (int i = half; i < dim; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
-typedef int ivec __attribute__((vector_size(NB * 4)));
+/* Shuffle masks of the pairwise trees below, one per level (width NB / 2, NB / 4, ..., 1): `fold` takes lane
+   x / w * 2 w + x % w of two vectors side by side (0..2 NB: a's lanes, then b's), `unfold` the lane w further on */
+#if NB == 16
+static const ivec fold[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                             {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+                             {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+                             {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+#else
+static const ivec fold[3] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 4, 5, 8, 9, 12, 13}, {0, 2, 4, 6, 8, 10, 12, 14}};
+#endif
+#define LEVELS (NB == 16 ? 4 : 3)
 
-static float total_of(vec v) {  /* pairwise: a chain of log2(NB) additions, not NB */
-    float lanes[NB];
-    memcpy(lanes, &v, sizeof(lanes));
-    for (int width = NB / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
-    return lanes[0];
+static float total_of(vec v) {  /* pairwise: lane j + lane j + NB / 2, then j + NB / 4, ..., in registers */
+    for (int level = 0, width = NB / 2; level < LEVELS; level++, width /= 2)
+        v += __builtin_shuffle(v, v, fold[level] + width);
+    return v[0];
+}
+
+/* Lane t: the total of d[t]'s lanes, for t < NB, by the same tree as total_of (bit for bit), run on NB vectors at
+   once: at each level pairs of vectors fold into one, every position's share of the lanes halved */
+static inline __attribute__((always_inline)) vec totals_of(vec *d) {
+#pragma GCC unroll 4
+    for (int level = 0, count = NB, width = NB / 2; level < LEVELS; level++, count /= 2, width /= 2)
+#pragma GCC unroll 8
+        for (int i = 0; i < count / 2; i++)
+            d[i] = __builtin_shuffle(d[2 * i], d[2 * i + 1], fold[level]) +
+                   __builtin_shuffle(d[2 * i], d[2 * i + 1], fold[level] + width);
+    return d[0];
 }
 
 static float largest_of(vec v) {
@@ -143,13 +164,38 @@ static vec exp_of(vec x) {
     return pick(kept, (vec)scaled, zero);
 }
 
-/* The scores of `count` positions: scores[g][j] = (q_g . k_j) * scale + mask[j] for the keys at k, j from 0 */
+/* Prefetches `count` positions of `dim` floats from `from` on, a cache line (16 floats) at a time */
+static inline void prefetch(const float *from, int count, int dim) {
+    for (int i = 0; i < count * dim; i += 16) __builtin_prefetch(from + i, 0, 1);
+}
+
+/* The scores of `count` positions: scores[g][j] = (q_g . k_j) * scale + mask[j] for the keys at k, j from 0; NB
+   positions at a time (their totals in one tree: totals_of), the rest one by one. The next NB keys prefetched, and
+   the same positions of `also` (the values read next: memory busy while the keys' products run). */
 static void score(const vec *q, const float *k, const float *mask, float *scores, int count, int groups, int chunks,
-                  int stride, int dim, float scale) {
-    for (int j = 0; j < count; j++) {
+                  int stride, int dim, float scale, const float *also) {
+    int j = 0;
+    for (; j + NB <= count; j += NB) {
+        prefetch(k + (size_t)(j + NB) * dim, NB, dim);
+        prefetch(also + (size_t)j * dim, NB, dim);
+        for (int g = 0; g < groups; g++) {
+            vec d[NB];
+#pragma GCC unroll 16
+            for (int t = 0; t < NB; t++) {
+                const vec *kj = (const vec *)(k + (size_t)(j + t) * dim);
+                vec dot = {0};
+                for (int i = 0; i < chunks; i++) dot += q[g * chunks + i] * kj[i];
+                d[t] = dot;
+            }
+            vec m, s = totals_of(d);
+            memcpy(&m, mask + j, sizeof(m));
+            s = s * scale + m;
+            memcpy(scores + (size_t)g * stride + j, &s, sizeof(s));
+        }
+    }
+    prefetch(also + (size_t)j * dim, count - j, dim);
+    for (; j < count; j++) {
         const vec *kj = (const vec *)(k + (size_t)j * dim);
-        for (int i = 0; i < dim; i += 16)  /* (16 floats: a cache line) the keys ahead */
-            __builtin_prefetch(k + (size_t)(j + 8) * dim + i);
         for (int g = 0; g < groups; g++) {
             vec dot = {0};
             for (int i = 0; i < chunks; i++) dot += q[g * chunks + i] * kj[i];
@@ -158,16 +204,32 @@ static void score(const vec *q, const float *k, const float *mask, float *scores
     }
 }
 
-/* acc_g += p_gj v_j over `count` positions: the weights p at scores (times inverse[g]), the values at v */
-static void weigh(vec *acc, const float *v, const float *scores, const float *inverse, int count, int groups,
-                  int chunks, int stride, int dim) {
-    for (int j = 0; j < count; j++) {
-        const vec *vj = (const vec *)(v + (size_t)j * dim);
-        for (int i = 0; i < dim; i += 16) __builtin_prefetch(v + (size_t)(j + 8) * dim + i);
-        for (int g = 0; g < groups; g++) {
-            float p = scores[(size_t)g * stride + j] * inverse[g];
-            for (int i = 0; i < chunks; i++) acc[g * chunks + i] += p * vj[i];
+/* acc_g += p_gj v_j over `count` positions: the softmax's weights p at weights [groups][stride], the values at v;
+   TILE of the groups x chunks sums at a time in registers; the values 8 positions ahead prefetched, and position j
+   of `also` (the next task's keys) */
+#define TILE 6
+static void weigh(vec *acc, const float *v, const float *weights, int count, int groups, int chunks, int stride,
+                  int dim, const float *also) {
+    for (int e0 = 0; e0 < groups * chunks; e0 += TILE) {
+        const float *p[TILE];
+        int chunk[TILE], n = groups * chunks - e0 < TILE ? groups * chunks - e0 : TILE;
+        vec a[TILE];
+        for (int t = 0; t < TILE; t++) {
+            int e = e0 + (t < n ? t : 0);  /* (past the last sum: the tile's first again, not kept) */
+            p[t] = weights + (size_t)(e / chunks) * stride;
+            chunk[t] = e % chunks;
+            a[t] = acc[e];
         }
+        for (int j = 0; j < count; j++) {
+            const vec *vj = (const vec *)(v + (size_t)j * dim);
+            if (e0 == 0) {
+                prefetch(v + (size_t)(j + 8) * dim, 1, dim);
+                prefetch(also + (size_t)j * dim, 1, dim);
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < TILE; t++) a[t] += p[t][j] * vj[chunk[t]];
+        }
+        for (int t = 0; t < n; t++) acc[e0 + t] = a[t];
     }
 }
 
@@ -193,16 +255,19 @@ static void attention(const float *qkv, const float *cos, const float *sin, cons
         float *k = keys + ((size_t)r * kv_heads + h) * total * dim;
         float *v = values + ((size_t)r * kv_heads + h) * total * dim;
         size_t from = shared ? ((size_t)prompt[r] * kv_heads + h) * shared * dim : 0;
+        int nr = (task + 1) / kv_heads, nh = (task + 1) % kv_heads;  /* the next task's (this thread's, mostly) */
+        const float *next = keys + ((size_t)(nr < rows ? nr : r) * kv_heads + nh) * total * dim;
+        size_t next_from = shared ? ((size_t)prompt[nr < rows ? nr : r] * kv_heads + nh) * shared * dim : 0;
         rotate(row + (size_t)(heads + h) * dim, c, s, k + (size_t)at * dim, dim);
         memcpy(v + (size_t)at * dim, row + (size_t)(heads + kv_heads + h) * dim, dim * sizeof(float));
         const float *m = mask + (size_t)r * (shared + total);
         vec q[groups * chunks], acc[groups * chunks];
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)groups * stride), inverse[groups];
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)groups * stride);
         for (int g = 0; g < groups; g++)
             rotate(row + (size_t)(h * groups + g) * dim, c, s, (float *)(q + g * chunks), dim);
         if (shared)
-            score(q, shared_keys + from, m, scores, shared, groups, chunks, stride, dim, scale);
-        score(q, k, m + shared, scores + shared, at + 1, groups, chunks, stride, dim, scale);
+            score(q, shared_keys + from, m, scores, shared, groups, chunks, stride, dim, scale, shared_values + from);
+        score(q, k, m + shared, scores + shared, at + 1, groups, chunks, stride, dim, scale, v);
         for (int g = 0; g < groups; g++) {
             vec *sc = (vec *)(scores + (size_t)g * stride), top = {0}, sum = {0};
             for (int j = positions; j < stride; j++) scores[(size_t)g * stride + j] = -INFINITY;
@@ -213,12 +278,13 @@ static void attention(const float *qkv, const float *cos, const float *sin, cons
                 sc[j] = exp_of(sc[j] - largest);
                 sum += sc[j];
             }
-            inverse[g] = 1.0f / total_of(sum);
+            vec inverse = (vec){0} + 1.0f / total_of(sum);
+            for (int j = 0; j < stride / NB; j++) sc[j] *= inverse;
         }
         for (int i = 0; i < groups * chunks; i++) acc[i] = (vec){0};
         if (shared)
-            weigh(acc, shared_values + from, scores, inverse, shared, groups, chunks, stride, dim);
-        weigh(acc, v, scores + shared, inverse, at + 1, groups, chunks, stride, dim);
+            weigh(acc, shared_values + from, scores, shared, groups, chunks, stride, dim, shared_keys + next_from);
+        weigh(acc, v, scores + shared, at + 1, groups, chunks, stride, dim, next);
         memcpy(out + ((size_t)r * heads + h * groups) * dim, acc, (size_t)groups * dim * sizeof(float));
         free(scores);
     }
@@ -244,14 +310,26 @@ static void rms_norm(const float *x, const float *weight, float *out, int rows, 
     }
 }
 
-/* Inside a parallel region: out [rows][size] = silu(gate) * up, gate_up [rows][2 size] the two side by side */
+/* Inside a parallel region: out [rows][size] = silu(gate) * up, gate_up [rows][2 size] the two side by side;
+   silu(g) = g sigmoid(g), sigmoid from e^-|g| (exp_of, NB lanes at a time): 1 / (1 + e) for g >= 0, e / (1 + e)
+   below */
 static void silu_times_up(const float *gate_up, float *out, int rows, int size) {
+    const vec one = (vec){0} + 1.0f;
     #pragma omp for schedule(static)
-    for (int r = 0; r < rows; r++)
-        for (int i = 0; i < size; i++) {
-            float gate = gate_up[(size_t)r * 2 * size + i];
-            out[(size_t)r * size + i] = gate / (1.0f + expf(-gate)) * gate_up[(size_t)r * 2 * size + size + i];
+    for (int r = 0; r < rows; r++) {
+        const float *gate = gate_up + (size_t)r * 2 * size, *up = gate + size;
+        float *o = out + (size_t)r * size;
+        int i = 0;
+        for (; i + NB <= size; i += NB) {
+            vec g, u;
+            memcpy(&g, gate + i, sizeof(g));
+            memcpy(&u, up + i, sizeof(u));
+            ivec positive = g >= 0;
+            vec e = exp_of(pick(positive, -g, g)), y = g * (pick(positive, one, e) / (one + e)) * u;
+            memcpy(o + i, &y, sizeof(y));
         }
+        for (; i < size; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
 }
 
 /* One decoder layer's weights (projections packed by `pack`; biases may be NULL) and key/value buffers */
