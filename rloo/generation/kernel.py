@@ -13,7 +13,7 @@ at a time with an exp of its own (Cephes' polynomial): equal to the model's atte
 SmolLM2's 30 layers at 32 rows x 100 positions: 11.9 -> 7.5 ms a step. NB positions' scores reduced at once (one
 shuffle tree, no sums through memory), the weighted values' sums in registers, the values prefetched while the
 keys' products run and the next task's keys while the values' do: at 32 rows x 71 positions 3.8 -> 2.8 ms with the
-keys and values in the caches, 7.1-7.4 -> 6.5 ms from memory (Intel Xeon, 2 cores, /tmp/p18/att.py).
+keys and values in the caches, 7.1-7.4 -> 6.5 ms from memory (Intel Xeon, 2 cores).
 `decode_step` (Step): the whole step of a Llama-family decoder in one call and one parallel region (norms, the two
 above, SiLU x up, residual adds, LM head), where every part of the model is one it does. SiLU's exp NB lanes at a
 time (the same polynomial): 2.3 -> 0.4 ms of a 32-row step.
