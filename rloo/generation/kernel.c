@@ -298,15 +298,23 @@ void attend(const float *qkv, const float *cos, const float *sin, const float *s
               kv_heads, dim, total, at, scale);
 }
 
-/* Inside a parallel region: out [rows][dim] = weight * (x * 1 / sqrt(mean(x^2) + eps)), Llama's RMSNorm */
+/* Inside a parallel region: out [rows][dim] = weight * (x * 1 / sqrt(mean(x^2) + eps)), Llama's RMSNorm; the squares
+   summed NB lanes at a time (then total_of) */
 static void rms_norm(const float *x, const float *weight, float *out, int rows, int dim, float eps) {
     #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * dim;
-        float sum = 0.0f;
-        for (int i = 0; i < dim; i++) sum += xr[i] * xr[i];
+        vec lanes = {0};
+        int i = 0;
+        for (; i + NB <= dim; i += NB) {
+            vec v;
+            memcpy(&v, xr + i, sizeof(v));
+            lanes += v * v;
+        }
+        float sum = total_of(lanes);
+        for (; i < dim; i++) sum += xr[i] * xr[i];
         float scale = 1.0f / sqrtf(sum / dim + eps);
-        for (int i = 0; i < dim; i++) out[(size_t)r * dim + i] = weight[i] * (xr[i] * scale);
+        for (i = 0; i < dim; i++) out[(size_t)r * dim + i] = weight[i] * (xr[i] * scale);
     }
 }
 
