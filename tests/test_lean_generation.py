@@ -8,14 +8,14 @@ import shutil
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from rloo.generation import LeanGenerator, TransformersGenerator, in_process_generator
 from rloo.generation import kernel
 from rloo.generation.decode import _kernels
-from rloo.generation.lean import sample_from
+from rloo.generation.lean import MinNewTokens, sample_from
 
 from helpers import with_lora
 
@@ -646,3 +646,70 @@ def test_decode_attention_in_c_is_sdpas_for_scores_far_apart_and_masked_position
             expected_values[..., : at + 1, :].repeat_interleave(heads // kv_heads, 1),
             attn_mask=mask[..., : at + 1], scale=0.125)
         torch.testing.assert_close(out.view(rows, heads, dim), theirs[:, :, 0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("target", _TARGETS)
+def test_c_draw_is_the_inverse_cdf_of_softmax_with_banned_columns_and_leaves_rows_it_cannot_draw(target):
+    """rloo.generation.kernel.draw: for the same uniform numbers, the token of one cumulative sum of softmax's
+    probabilities over the whole row (banned columns at -inf, one of them a row's largest score; a vocabulary that
+    is not a whole number of blocks); never an entry of weight 0, also for uniforms at 0 and just under 1 and whole
+    blocks at -inf; -1 for a row with a NaN, +inf or nothing finite."""
+    library = kernel.compiled(target)
+    if library is None:
+        pytest.skip("no gcc on this machine: draws stay torch's")
+    torch.manual_seed(0)
+    rows, vocab, banned = 200, 5000, [7, 4095, 4999]
+    scores = torch.randn(rows, vocab) * 3
+    scores[::3, 4095] = 40.0  # (banned and the largest)
+    scores[1::3, 1000] = 25.0  # (a peak)
+    uniform = torch.rand(rows, 1, dtype=torch.float64)
+    uniform[0, 0], uniform[1, 0] = 0.0, 1.0 - 2.0**-53
+    probabilities = torch.softmax(scores.index_fill(1, torch.tensor(banned), float("-inf")), dim=-1)
+    cumulative = probabilities.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True).squeeze(1)
+    drawn = kernel.draw(library, scores, banned, uniform)
+    assert torch.equal(drawn, expected) and not bool(torch.isin(drawn, torch.tensor(banned)).any())
+    sparse = torch.full((4, 1000), float("-inf"))  # (weight only at a few entries, whole blocks of nothing)
+    sparse[:, [255, 256, 700, 999]] = torch.tensor([1.0, 2.0, -3.0, 0.5])
+    edges = torch.tensor([[0.0], [1.0 - 2.0**-53], [0.5], [0.999]], dtype=torch.float64)
+    assert set(kernel.draw(library, sparse, [], edges).tolist()) <= {255, 256, 700, 999}
+    assert kernel.draw(library, sparse, [], edges)[:2].tolist() == [255, 999]
+    odd = torch.randn(4, 300)
+    odd[0, 3], odd[1, 299], odd[2] = float("nan"), float("inf"), float("-inf")
+    odd[3, :] = float("-inf")
+    odd[3, 17] = 0.0  # (the only finite score: banned)
+    assert kernel.draw(library, odd, [17], torch.rand(4, 1, dtype=torch.float64)).tolist() == [-1, -1, -1, -1]
+
+
+def test_the_decode_loop_draws_with_the_c_where_only_min_new_tokens_processes_and_torch_otherwise(monkeypatch):
+    """LeanGenerator._drawn: with min_new_tokens only, the C draw on the logits (EOS banned until the minimum), the
+    token sample_from gives for the same uniform numbers; a row the C leaves (a NaN) goes through softmax and
+    sample_from with those numbers; with a temperature, torch's path, one uniform per row all the same."""
+    if kernel.for_decoding() is None:
+        pytest.skip("no decode kernel on this machine")
+    calls = []
+    real = kernel.draw
+    monkeypatch.setattr(kernel, "draw", lambda *a: calls.append(a[2]) or real(*a))
+    eos, prompt = torch.tensor([2, 5]), 4
+    minimum = LogitsProcessorList([MinNewTokens(prompt, 3, eos)])
+    torch.manual_seed(0)
+    logits = torch.randn(6, 700) * 2
+    logits[:, 5] = 20.0  # (an EOS that would win)
+    for length, banned in ((prompt + 1, [2, 5]), (prompt + 3, [])):
+        sequences = torch.zeros(6, length, dtype=torch.long)
+        torch.manual_seed(1)
+        drawn = LeanGenerator._drawn(minimum, sequences, logits)
+        torch.manual_seed(1)
+        assert torch.equal(drawn, sample_from(torch.softmax(minimum(sequences, logits), dim=-1)))
+        assert calls[-1] == banned
+    logits[2, 9] = float("nan")
+    torch.manual_seed(1)
+    drawn = LeanGenerator._drawn(minimum, sequences, logits)
+    torch.manual_seed(1)
+    assert torch.equal(drawn, sample_from(torch.softmax(minimum(sequences, logits), dim=-1)))
+    calls.clear()
+    warmer = LogitsProcessorList([*minimum, TemperatureLogitsWarper(0.7)])
+    torch.manual_seed(1)
+    drawn = LeanGenerator._drawn(warmer, sequences, logits)
+    torch.manual_seed(1)
+    assert torch.equal(drawn, sample_from(torch.softmax(warmer(sequences, logits), dim=-1))) and calls == []

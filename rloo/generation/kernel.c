@@ -298,6 +298,111 @@ void attend(const float *qkv, const float *cos, const float *sin, const float *s
               kv_heads, dim, total, at, scale);
 }
 
+#define BLOCK 256  /* entries per block of the draw (rloo.generation.lean.BLOCK) */
+typedef double dvec __attribute__((vector_size(NB * 4)));  /* NB / 2 doubles */
+
+static float exp1(float x) { return exp_of((vec){0} + x)[0]; }  /* exp_of for one number */
+
+/* e^(x - top) for one NB-lane vector of scores, 0 at the banned entries (columns from `column` on) */
+static vec weights_of(vec x, float top, const int *banned, int count, int column) {
+    vec e = exp_of(x - top);
+    for (int b = 0; b < count; b++)
+        if (banned[b] >= column && banned[b] < column + NB) e[banned[b] - column] = 0.0f;
+    return e;
+}
+
+/* The total of e^(x - top) over scores [from, to) in double, banned entries out; lanes past `to` out */
+static double block_total(const float *scores, int from, int to, float top, const int *banned, int count) {
+    dvec sum = {0};
+    double tail = 0.0;
+    int i = from;
+    for (; i + NB <= to; i += NB) {
+        vec x, e;
+        memcpy(&x, scores + i, sizeof(x));
+        e = weights_of(x, top, banned, count, i);
+        float low[NB / 2], high[NB / 2];
+        memcpy(low, &e, sizeof(low));
+        memcpy(high, (float *)&e + NB / 2, sizeof(high));
+        dvec a, b;
+        for (int j = 0; j < NB / 2; j++) { a[j] = low[j]; b[j] = high[j]; }
+        sum += a + b;
+    }
+    for (; i < to; i++) {
+        int out = 0;
+        for (int b = 0; b < count; b++) out |= banned[b] == i;
+        if (!out) tail += (double)exp1(scores[i] - top);
+    }
+    double total = tail;
+    for (int j = 0; j < NB / 2; j++) total += sum[j];
+    return total;
+}
+
+/* One token per row drawn from softmax(scores[r]) with the `banned` columns at -inf: by inverse CDF on the
+   unnormalised weights e^(s - max) (float, exp_of; the max over the columns not banned) against uniform[r] x their
+   total, in double and two levels, as rloo.generation.lean.sample_from does on softmax's probabilities (the same
+   distribution up to float rounding; entries of weight 0 are never drawn). tokens[r] = -1 where the row has no
+   finite largest score or a total that is not a positive finite number (the caller's torch path decides then). */
+void draw(const float *scores, int rows, int vocab, const int *banned, int count, const double *uniform,
+          long *tokens, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *row = scores + (size_t)r * vocab;
+        vec top = (vec){0} - INFINITY;
+        ivec nan = {0};
+        int i = 0, any_nan = 0;
+        for (; i + NB <= vocab; i += NB) {
+            vec x;
+            memcpy(&x, row + i, sizeof(x));
+            top = pick(x > top, x, top);
+            nan |= x != x;
+        }
+        float largest = largest_of(top);
+        for (; i < vocab; i++) {
+            largest = row[i] > largest ? row[i] : largest;
+            any_nan |= row[i] != row[i];
+        }
+        for (int j = 0; j < NB; j++) any_nan |= nan[j];
+        int banned_top = 0;
+        for (int b = 0; b < count; b++) banned_top |= banned[b] >= 0 && banned[b] < vocab && row[banned[b]] == largest;
+        if (banned_top) {  /* (the largest among the rest) */
+            largest = -INFINITY;
+            for (int j = 0; j < vocab; j++) {
+                int out = 0;
+                for (int b = 0; b < count; b++) out |= banned[b] == j;
+                if (!out && row[j] > largest) largest = row[j];
+            }
+        }
+        tokens[r] = -1;
+        if (!isfinite(largest) || any_nan) continue;
+        int blocks = (vocab + BLOCK - 1) / BLOCK;
+        double *cumulative = malloc(sizeof(double) * blocks), running = 0.0;
+        for (int b = 0; b < blocks; b++) {
+            int to = (b + 1) * BLOCK < vocab ? (b + 1) * BLOCK : vocab;
+            running += block_total(row, b * BLOCK, to, largest, banned, count);
+            cumulative[b] = running;
+        }
+        double total = running, target = uniform[r] * total;
+        if (!(total > 0.0) || !isfinite(total)) { free(cumulative); continue; }
+        int chosen = 0;
+        while (chosen < blocks - 1 && !(cumulative[chosen] > target)) chosen++;
+        while (chosen > 0 && cumulative[chosen] == cumulative[chosen - 1]) chosen--;  /* (rounding: not a 0 block) */
+        double before = chosen ? cumulative[chosen - 1] : 0.0, left = target - before, inside = 0.0;
+        free(cumulative);
+        left = left > 0.0 ? left : 0.0;
+        int from = chosen * BLOCK, to = from + BLOCK < vocab ? from + BLOCK : vocab;
+        long last = -1;
+        for (int j = from; j < to; j++) {
+            int out = 0;
+            for (int b = 0; b < count; b++) out |= banned[b] == j;
+            float e = out ? 0.0f : exp1(row[j] - largest);
+            if (e > 0.0f) last = j;
+            inside += e;
+            if (inside > left && e > 0.0f) { tokens[r] = j; break; }
+        }
+        if (tokens[r] < 0) tokens[r] = last;  /* (rounding: the draw at the block's end) */
+    }
+}
+
 /* Inside a parallel region: out [rows][dim] = weight * (x * 1 / sqrt(mean(x^2) + eps)), Llama's RMSNorm; the squares
    summed NB lanes at a time (then total_of) */
 static void rms_norm(const float *x, const float *weight, float *out, int rows, int dim, float eps) {
