@@ -1,5 +1,6 @@
-/* The decode step's kernels (rloo.generation.kernel builds this file with gcc -O3 -march=native -fopenmp and loads
-   it with ctypes): fp32, one new token per row, parallel over the OpenMP threads of the torch that loaded it. */
+/* The decode step's kernels and the token draw (rloo.generation.kernel builds this file with gcc -O3 -march=native
+   -fopenmp and loads it with ctypes): fp32, one new token per row, parallel over the OpenMP threads of the torch
+   that loaded it. */
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -111,8 +112,9 @@ static void rotate(const float *x, const float *cos, const float *sin, float *ou
     for (int i = half; i < dim; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
-/* Shuffle masks of the pairwise trees below, one per level (width NB / 2, NB / 4, ..., 1): `fold` takes lane
-   x / w * 2 w + x % w of two vectors side by side (0..2 NB: a's lanes, then b's), `unfold` the lane w further on */
+/* Shuffle masks of the pairwise trees below, one per level (width w = NB / 2, NB / 4, ..., 1): fold[level] takes
+   lane x / w * 2 w + x % w of two vectors side by side (0..2 NB: a's lanes, then b's), fold[level] + w the lane w
+   further on */
 #if NB == 16
 static const ivec fold[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
                              {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
@@ -340,8 +342,8 @@ static double block_total(const float *scores, int from, int to, float top, cons
 /* One token per row drawn from softmax(scores[r]) with the `banned` columns at -inf: by inverse CDF on the
    unnormalised weights e^(s - max) (float, exp_of; the max over the columns not banned) against uniform[r] x their
    total, in double and two levels, as rloo.generation.lean.sample_from does on softmax's probabilities (the same
-   distribution up to float rounding; entries of weight 0 are never drawn). tokens[r] = -1 where the row has no
-   finite largest score or a total that is not a positive finite number (the caller's torch path decides then). */
+   distribution up to float rounding; entries of weight 0 are never drawn). tokens[r] = -1 where the row has a NaN,
+   no finite largest score or a total that is not a positive finite number (the caller's torch path decides then). */
 void draw(const float *scores, int rows, int vocab, const int *banned, int count, const double *uniform,
           long *tokens, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
