@@ -305,6 +305,12 @@ typedef double dvec __attribute__((vector_size(NB * 4)));  /* NB / 2 doubles */
 
 static float exp1(float x) { return exp_of((vec){0} + x)[0]; }  /* exp_of for one number */
 
+static int is_banned(int column, const int *banned, int count) {
+    for (int b = 0; b < count; b++)
+        if (banned[b] == column) return 1;
+    return 0;
+}
+
 /* e^(x - top) for one NB-lane vector of scores, 0 at the banned entries (columns from `column` on) */
 static vec weights_of(vec x, float top, const int *banned, int count, int column) {
     vec e = exp_of(x - top);
@@ -322,18 +328,14 @@ static double block_total(const float *scores, int from, int to, float top, cons
         vec x, e;
         memcpy(&x, scores + i, sizeof(x));
         e = weights_of(x, top, banned, count, i);
-        float low[NB / 2], high[NB / 2];
-        memcpy(low, &e, sizeof(low));
-        memcpy(high, (float *)&e + NB / 2, sizeof(high));
-        dvec a, b;
-        for (int j = 0; j < NB / 2; j++) { a[j] = low[j]; b[j] = high[j]; }
-        sum += a + b;
+        typedef float half __attribute__((vector_size(NB * 2)));
+        half low, high;
+        memcpy(&low, &e, sizeof(low));
+        memcpy(&high, (float *)&e + NB / 2, sizeof(high));
+        sum += __builtin_convertvector(low, dvec) + __builtin_convertvector(high, dvec);
     }
-    for (; i < to; i++) {
-        int out = 0;
-        for (int b = 0; b < count; b++) out |= banned[b] == i;
-        if (!out) tail += (double)exp1(scores[i] - top);
-    }
+    for (; i < to; i++)
+        if (!is_banned(i, banned, count)) tail += (double)exp1(scores[i] - top);
     double total = tail;
     for (int j = 0; j < NB / 2; j++) total += sum[j];
     return total;
@@ -368,11 +370,8 @@ void draw(const float *scores, int rows, int vocab, const int *banned, int count
         for (int b = 0; b < count; b++) banned_top |= banned[b] >= 0 && banned[b] < vocab && row[banned[b]] == largest;
         if (banned_top) {  /* (the largest among the rest) */
             largest = -INFINITY;
-            for (int j = 0; j < vocab; j++) {
-                int out = 0;
-                for (int b = 0; b < count; b++) out |= banned[b] == j;
-                if (!out && row[j] > largest) largest = row[j];
-            }
+            for (int j = 0; j < vocab; j++)
+                if (!is_banned(j, banned, count) && row[j] > largest) largest = row[j];
         }
         tokens[r] = -1;
         if (!isfinite(largest) || any_nan) continue;
@@ -394,9 +393,7 @@ void draw(const float *scores, int rows, int vocab, const int *banned, int count
         int from = chosen * BLOCK, to = from + BLOCK < vocab ? from + BLOCK : vocab;
         long last = -1;
         for (int j = from; j < to; j++) {
-            int out = 0;
-            for (int b = 0; b < count; b++) out |= banned[b] == j;
-            float e = out ? 0.0f : exp1(row[j] - largest);
+            float e = is_banned(j, banned, count) ? 0.0f : exp1(row[j] - largest);
             if (e > 0.0f) last = j;
             inside += e;
             if (inside > left && e > 0.0f) { tokens[r] = j; break; }
