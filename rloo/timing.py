@@ -5,14 +5,19 @@ push); each one counts its exclusive time, so the sections of a step add up to t
 section covers (fetching the next batch, callbacks). `step_time` is that wall time: from the start of the first
 micro-batch to the end of the optimizer step (clipping, `optimizer.step`, scheduler, `zero_grad`). Sections entered
 outside an optimizer step (an evaluation between steps) are not counted. Each rank times its own work; the logged
-values are the main process's.
+values are the main process's. On an accelerator (CUDA) work is queued and runs later: the timer then waits for the
+device at every section's start and end, so a kernel counts in the section that queued it, not in the next one that
+happens to wait for a result.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+
+import torch
 
 from transformers import TrainerCallback
 
@@ -20,13 +25,20 @@ SECTIONS = ("generation", "weight_sync", "rewards", "logprobs", "train", "optimi
 
 
 class StepTimer:
-    """Exclusive seconds per section within one optimizer step; a no-op between steps."""
+    """Exclusive seconds per section within one optimizer step; a no-op between steps. `synchronize` (if given) is
+    called before every clock reading inside a step: the wait for an accelerator's queued work."""
 
-    def __init__(self):
+    def __init__(self, synchronize: Callable[[], None] | None = None):
+        self._synchronize = synchronize
         self._totals = dict.fromkeys(SECTIONS, 0.0)
         self._children: list[float] = []  # per open section, the time its nested sections took
         self._step_start: float | None = None
         self._last_mark: float | None = None
+
+    def _now(self) -> float:
+        if self._synchronize is not None:
+            self._synchronize()
+        return time.perf_counter()
 
     @contextmanager
     def section(self, name: str):
@@ -35,12 +47,12 @@ class StepTimer:
         if self._step_start is None:
             yield
             return
-        start = time.perf_counter()
+        start = self._now()
         self._children.append(0.0)
         try:
             yield
         finally:
-            elapsed = time.perf_counter() - start
+            elapsed = self._now() - start
             self._totals[name] += elapsed - self._children.pop()
             if self._children:
                 self._children[-1] += elapsed
@@ -48,17 +60,17 @@ class StepTimer:
     def begin_step(self) -> None:
         self._totals = dict.fromkeys(SECTIONS, 0.0)
         self._children = []
-        self._step_start = self._last_mark = time.perf_counter()
+        self._step_start = self._last_mark = self._now()
 
     def end_micro_step(self) -> None:
         """A micro-batch's forward and backward are done: what follows until `end_step` is the optimizer's."""
-        self._last_mark = time.perf_counter()
+        self._last_mark = self._now()
 
     def end_step(self) -> dict[str, float]:
         """The step's `timing/<section>` seconds and its `step_time`; {} when no step was open."""
         if self._step_start is None:
             return {}
-        now = time.perf_counter()
+        now = self._now()
         self._totals["optimizer"] += now - self._last_mark
         metrics = {f"timing/{name}": seconds for name, seconds in self._totals.items()}
         metrics["step_time"] = now - self._step_start
@@ -75,6 +87,13 @@ def timed(section: str):
                 return method(self, *args, **kwargs)
         return wrapper
     return decorate
+
+
+def device_timer(device: torch.device) -> StepTimer:
+    """A StepTimer for work on `device`: one that waits for the device's queue at each reading, except on the CPU."""
+    if device.type == "cpu":
+        return StepTimer()
+    return StepTimer(functools.partial(torch.accelerator.synchronize, device))
 
 
 NULL_TIMER = StepTimer()  # never begins a step: its sections cost nothing and record nothing

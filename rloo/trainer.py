@@ -33,7 +33,7 @@ from rloo.rewards.runner import RewardRunner
 from rloo.rollout import (Rollout, RolloutSettings, build_rollout, finish_rollout, global_masked_mean,
                           rollout_metrics)
 from rloo.sampling import RepeatSampler, repeat_iterable, shuffle_rows, split_rows
-from rloo.timing import StepTimer, StepTimingCallback
+from rloo.timing import StepTimingCallback, device_timer
 from rloo.zero import gathered_parameters, prepare_frozen, single_process_ddp, zero_stage
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class RLOOTrainer(Trainer):
 
         self.generator = make_generation_backend(args, self.accelerator, self.model, tokenizer, self.pad_token_id,
                                                  self.eos_token_ids, zero3=self._zero3)
-        self._metrics, self._timer = MetricBuffer(), StepTimer()
+        self._metrics, self._timer = MetricBuffer(), device_timer(self.accelerator.device)
         self.generator.timer = self._timer
         self.add_callback(StepTimingCallback(self._timer, self._metrics))
         self._logs = CompletionLog(args.generation_batch_size)

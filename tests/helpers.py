@@ -1,8 +1,14 @@
 """Shared builders for trainer tests: tiny datasets, a config sized for 2 CPU cores, simple rewards."""
 
+import pytest
+import torch
 from datasets import Dataset
 
 from rloo import RLOOConfig
+
+# Where a test runs: the CPU always, and a CUDA GPU where the machine has one (CI has none: skipped there).
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 WORDS = ["the dog", "a big cat", "one two", "what is", "red mat", "sat on", "good dog", "small blue"]
 

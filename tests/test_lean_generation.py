@@ -16,8 +16,9 @@ from rloo.generation import LeanGenerator, TransformersGenerator, in_process_gen
 from rloo.generation import kernel
 from rloo.generation.decode import _kernels
 from rloo.generation.lean import MinNewTokens, sample_from
+from rloo.testing import tiny_causal_lm
 
-from helpers import with_lora
+from helpers import DEVICES, with_lora
 
 PROMPTS = ["the dog sat", "one two three four", "red", "a big cat on the mat"]
 
@@ -30,14 +31,35 @@ def config(tokenizer, **settings):
 @pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=False, repetition_penalty=1.3),
                                       dict(do_sample=False, min_new_tokens=6, max_new_tokens=9)],
                          ids=["greedy", "repetition-penalty", "min-new-tokens"])
-def test_greedy_tokens_are_generates(tokenizer, model, settings):
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_tokens_are_generates(tokenizer, model, settings, device):
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]  # different lengths: left padding, positions
     generation = config(tokenizer, **settings)
     eos = [tokenizer.eos_token_id]
-    ours = LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model.eval(), prompts)
+    ours = LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model.to(device).eval(), prompts)
     assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)
     assert all(len(row) >= settings.get("min_new_tokens", 0) for row in ours)
     assert any(row[-1] == tokenizer.eos_token_id for row in ours)  # EOS kept, nothing after it
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_model_under_mixed_precision_decodes_through_its_autocast_forward(tokenizer, model, device):
+    """bf16 mixed precision (`bf16=True`: accelerate wraps the prepared model's forward in autocast, and the prompts'
+    cache comes out in bf16): the loop steps with that forward, not with the step written out in the weights' dtype,
+    so its greedy tokens are generate's on the same model; likewise inside an autocast context."""
+    from accelerate import Accelerator
+
+    from rloo.generation.decode import lean_decoder
+    plain = tiny_causal_lm(tokenizer).to(device)
+    assert lean_decoder(plain, 4) is not None
+    with torch.autocast(device, dtype=torch.bfloat16):
+        assert lean_decoder(plain, 4) is None
+    prepared = Accelerator(mixed_precision="bf16", cpu=device == "cpu").prepare_model(model.to(device).eval())
+    assert lean_decoder(prepared, 4) is None
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    generation, eos = config(tokenizer, do_sample=False), [tokenizer.eos_token_id]
+    ours = LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(prepared, prompts)
+    assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(prepared, prompts)
 
 
 def _counts(generator, model, prompt, rows, seed):
@@ -71,8 +93,9 @@ def test_min_new_tokens_processor_gives_transformers_scores(eos):
                                expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 
-def test_sampled_tokens_follow_generates_distribution(tokenizer, model):
-    model.eval()
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampled_tokens_follow_generates_distribution(tokenizer, model, device):
+    model.to(device).eval()
     with torch.no_grad():  # sharper logits than a random tiny model's: temperature, top-k and top-p all matter
         model.lm_head.weight.mul_(8)  # (measured: leaving out any one of them moves the first token by TV >= 0.06)
     prompt, rows = tokenizer("the dog sat")["input_ids"], 20000
@@ -83,7 +106,7 @@ def test_sampled_tokens_follow_generates_distribution(tokenizer, model):
     theirs_first, theirs_pairs = _counts(TransformersGenerator(generation, tokenizer.pad_token_id, eos), model,
                                          prompt, rows, 2)
     with torch.no_grad():  # the first token's exact distribution: logits through generate's processors
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         scores = model(ids).logits[:, -1].float()
         for processor in (RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(0.5), TopKLogitsWarper(8),
                           TopPLogitsWarper(0.9)):
@@ -136,7 +159,8 @@ def test_settings_it_does_not_implement_keep_generate(tokenizer, model):
     assert type(synced) is LeanGenerator and synced.synced  # ZeRO-3 layer by layer: ranks step together
 
 
-def test_policy_logprobs_kept_while_decoding_are_the_forwards(tokenizer, model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_policy_logprobs_kept_while_decoding_are_the_forwards(tokenizer, model, device):
     """log softmax(logits / T) of every drawn token, kept by the loop, equals a no-grad forward over the finished
     rows (rloo.logps.per_token_logps: the trainer's pi_old), whatever processors shaped the draw; 0 after a row's
     end."""
@@ -149,10 +173,10 @@ def test_policy_logprobs_kept_while_decoding_are_the_forwards(tokenizer, model):
     generator = LeanGenerator(generation, tokenizer.pad_token_id, [tokenizer.eos_token_id])
     generator.policy_temperature = 0.9  # the trainer's temperature, not the sampler's warped distribution
     torch.manual_seed(0)
-    completions = generator.generate(model.eval(), prompts)
+    completions = generator.generate(model.to(device).eval(), prompts)
     assert isinstance(completions, Completions) and completions.policy_logprobs is not None
-    prompt_ids, prompt_mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
-    completion_ids, _ = pad_rows(list(completions), tokenizer.pad_token_id, "right")
+    prompt_ids, prompt_mask = (t.to(device) for t in pad_rows(prompts, tokenizer.pad_token_id, "left"))
+    completion_ids = pad_rows(list(completions), tokenizer.pad_token_id, "right")[0].to(device)
     mask = completion_mask_after_eos(completion_ids, [tokenizer.eos_token_id])
     assert (mask.sum(dim=1) < completion_ids.size(1)).any()  # some row ended early: padding after it
     with torch.no_grad():
@@ -277,8 +301,6 @@ def test_prompts_go_through_once_for_their_shared_start_then_in_length_groups_wi
 
 def _variant(tokenizer, kind):
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from rloo.testing import tiny_causal_lm
     if kind == "qwen2":  # biases on q/k/v
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
@@ -351,6 +373,47 @@ def test_written_out_decode_step_is_the_models_forward(tokenizer, kind, gemm, mo
         theirs = model(input_ids=tokens[:, None], attention_mask=grown,
                        position_ids=step_positions, use_cache=True, **{name: cache}).logits[:, -1]
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_steps_fixed_shape_form_replayed_as_a_cuda_graph_gives_the_steps_logits(tokenizer, model, device,
+                                                                                   monkeypatch):
+    """On a GPU the decode steps replay one CUDA graph of LeanDecoder._graph_step (the position a tensor, attention
+    over the whole buffers, zero where not yet written); step after step its logits are those of the step as it
+    runs elsewhere (the position an int, attention over the positions written). On the CPU the fixed-shape form is
+    run as it is, with the torch step (the C's off) as on a GPU."""
+    from transformers import DynamicCache
+
+    from rloo.data import pad_rows
+    from rloo.generation.decode import lean_decoder
+    monkeypatch.setattr(kernel, "for_decoding", lambda: None)
+    model.to(device).eval()
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    input_ids, mask = (t.to(device) for t in pad_rows(prompts, tokenizer.pad_token_id, "left"))
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                       past_key_values=cache).logits[:, -1]
+        stepped, fixed = lean_decoder(model, len(prompts)), lean_decoder(model, len(prompts))
+        for decoder in (stepped, fixed):
+            decoder.start(cache, mask, 6)
+        assert (fixed.graph is not None) == (device == "cuda")
+        stepped.graph = None
+        for buffer in fixed.keys + fixed.values:
+            buffer[:, :, mask.size(1):].zero_()
+        for _ in range(5):
+            tokens, positions = logits.argmax(-1), positions[:, -1:] + 1
+            at = stepped.length
+            logits = stepped.step(tokens, positions)
+            if device == "cuda":
+                found = fixed.step(tokens, positions)
+            else:
+                fixed.length = at + 1
+                found = fixed._graph_step(tokens, positions, torch.tensor([at]))
+            torch.testing.assert_close(found, logits, atol=1e-5, rtol=1e-5)
+    if device == "cuda":
+        assert fixed.graph.graph is not None  # captured once, replayed
 
 
 def test_models_the_decode_step_does_not_write_out_keep_their_forward(tokenizer):

@@ -1,8 +1,11 @@
 """The step-time breakdown (rloo.timing): exclusive time of nested sections, on a clock the test drives."""
 
 import pytest
+import torch
 
 from rloo import timing
+
+from helpers import needs_cuda
 
 
 @pytest.fixture
@@ -47,6 +50,44 @@ def test_sections_outside_a_step_record_nothing(clock):
     with pytest.raises(ValueError, match="unknown timing section 'decode'"):
         with timer.section("decode"):
             pass
+
+
+def test_work_queued_on_a_device_counts_in_the_section_that_queued_it(clock):
+    """On an accelerator a section's kernels finish after its Python code: the timer waits for the device (here a
+    queue of seconds the clock has not reached yet) at every reading, so they count where they were queued."""
+    queued = []
+
+    def synchronize():
+        clock[0] += sum(queued)
+        queued.clear()
+
+    timer = timing.StepTimer(synchronize)
+    timer.begin_step()
+    with timer.section("generation"):
+        queued.append(2.0)                  # 2 s of decoding queued, returned at once
+    with timer.section("train"):
+        clock[0] += 0.5
+        queued.append(1.0)                  # backward queued
+    timer.end_micro_step()
+    queued.append(0.25)                     # optimizer.step queued
+    metrics = timer.end_step()
+    assert metrics["timing/generation"] == 2.0 and metrics["timing/train"] == 1.5
+    assert metrics["timing/optimizer"] == 0.25 and metrics["step_time"] == 3.75
+    assert timing.device_timer(torch.device("cpu"))._synchronize is None  # CPU work is done when the call returns
+
+
+@needs_cuda
+def test_a_cuda_kernel_counts_in_the_section_that_launched_it():
+    timer = timing.device_timer(torch.device("cuda"))
+    torch.cuda.synchronize()
+    timer.begin_step()
+    with timer.section("generation"):
+        torch.cuda._sleep(200_000_000)      # ~0.1 s of GPU time, queued in microseconds
+    with timer.section("rewards"):
+        pass
+    timer.end_micro_step()
+    metrics = timer.end_step()
+    assert metrics["timing/generation"] > 0.05 > metrics["timing/rewards"] + metrics["timing/optimizer"]
 
 
 def test_summary_line_lists_the_largest_sections_first():

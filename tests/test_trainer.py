@@ -10,7 +10,7 @@ import torch
 from rloo import RLOOTrainer
 from rloo.testing import save_tiny, tiny_causal_lm, tiny_reward_model, tiny_tokenizer
 
-from helpers import assert_step_timing, conversational, length_reward, make_args, position_reward, standard
+from helpers import DEVICES, assert_step_timing, needs_cuda, conversational, length_reward, make_args, position_reward, standard
 
 
 def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
@@ -36,8 +36,10 @@ def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
     assert last > first + 0.07 and last > 2.5 * first, rewards
 
 
-def test_gradient_is_exactly_reinforce_with_leave_one_out(tmp_path, tokenizer, model):
-    """After one SGD step, delta theta = lr * grad (1/B) sum_i A_i log pi(o_i|q), recomputed independently."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_is_exactly_reinforce_with_leave_one_out(tmp_path, tokenizer, model, device):
+    """After one SGD step, delta theta = lr * grad (1/B) sum_i A_i log pi(o_i|q), recomputed independently (on the
+    CPU, in float64 where it sums, whichever device trained)."""
     before = copy.deepcopy(model)
     recorded = {}
     lr = 0.1
@@ -48,12 +50,14 @@ def test_gradient_is_exactly_reinforce_with_leave_one_out(tmp_path, tokenizer, m
         return rewards
 
     args = make_args(tmp_path, max_steps=1, max_grad_norm=0.0, gradient_checkpointing=False,
-                     per_device_train_batch_size=6, num_generations=3, max_completion_length=5)
+                     per_device_train_batch_size=6, num_generations=3, max_completion_length=5,
+                     use_cpu=device == "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     trainer = RLOOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=conversational(6),
                           processing_class=tokenizer, optimizers=(optimizer, scheduler))
     trainer.train()
+    assert model.device.type == device
 
     rewards = recorded["rewards"]
     B, G = len(rewards), 3
@@ -72,9 +76,9 @@ def test_gradient_is_exactly_reinforce_with_leave_one_out(tmp_path, tokenizer, m
     objective.backward()
     worst = 0.0
     for (name, p0), p1 in zip(before.named_parameters(), model.parameters()):
-        expected = lr * p0.grad
-        worst = max(worst, (p1.detach() - p0.detach() - expected).abs().max().item())
-        assert torch.allclose(p1.detach() - p0.detach(), expected.float(), atol=1e-6, rtol=1e-4), name
+        expected, p1 = lr * p0.grad, p1.detach().cpu()
+        worst = max(worst, (p1 - p0.detach() - expected).abs().max().item())
+        assert torch.allclose(p1 - p0.detach(), expected.float(), atol=1e-6, rtol=1e-4), name
     assert worst < 1e-6
 
 
@@ -104,10 +108,14 @@ def test_reward_kwargs_contract(tmp_path, tokenizer, model, dataset):
     assert log["my_metric"] == 0.5
 
 
-def test_metrics_have_spec_names(tmp_path, tokenizer, model):
-    trainer = RLOOTrainer(model=model, reward_funcs=[length_reward], args=make_args(tmp_path, beta=0.1),
-                          train_dataset=conversational(), processing_class=tokenizer)
+@pytest.mark.parametrize("device, bf16", [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=needs_cuda),
+                                          pytest.param("cuda", True, marks=needs_cuda)])
+def test_metrics_have_spec_names(tmp_path, tokenizer, model, device, bf16):
+    args = make_args(tmp_path, beta=0.1, use_cpu=device == "cpu", bf16=bf16)
+    trainer = RLOOTrainer(model=model, reward_funcs=[length_reward], args=args, train_dataset=conversational(),
+                          processing_class=tokenizer)
     trainer.train()
+    assert trainer.model.device.type == device
     log = trainer.state.log_history[0]
     for key in ["num_tokens", "step_time", "completions/mean_length", "completions/min_length",
                 "completions/max_length", "completions/mean_terminated_length", "completions/min_terminated_length",

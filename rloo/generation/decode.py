@@ -12,8 +12,10 @@ version of the weights, `weights_key`), a layer's query/key/value and gate/up pr
 each, LoRA layers (peft, one active adapter) merged into that copy (the model's own tensors are not touched); other
 weights keep their own products, LoRA written out as peft computes it. Where every part of the step
 is one our C does (its GEMM for every projection, Llama's RMSNorm, head sizes its attention takes), the whole step
-is one call into it (kernel.Step). `lean_decoder` returns None for anything else (and under ZeRO-3), and the decode
-loop then calls the model's forward."""
+is one call into it (kernel.Step). On a GPU the step (torch's) is captured once per generation call and replayed as
+one CUDA graph (rloo.generation.cuda_graph): there a small step's time goes to launching its kernels, one by one.
+`lean_decoder` returns None for anything else (and under ZeRO-3 or autocast), and the decode loop then calls the
+model's forward."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rloo.generation import kernel as kernel_module
+from rloo.generation.cuda_graph import Graphed
 from rloo.heap import own_mappings
 from rloo.recompute import llama_kind
 
@@ -196,17 +199,27 @@ def _standard_rotate_half(module) -> bool:
     return rotate_half is not None and torch.equal(rotate_half(probe), torch.tensor([-3.0, -4.0, 1.0, 2.0]))
 
 
+def _autocast(model: nn.Module, base: nn.Module) -> bool:
+    """Whether the model's forward runs under autocast: mixed precision (accelerate wraps the forward of the model it
+    prepares and keeps the original as `_original_forward`) or an autocast context around the call."""
+    if hasattr(model, "_original_forward") or hasattr(base, "_original_forward"):
+        return True
+    parameter = next(base.parameters(), None)
+    return parameter is not None and torch.is_autocast_enabled(parameter.device.type)
+
+
 def lean_decoder(model: nn.Module, rows: int) -> Any:
     """A LeanDecoder for this model where its architecture is one written out here, else None. Not under ZeRO-3:
     its hooks partition the weights again after each module's forward (the prompts' one included), so the step
-    keeps the model's forward there."""
+    keeps the model's forward there. Not under autocast (bf16 / fp16 mixed precision): the step computes in the
+    weights' dtype, so the model's autocast forward decodes there, as it filled the prompts' cache."""
     from rloo.zero import is_partitioned
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     inner = getattr(base, "model", None)
     if config is None or config.model_type not in SUPPORTED or getattr(config, "hidden_act", None) != "silu":
         return None
-    if is_partitioned(base):
+    if is_partitioned(base) or _autocast(model, base):
         return None
     sliding = getattr(config, "use_sliding_window", False) if config.model_type == "qwen2" else \
         getattr(config, "sliding_window", None)
@@ -273,6 +286,7 @@ class LeanDecoder:
         self.values: list[torch.Tensor] = []
         self.mask: torch.Tensor | None = None
         self.shared: list[kernel_module.Shared] | None = None
+        self.graph: Graphed | None = None
         self.length = self.offset = 0
 
     def _whole_step(self, model: nn.Module) -> kernel_module.Step | None:
@@ -307,10 +321,16 @@ class LeanDecoder:
         if prompt_rows is not None and not shared:
             cache.batch_select_indices(prompt_rows)
         self.offset = prompt_length if shared else 0  # (the positions before each row's own buffers)
+        # on a GPU the steps replay one CUDA graph (_graph_step), which attends over the whole buffers: zero at first;
+        # not with the rotary embeddings that read the largest position on the host (dynamic, longrope)
+        rope = str(getattr(self.inner.rotary_emb, "rope_type", "default"))
+        graphed = first.device.type == "cuda" and "dynamic" not in rope and "longrope" not in rope
+        self.graph = Graphed(self._graph_step) if graphed else None
         self.keys, self.values = [], []
         for layer in cache.layers:
             for source, target in ((layer.keys, self.keys), (layer.values, self.values)):
-                buffer = source.new_empty(rows, self.kv_heads, prompt_length + new_tokens - self.offset, self.head_dim)
+                make = source.new_zeros if graphed else source.new_empty
+                buffer = make(rows, self.kv_heads, prompt_length + new_tokens - self.offset, self.head_dim)
                 if not shared:
                     buffer[:, :, :prompt_length] = source
                 target.append(buffer)
@@ -348,16 +368,32 @@ class LeanDecoder:
         rows, at = tokens.size(0), self.length
         if rows != self.rows:  # (the weights are packed for that many)
             raise ValueError(f"LeanDecoder was built for {self.rows} rows, got {rows}")
+        self.length = at + 1
+        if self.graph is not None:
+            return self.graph(tokens, positions, torch.full((1,), at, dtype=torch.long, device=tokens.device))
+        self.mask[:, 0, 0, at] = 0.0
+        return self._forward(tokens, positions, at, at + 1)
+
+    def _graph_step(self, tokens: torch.Tensor, positions: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """The step with its position a one-element tensor and attention over the whole buffers (the positions not
+        yet written masked, and zero): the same kernels on the same shapes at every position, as a CUDA graph
+        replays them (rloo.generation.cuda_graph)."""
+        self.mask.index_fill_(3, at, 0.0)
+        return self._forward(tokens, positions, at, self.keys[0].size(2))
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, at: int | torch.Tensor, length: int
+                 ) -> torch.Tensor:
+        """The layers, the norm and the LM head for one token per row; its keys and values go to position `at` (an
+        int, or a one-element tensor: _graph_step) and attention reads the first `length` positions."""
+        rows = tokens.size(0)
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         # batched over rows x key/value heads: each key/value head with its group of query heads (transformers'
         # pack_gqa for one query token), the buffers seen as (rows x key/value heads, positions, head size)
-        batch, groups, length = rows * kv_heads, heads // kv_heads, at + 1
-        self.mask[:, 0, 0, at] = 0.0
+        batch, groups = rows * kv_heads, heads // kv_heads
         hidden = self.inner.embed_tokens(tokens[:, None])
         cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
         if self.whole is not None and self.whole.table is not None and hidden.dtype == torch.float32 and \
                 hidden.device.type == "cpu":
-            self.length = at + 1
             return self.whole(hidden, cos, sin, self.mask, at - self.offset)
         mask = self.mask[..., :length].expand(rows, kv_heads, 1, length).reshape(batch, 1, length)
         # rotate_half(x) * sin == x.roll(half) * sin with its first half negated (the same products: one sign moved)
@@ -378,8 +414,12 @@ class LeanDecoder:
                 # broadcast over the heads)
                 rotated = projected[:, : heads + kv_heads]
                 rotated = rotated * cos + rotated.roll(half, -1) * signed_sin
-                keys[:, :, at] = rotated[:, heads:]
-                values[:, :, at] = projected[:, heads + kv_heads:]
+                if isinstance(at, int):
+                    keys[:, :, at] = rotated[:, heads:]
+                    values[:, :, at] = projected[:, heads + kv_heads:]
+                else:
+                    keys.index_copy_(2, at, rotated[:, heads:, None])
+                    values.index_copy_(2, at, projected[:, heads + kv_heads:, None])
                 total = keys.size(2)
                 attended = self._attention(rotated[:, :heads].reshape(batch, groups, head_dim),
                                            keys.view(batch, total, head_dim)[:, :length],
@@ -388,5 +428,4 @@ class LeanDecoder:
             gate_up = layer["gate_up"](layer["norm2"](hidden))
             hidden = hidden + layer["down_proj"](F.silu(gate_up[..., : self.intermediate])
                                                  * gate_up[..., self.intermediate:])
-        self.length = at + 1
         return self.lm_head(self.inner.norm(hidden))[:, -1]
