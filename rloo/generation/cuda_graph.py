@@ -22,18 +22,19 @@ class Graphed:
         self.output: torch.Tensor | None = None
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        if self.graph is None:
-            self.inputs = tuple(tensor.clone() for tensor in inputs)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.fn(*self.inputs)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.output = self.fn(*self.inputs)
-        else:
-            for static, tensor in zip(self.inputs, inputs):
-                static.copy_(tensor)
-        self.graph.replay()
-        return self.output.clone()  # (the next replay overwrites the captured output)
+        with torch.cuda.device(inputs[0].device):  # (the inputs' GPU, whichever is current: a rank's own)
+            if self.graph is None:
+                self.inputs = tuple(tensor.clone() for tensor in inputs)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self.fn(*self.inputs)
+                torch.cuda.current_stream().wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.output = self.fn(*self.inputs)
+            else:
+                for static, tensor in zip(self.inputs, inputs):
+                    static.copy_(tensor)
+            self.graph.replay()
+            return self.output.clone()  # (the next replay overwrites the captured output)
