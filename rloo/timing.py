@@ -18,7 +18,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
-
 from transformers import TrainerCallback
 
 SECTIONS = ("generation", "weight_sync", "rewards", "logprobs", "train", "optimizer")
