@@ -48,13 +48,18 @@ def test_a_model_under_mixed_precision_decodes_through_its_autocast_forward(toke
     cache comes out in bf16): the loop steps with that forward, not with the step written out in the weights' dtype,
     so its greedy tokens are generate's on the same model; likewise inside an autocast context."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     from rloo.generation.decode import lean_decoder
     plain = tiny_causal_lm(tokenizer).to(device)
     assert lean_decoder(plain, 4) is not None
     with torch.autocast(device, dtype=torch.bfloat16):
         assert lean_decoder(plain, 4) is None
-    prepared = Accelerator(mixed_precision="bf16", cpu=device == "cpu").prepare_model(model.to(device).eval())
+    AcceleratorState._reset_state(reset_partial_state=True)  # (as TrainingArguments does: one state per process)
+    try:
+        prepared = Accelerator(mixed_precision="bf16", cpu=device == "cpu").prepare_model(model.to(device).eval())
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert lean_decoder(prepared, 4) is None
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     generation, eos = config(tokenizer, do_sample=False), [tokenizer.eos_token_id]
