@@ -391,7 +391,9 @@ def test_the_steps_fixed_shape_form_replayed_as_a_cuda_graph_gives_the_steps_log
 
     from rloo.data import pad_rows
     from rloo.generation.decode import lean_decoder
+    from rloo.generation.decode import LeanDecoder
     monkeypatch.setattr(kernel, "for_decoding", lambda: None)
+    monkeypatch.setattr(LeanDecoder, "GRAPH_LENGTH", 4)  # (graphs of lengths 8, then the buffers' 14)
     model.to(device).eval()
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     input_ids, mask = (t.to(device) for t in pad_rows(prompts, tokenizer.pad_token_id, "left"))
@@ -402,23 +404,26 @@ def test_the_steps_fixed_shape_form_replayed_as_a_cuda_graph_gives_the_steps_log
                        past_key_values=cache).logits[:, -1]
         stepped, fixed = lean_decoder(model, len(prompts)), lean_decoder(model, len(prompts))
         for decoder in (stepped, fixed):
-            decoder.start(cache, mask, 6)
-        assert (fixed.graph is not None) == (device == "cuda")
-        stepped.graph = None
+            decoder.start(cache, mask, 8)
+        assert (fixed.graphs is not None) == (device == "cuda")
+        stepped.graphs = None
         for buffer in fixed.keys + fixed.values:
             buffer[:, :, mask.size(1):].zero_()
-        for _ in range(5):
+        lengths = []
+        for _ in range(7):
             tokens, positions = logits.argmax(-1), positions[:, -1:] + 1
             at = stepped.length
             logits = stepped.step(tokens, positions)
+            lengths.append(fixed.graph_length(at))
             if device == "cuda":
                 found = fixed.step(tokens, positions)
             else:
                 fixed.length = at + 1
-                found = fixed._graph_step(tokens, positions, torch.tensor([at]))
+                found = fixed._graph_step(tokens, positions, torch.tensor([at]), lengths[-1])
             torch.testing.assert_close(found, logits, atol=1e-5, rtol=1e-5)
+    assert mask.size(1) == 6 and lengths == [8] * 2 + [14] * 5  # (positions 6-7 in 8's graph, 8-12 in the buffers')
     if device == "cuda":
-        assert fixed.graph.graph is not None  # captured once, replayed
+        assert sorted(fixed.graphs) == [8, 14]  # each captured once, then replayed
 
 
 def test_models_the_decode_step_does_not_write_out_keep_their_forward(tokenizer):

@@ -12,8 +12,9 @@ version of the weights, `weights_key`), a layer's query/key/value and gate/up pr
 each, LoRA layers (peft, one active adapter) merged into that copy (the model's own tensors are not touched); other
 weights keep their own products, LoRA written out as peft computes it. Where every part of the step
 is one our C does (its GEMM for every projection, Llama's RMSNorm, head sizes its attention takes), the whole step
-is one call into it (kernel.Step). On a GPU the step (torch's) is captured once per generation call and replayed as
-one CUDA graph (rloo.generation.cuda_graph): there a small step's time goes to launching its kernels, one by one.
+is one call into it (kernel.Step). On a GPU the step (torch's) is replayed as a CUDA graph (rloo.generation.cuda_graph),
+captured once per generation call for each of a few attention lengths: there a small step's time goes to launching
+its kernels, one by one.
 `lean_decoder` returns None for anything else (and under ZeRO-3 or autocast), and the decode loop then calls the
 model's forward."""
 
@@ -286,7 +287,7 @@ class LeanDecoder:
         self.values: list[torch.Tensor] = []
         self.mask: torch.Tensor | None = None
         self.shared: list[kernel_module.Shared] | None = None
-        self.graph: Graphed | None = None
+        self.graphs: dict[int, Graphed] | None = None  # on a GPU: attention length -> the step's CUDA graph
         self.length = self.offset = 0
 
     def _whole_step(self, model: nn.Module) -> kernel_module.Step | None:
@@ -321,11 +322,12 @@ class LeanDecoder:
         if prompt_rows is not None and not shared:
             cache.batch_select_indices(prompt_rows)
         self.offset = prompt_length if shared else 0  # (the positions before each row's own buffers)
-        # on a GPU the steps replay one CUDA graph (_graph_step), which attends over the whole buffers: zero at first;
-        # not with the rotary embeddings that read the largest position on the host (dynamic, longrope)
+        # on a GPU the steps replay CUDA graphs (_graph_step), which attend over the buffers' first positions in
+        # fixed lengths: zero at first; not with the rotary embeddings that read the largest position on the host
+        # (dynamic, longrope)
         rope = str(getattr(self.inner.rotary_emb, "rope_type", "default"))
         graphed = first.device.type == "cuda" and "dynamic" not in rope and "longrope" not in rope
-        self.graph = Graphed(self._graph_step) if graphed else None
+        self.graphs = {} if graphed else None
         self.keys, self.values = [], []
         for layer in cache.layers:
             for source, target in ((layer.keys, self.keys), (layer.values, self.values)):
@@ -369,17 +371,32 @@ class LeanDecoder:
         if rows != self.rows:  # (the weights are packed for that many)
             raise ValueError(f"LeanDecoder was built for {self.rows} rows, got {rows}")
         self.length = at + 1
-        if self.graph is not None:
-            return self.graph(tokens, positions, torch.full((1,), at, dtype=torch.long, device=tokens.device))
+        if self.graphs is not None:
+            length = self.graph_length(at)
+            if length not in self.graphs:
+                self.graphs[length] = Graphed(functools.partial(self._graph_step, length=length))
+            return self.graphs[length](tokens, positions, torch.full((1,), at, dtype=torch.long, device=tokens.device))
         self.mask[:, 0, 0, at] = 0.0
         return self._forward(tokens, positions, at, at + 1)
 
-    def _graph_step(self, tokens: torch.Tensor, positions: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        """The step with its position a one-element tensor and attention over the whole buffers (the positions not
-        yet written masked, and zero): the same kernels on the same shapes at every position, as a CUDA graph
-        replays them (rloo.generation.cuda_graph)."""
+    GRAPH_LENGTH = 64  # the shortest attention length a CUDA graph of the step is captured for
+
+    def graph_length(self, at: int) -> int:
+        """The attention length of the graph that steps at position `at`: the first power of two from GRAPH_LENGTH
+        past it, at most the buffers' length (a graph per length: attention reads at most twice the positions
+        written, and a call of n positions captures about log2(n / GRAPH_LENGTH) graphs)."""
+        length = self.GRAPH_LENGTH
+        while length <= at:
+            length *= 2
+        return min(length, self.keys[0].size(2))
+
+    def _graph_step(self, tokens: torch.Tensor, positions: torch.Tensor, at: torch.Tensor, length: int
+                    ) -> torch.Tensor:
+        """The step with its position a one-element tensor and attention over the buffers' first `length` positions
+        (past `at` masked, and zero): the same kernels on the same shapes at every position up to `length`, as a CUDA
+        graph replays them (rloo.generation.cuda_graph)."""
         self.mask.index_fill_(3, at, 0.0)
-        return self._forward(tokens, positions, at, self.keys[0].size(2))
+        return self._forward(tokens, positions, at, length)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, at: int | torch.Tensor, length: int
                  ) -> torch.Tensor:
