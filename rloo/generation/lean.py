@@ -227,7 +227,9 @@ class LeanGenerator(TransformersGenerator):
         logps: list[torch.Tensor] = []
         for index in range(config.max_new_tokens):
             tokens = torch.full((rows,), self.pad_token_id, dtype=torch.long, device=input_ids.device)
-            if unfinished.any():  # (only a synced rank that is done has nothing to draw)
+            # only a synced rank that is done has nothing to draw (elsewhere some row is unfinished here: the loop
+            # ends when none is; not asked there, as on a GPU asking waits for the step)
+            if not self.synced or unfinished.any():
                 drawn = self._drawn(processors, sequences, logits) if config.do_sample else \
                     processors(sequences, logits.to(dtype=torch.float32)).argmax(dim=-1)
                 tokens = torch.where(unfinished, drawn, tokens)
