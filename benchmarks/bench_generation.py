@@ -84,7 +84,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--generations", default="1,4", help="rows per prompt (comma-separated: one table row each)")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the decode loop's steps as one CUDA graph)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the decode loop's steps as CUDA graphs)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--random-weights", action="store_true",
                         help="SmolLM2-135M's shape with random weights and the tiny tokenizer, for a machine without "

@@ -383,15 +383,14 @@ def test_written_out_decode_step_is_the_models_forward(tokenizer, kind, gemm, mo
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_steps_fixed_shape_form_replayed_as_a_cuda_graph_gives_the_steps_logits(tokenizer, model, device,
                                                                                    monkeypatch):
-    """On a GPU the decode steps replay one CUDA graph of LeanDecoder._graph_step (the position a tensor, attention
-    over the whole buffers, zero where not yet written); step after step its logits are those of the step as it
-    runs elsewhere (the position an int, attention over the positions written). On the CPU the fixed-shape form is
-    run as it is, with the torch step (the C's off) as on a GPU."""
+    """On a GPU the decode steps replay CUDA graphs of LeanDecoder._graph_step, one per attention length (the position
+    a tensor, attention over the buffers' first positions, zero where not yet written); step after step their logits
+    are those of the step as it runs elsewhere (the position an int, attention over the positions written). On the
+    CPU the fixed-shape form is run as it is, with the torch step (the C's off) as on a GPU."""
     from transformers import DynamicCache
 
     from rloo.data import pad_rows
-    from rloo.generation.decode import lean_decoder
-    from rloo.generation.decode import LeanDecoder
+    from rloo.generation.decode import LeanDecoder, lean_decoder
     monkeypatch.setattr(kernel, "for_decoding", lambda: None)
     monkeypatch.setattr(LeanDecoder, "GRAPH_LENGTH", 4)  # (graphs of lengths 8, then the buffers' 14)
     model.to(device).eval()
