@@ -28,11 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a GPU's); nothing on the CPU."""
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
+from rloo.timing import synchronize  # noqa: E402
 
 
 def measured_limits(weight_bytes: int, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:

@@ -88,11 +88,17 @@ def timed(section: str):
     return decorate
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (an accelerator's); nothing on the CPU, whose work is done on return."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
 def device_timer(device: torch.device) -> StepTimer:
     """A StepTimer for work on `device`: one that waits for the device's queue at each reading, except on the CPU."""
     if device.type == "cpu":
         return StepTimer()
-    return StepTimer(functools.partial(torch.accelerator.synchronize, device))
+    return StepTimer(functools.partial(synchronize, device))
 
 
 NULL_TIMER = StepTimer()  # never begins a step: its sections cost nothing and record nothing
