@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (RepetitionPenaltyLogitsProce
 from rloo.generation import LeanGenerator, TransformersGenerator, in_process_generator
 from rloo.generation import kernel
 from rloo.generation.decode import _kernels
-from rloo.generation.lean import MinNewTokens, sample_from
+from rloo.generation.lean import Draws, MinNewTokens, sample_from
 from rloo.testing import tiny_causal_lm
 
 from helpers import DEVICES, with_lora
@@ -123,6 +123,32 @@ def test_sampled_tokens_follow_generates_distribution(tokenizer, model, device):
     # two tokens: the second is drawn after a step on the KV cache
     theirs = {pair: count / rows for pair, count in theirs_pairs.items()}
     assert _distance(ours_pairs, theirs, rows) < 0.05
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_draw_replayed_as_a_cuda_graph_follows_the_processed_distribution(device):
+    """Draws (on a GPU a CUDA graph per state of the processors, elsewhere the same function run as it is): many rows
+    of the same logits draw tokens at softmax of the processed scores (min_new_tokens, temperature, top-k, top-p),
+    EOS never while min_new_tokens holds and at its probability after; each replay draws anew; greedy picks the
+    processed scores' argmax."""
+    torch.manual_seed(0)
+    vocab, rows, eos = 12, 40000, 3
+    logits = (torch.randn(1, vocab) * 2).expand(rows, -1).contiguous().to(device)
+    logits[:, eos] = logits.max() + 1  # (EOS the likeliest: banned, then drawn most)
+    processors = LogitsProcessorList([MinNewTokens(2, 2, torch.tensor([eos], device=device), device=device),
+                                      TemperatureLogitsWarper(0.7), TopKLogitsWarper(6), TopPLogitsWarper(0.95)])
+    draws = Draws(processors, sample=True)
+    holding, done = (torch.zeros(rows, length, dtype=torch.long, device=device) for length in (3, 4))
+    first, again, after = draws(holding, logits), draws(holding, logits), draws(done, logits)
+    assert not torch.equal(first, again)
+    for sequences, drawn in ((holding, first), (done, after)):
+        exact = torch.softmax(processors(sequences[:1], logits[:1].float()), dim=-1)[0].cpu()
+        frequencies = torch.bincount(drawn.cpu(), minlength=vocab).float() / rows
+        assert (frequencies - exact).abs().sum() / 2 < 0.02 and not frequencies[exact == 0].any()
+    assert not first.eq(eos).any() and after.eq(eos).float().mean() > 0.25
+    assert (set(draws.graphs) == {(True,), (False,)}) == (device == "cuda")
+    greedy = Draws(processors, sample=False)
+    assert torch.equal(greedy(holding, logits), processors(holding, logits.float()).argmax(dim=-1))
 
 
 def test_inverse_cdf_draw_matches_the_probabilities_and_never_draws_zeros():

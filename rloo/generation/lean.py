@@ -3,7 +3,7 @@ allow it): the prompts through the model's forward once per distinct prompt (rlo
 prompt share its KV cache; on the CPU in groups of similar length), then one decode step per token
 (rloo.generation.decode's written-out step for the Llama family, else the model's forward), transformers' own
 logits processors in `generate`'s order, and an inverse-CDF draw instead of `torch.multinomial` (in C on the logits
-where min_new_tokens is the only processor: rloo.generation.kernel.draw).
+where min_new_tokens is the only processor: rloo.generation.kernel.draw; on a GPU replayed as a CUDA graph: Draws).
 
 Same distribution as `model.generate`: the same logits (same function, positions and mask), the same processors
 (repetition penalty, min_new_tokens, temperature, top-k, top-p, min-p), the same EOS handling; only the random
@@ -19,6 +19,7 @@ own log-probs, which the rollout then takes instead of a second forward over the
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from rloo.generation import kernel
+from rloo.generation.cuda_graph import Graphed
 from rloo.generation.decode import lean_decoder, weights_key
 from rloo.generation.prefill import prefill
 from rloo.generation.transformers_backend import TransformersGenerator
@@ -117,9 +119,48 @@ class MinNewTokens(MinNewTokensLengthLogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if not self.holding(input_ids):
             return scores.clone()
-        eos = self.eos_token_id.to(scores.device).reshape(-1)
-        eos = eos[(eos >= 0) & (eos < scores.shape[-1])]  # (isin over the vocabulary marks only these)
-        return scores.index_fill(-1, eos, float("-inf"))
+        return scores.index_fill(-1, self._columns(scores), float("-inf"))
+
+    def _columns(self, scores: torch.Tensor) -> torch.Tensor:
+        """The EOS ids inside the vocabulary (isin over the vocabulary marks only these) on the scores' device, found
+        on the host once per vocabulary size and device: a CUDA graph of the draw (Draws) replays the fill alone."""
+        found = self.__dict__.setdefault("_found", {})
+        key = (scores.shape[-1], scores.device)
+        if key not in found:
+            found[key] = torch.tensor([token for token in self.eos_token_id.reshape(-1).tolist()
+                                       if 0 <= token < scores.shape[-1]], dtype=torch.long, device=scores.device)
+        return found[key]
+
+
+# processors whose work has fixed shapes and no host synchronisation (of the sequences, their length at most)
+GRAPHABLE = (MinNewTokens, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+class Draws:
+    """The next token of each row from the logits, as the loop picks them: drawn (LeanGenerator._drawn) or, greedy,
+    the processed scores' argmax. On a GPU, where every processor is one of GRAPHABLE, replayed as a CUDA graph
+    (rloo.generation.cuda_graph), one per state of the processors (min_new_tokens banning EOS or not), captured
+    at its first use in the call: the draw's ~40 small kernels are one launch; the random numbers are new at every
+    replay (the CUDA generator's offset advances with each)."""
+
+    def __init__(self, processors: LogitsProcessorList, sample: bool):
+        self.processors, self.sample = processors, sample
+        self.graphs: dict[tuple, Graphed] | None = {} if all(isinstance(processor, GRAPHABLE)
+                                                             for processor in processors) else None
+
+    def eager(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self.sample:
+            return LeanGenerator._drawn(self.processors, sequences, logits)
+        return self.processors(sequences, logits.to(dtype=torch.float32)).argmax(dim=-1)
+
+    def __call__(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self.graphs is None or logits.device.type != "cuda":
+            return self.eager(sequences, logits)
+        state = tuple(processor.holding(sequences) for processor in self.processors
+                      if isinstance(processor, MinNewTokens))
+        if state not in self.graphs:  # (the processors read the sequences' length alone: the state's at capture)
+            self.graphs[state] = Graphed(functools.partial(self.eager, sequences))
+        return self.graphs[state](logits)
 
 
 class LeanGenerator(TransformersGenerator):
@@ -223,6 +264,7 @@ class LeanGenerator(TransformersGenerator):
             decoder.start(arguments[cache_argument(model)], attention_mask, config.max_new_tokens, prompt_rows)
         elif prompt_rows is not None:  # (the model's own forward reads a cache row per row)
             share_cache_rows(arguments[cache_argument(model)], prompt_rows)
+        draws = Draws(processors, config.do_sample)
         sequences, unfinished = input_ids, torch.ones(rows, dtype=torch.bool, device=input_ids.device)
         logps: list[torch.Tensor] = []
         for index in range(config.max_new_tokens):
@@ -230,9 +272,7 @@ class LeanGenerator(TransformersGenerator):
             # only a synced rank that is done has nothing to draw (elsewhere some row is unfinished here: the loop
             # ends when none is; not asked there, as on a GPU asking waits for the step)
             if not self.synced or unfinished.any():
-                drawn = self._drawn(processors, sequences, logits) if config.do_sample else \
-                    processors(sequences, logits.to(dtype=torch.float32)).argmax(dim=-1)
-                tokens = torch.where(unfinished, drawn, tokens)
+                tokens = torch.where(unfinished, draws(sequences, logits), tokens)
             if temperature is not None:  # as rloo.logps.per_token_logps: scaled in the model's dtype, then fp32
                 logps.append(policy_logps_of(logits, tokens, temperature))
             sequences = torch.cat([sequences, tokens[:, None]], dim=1)
