@@ -379,10 +379,8 @@ class LeanDecoder:
         self.mask[:, 0, 0, at] = 0.0
         return self._forward(tokens, positions, at, at + 1)
 
-    # the shortest attention length a CUDA graph of the step is captured for. Each capture costs a step run as it is
-    # and the graph's set-up (25-60 ms for SmolLM2 on an H200) and a short step's time is its launches, not its
-    # attention: 106 positions from 64 (two graphs) -> from 1024 (one) took a call 499.7 -> 372.0 ms at 128 rows and
-    # 357.9 -> 326.1 ms at 8 (bf16, 48 new tokens)
+    # the shortest attention length a step's CUDA graph is captured for (a capture: 25-60 ms on an H200; graphs from 64
+    # -> from 1024 for 106 positions, SmolLM2 bf16: a call 499.7 -> 372.0 ms at 128 rows, 357.9 -> 326.1 ms at 8)
     GRAPH_LENGTH = 1024
 
     def graph_length(self, at: int) -> int:
