@@ -330,6 +330,48 @@ def test_prompts_go_through_once_for_their_shared_start_then_in_length_groups_wi
     assert widths == [tuple(input_ids.shape)]
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
+def test_the_prompts_forward_runs_linears_on_onednn_without_grad_or_autocast_and_gives_them_back(
+        tokenizer, model, monkeypatch):
+    """rloo.generation.prefill._linears_on_onednn: inside the prompts' forward every plain fp32 Linear of the model
+    (a LoRA layer's base and adapters too) runs on oneDNN's GEMM, with the model's logits; F.linear where a gradient
+    is recorded or autocast is on; afterwards every module has its own forward back."""
+    import torch.nn.functional as F
+
+    from rloo.data import pad_rows
+    from rloo.generation import prefill as prefill_module
+    model = with_lora(model).eval()
+    linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
+    assert len(linears) > 10
+    calls = collections.Counter()
+
+    def onednn(module, x):
+        calls[module] += 1
+        return torch.ops.mkldnn._linear_pointwise(x, module.weight, module.bias, "none", [], "")
+    monkeypatch.setattr(prefill_module, "_onednn_linear", onednn)
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    input_ids, mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        logits, _, _ = prefill_module.prefill(model, input_ids, mask, positions, {})
+        theirs = model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+    torch.testing.assert_close(logits, theirs, atol=1e-5, rtol=1e-5)
+    assert set(calls) == set(linears)  # (every one, adapters included; none afterwards: `theirs` added no calls)
+    assert not any("forward" in module.__dict__ for module in linears)
+    monkeypatch.undo()
+    layer, x = linears[0], torch.randn(3, linears[0].in_features)
+    with prefill_module._linears_on_onednn(model, x.device):
+        assert layer.forward.func is prefill_module._onednn_linear
+        recorded = layer(x.requires_grad_())  # (a gradient recorded: F.linear, whose backward exists)
+        recorded.sum().backward()
+        assert x.grad is not None and recorded.grad_fn is not None
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert layer(x).dtype == torch.bfloat16  # (autocast's F.linear)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert "forward" not in layer.__dict__
+
+
 def _variant(tokenizer, kind):
     from transformers import Qwen2Config, Qwen2ForCausalLM
     if kind == "qwen2":  # biases on q/k/v
