@@ -822,7 +822,7 @@ def test_c_draw_is_the_inverse_cdf_of_softmax_with_banned_columns_and_leaves_row
 
 
 def test_the_decode_loop_draws_with_the_c_where_only_min_new_tokens_processes_and_torch_otherwise(monkeypatch):
-    """LeanGenerator._drawn: with min_new_tokens only, the C draw on the logits (EOS banned until the minimum), the
+    """Draws.drawn: with min_new_tokens only, the C draw on the logits (EOS banned until the minimum), the
     token sample_from gives for the same uniform numbers; a row the C leaves (a NaN) goes through softmax and
     sample_from with those numbers; with a temperature, torch's path, one uniform per row all the same."""
     if kernel.for_decoding() is None:
@@ -838,18 +838,18 @@ def test_the_decode_loop_draws_with_the_c_where_only_min_new_tokens_processes_an
     for length, banned in ((prompt + 1, [2, 5]), (prompt + 3, [])):
         sequences = torch.zeros(6, length, dtype=torch.long)
         torch.manual_seed(1)
-        drawn = LeanGenerator._drawn(minimum, sequences, logits)
+        drawn = Draws(minimum, True).drawn(sequences, logits)
         torch.manual_seed(1)
         assert torch.equal(drawn, sample_from(torch.softmax(minimum(sequences, logits), dim=-1)))
         assert calls[-1] == banned
     logits[2, 9] = float("nan")
     torch.manual_seed(1)
-    drawn = LeanGenerator._drawn(minimum, sequences, logits)
+    drawn = Draws(minimum, True).drawn(sequences, logits)
     torch.manual_seed(1)
     assert torch.equal(drawn, sample_from(torch.softmax(minimum(sequences, logits), dim=-1)))
     calls.clear()
     warmer = LogitsProcessorList([*minimum, TemperatureLogitsWarper(0.7)])
     torch.manual_seed(1)
-    drawn = LeanGenerator._drawn(warmer, sequences, logits)
+    drawn = Draws(warmer, True).drawn(sequences, logits)
     torch.manual_seed(1)
     assert torch.equal(drawn, sample_from(torch.softmax(warmer(sequences, logits), dim=-1))) and calls == []

@@ -140,8 +140,8 @@ GRAPHABLE = (MinNewTokens, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogits
 
 
 class Draws:
-    """The next token of each row from the logits, as the loop picks them: drawn (LeanGenerator._drawn) or, greedy,
-    the processed scores' argmax. On a GPU, where every processor is one of GRAPHABLE, replayed as a CUDA graph
+    """The next token of each row from the logits, as the loop picks them: drawn (`drawn`) or, greedy, the
+    processed scores' argmax. On a GPU, where every processor is one of GRAPHABLE, replayed as a CUDA graph
     (rloo.generation.cuda_graph), one per state of the processors (min_new_tokens banning EOS or not), captured
     at its first use in the call: the draw's ~40 small kernels are one launch; the random numbers are new at every
     replay (the CUDA generator's offset advances with each)."""
@@ -151,9 +151,28 @@ class Draws:
         self.graphs: dict[tuple, Graphed] | None = {} if all(isinstance(processor, GRAPHABLE)
                                                              for processor in processors) else None
 
+    def drawn(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row from softmax(processors(sequences, logits)): where the processors are at most
+        min_new_tokens (EOS at -inf) and the logits fp32 on the CPU, the C `draw` on the logits themselves
+        (rloo.generation.kernel.draw: no processed copy, no probabilities, the weights' block totals in one pass; at
+        32 rows x 49152 entries on 2 cores min_new_tokens' copy, softmax and sample_from 1.6 ms -> 0.46 ms a token),
+        else softmax and sample_from; the same uniform numbers either way (one torch.rand per step), rows the C leaves
+        (a NaN, nothing finite) through the torch path."""
+        processors = self.processors
+        library = kernel.for_decoding() if logits.dtype == torch.float32 and logits.device.type == "cpu" else None
+        if library is not None and all(isinstance(processor, MinNewTokens) for processor in processors):
+            banned = [int(token) for processor in processors if processor.holding(sequences)
+                      for token in processor.eos_token_id.reshape(-1).tolist()]
+            uniform = torch.rand(logits.size(0), 1, dtype=torch.float64)
+            drawn = kernel.draw(library, logits, banned, uniform)
+            if bool((drawn >= 0).all()):
+                return drawn
+            return sample_from(torch.softmax(processors(sequences, logits), dim=-1), uniform)
+        return sample_from(torch.softmax(processors(sequences, logits.to(dtype=torch.float32)), dim=-1))
+
     def eager(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self.sample:
-            return LeanGenerator._drawn(self.processors, sequences, logits)
+            return self.drawn(sequences, logits)
         return self.processors(sequences, logits.to(dtype=torch.float32)).argmax(dim=-1)
 
     def __call__(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -231,25 +250,6 @@ class LeanGenerator(TransformersGenerator):
             if config.min_p is not None:
                 found.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
         return found
-
-    @staticmethod
-    def _drawn(processors: LogitsProcessorList, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """One token per row from softmax(processors(sequences, logits)): where the processors are at most
-        min_new_tokens (EOS at -inf) and the logits fp32 on the CPU, the C `draw` on the logits themselves
-        (rloo.generation.kernel.draw: no processed copy, no probabilities, the weights' block totals in one pass; at
-        32 rows x 49152 entries on 2 cores min_new_tokens' copy, softmax and sample_from 1.6 ms -> 0.46 ms a token),
-        else softmax and sample_from; the same uniform numbers either way (one torch.rand per step), rows the C leaves
-        (a NaN, nothing finite) through the torch path."""
-        library = kernel.for_decoding() if logits.dtype == torch.float32 and logits.device.type == "cpu" else None
-        if library is not None and all(isinstance(processor, MinNewTokens) for processor in processors):
-            banned = [int(token) for processor in processors if processor.holding(sequences)
-                      for token in processor.eos_token_id.reshape(-1).tolist()]
-            uniform = torch.rand(logits.size(0), 1, dtype=torch.float64)
-            drawn = kernel.draw(library, logits, banned, uniform)
-            if bool((drawn >= 0).all()):
-                return drawn
-            return sample_from(torch.softmax(processors(sequences, logits), dim=-1), uniform)
-        return sample_from(torch.softmax(processors(sequences, logits.to(dtype=torch.float32)), dim=-1))
 
     def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
