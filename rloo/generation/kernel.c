@@ -54,9 +54,34 @@ static void store(float *y, const vec *acc, const float *bias, const float *resi
     }
 }
 
+/* acc[i][s] = the sums over k of x row i's entries times the weight vectors of stream s, for MR rows at xr. Each
+   weight vector prefetched AHEAD vectors on in its stream, or, given `next`, the lines of the next group of columns
+   instead (S vectors' worth per step: all of them over the k steps) into L2. Inlined at each call, `next` NULL or
+   not: no branch in the loop. */
+static inline __attribute__((always_inline)) void rows_block(const vec *const *w, const float *xr, int k,
+                                                             vec acc[MR][S], const char *next) {
+    for (int kk = 0; kk < k; kk++) {
+        vec wv[S];
+#pragma GCC unroll 4
+        for (int s = 0; s < S; s++) {
+            wv[s] = w[s][kk];
+            if (next) __builtin_prefetch(next + ((size_t)kk * S + s) * sizeof(vec), 0, 2);
+            else __builtin_prefetch(&w[s][kk + AHEAD]);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+            float xv = xr[(size_t)i * k + kk];
+#pragma GCC unroll 4
+            for (int s = 0; s < S; s++) acc[i][s] += xv * wv[s];
+        }
+    }
+}
+
 /* Inside a parallel region: y [m][n] = x [m][k] . w [n][k] (+ bias [n]) (+ residual [m][n], which may be y itself),
    w packed by `pack`; the column blocks shared out among the threads, every weight vector loaded once per group of
-   MR rows. */
+   MR rows. Where there are more than MR rows, the second group of rows' pass over a block's weights (in cache
+   after the first) brings the next block's into L2, so that its first pass does not wait for memory (2 cores of an
+   AMD EPYC, SmolLM2's 30 layers and LM head at 32 rows: 47.2-48.5 -> 43.2-46.1 ms, three alternated runs). */
 static void gemm(const float *x, const float *p, const float *bias, const float *residual, float *y, int m, int n,
                  int k) {
     int groups = padded(n) / (NB * S);
@@ -64,27 +89,17 @@ static void gemm(const float *x, const float *p, const float *bias, const float 
     for (int g = 0; g < groups; g++) {
         const vec *w[S];
         for (int s = 0; s < S; s++) w[s] = (const vec *)(p + (size_t)(g * S + s) * k * NB);
+        const char *next = g + 1 < groups ? (const char *)(p + (size_t)(g + 1) * S * k * NB) : NULL;
         for (int r0 = 0; r0 < m; r0 += MR) {
             const float *xr = x + (size_t)r0 * k;
             int rows = m - r0 < MR ? m - r0 : MR;
             vec acc[MR][S];
             memset(acc, 0, sizeof(acc));
-            if (rows == MR) {
-                for (int kk = 0; kk < k; kk++) {
-                    vec wv[S];
-#pragma GCC unroll 4
-                    for (int s = 0; s < S; s++) {
-                        wv[s] = w[s][kk];
-                        __builtin_prefetch(&w[s][kk + AHEAD]);
-                    }
-#pragma GCC unroll 8
-                    for (int i = 0; i < MR; i++) {
-                        float xv = xr[(size_t)i * k + kk];
-#pragma GCC unroll 4
-                        for (int s = 0; s < S; s++) acc[i][s] += xv * wv[s];
-                    }
-                }
-            } else {
+            if (rows == MR && r0 == MR && next)
+                rows_block(w, xr, k, acc, next);
+            else if (rows == MR)
+                rows_block(w, xr, k, acc, NULL);
+            else {
                 for (int i = 0; i < rows; i++)
                     for (int kk = 0; kk < k; kk++) {
                         float xv = xr[(size_t)i * k + kk];
