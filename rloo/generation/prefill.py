@@ -12,7 +12,7 @@ hides), so that what follows sees the cache one forward would have made: the sam
 position, up to float rounding (a matmul's sums may run in another order for another number of rows). On a GPU a
 forward's cost hardly grows with its rows, and under ZeRO-3 every forward is collective (each rank must run as
 many): there the prompts go through in one forward.
-On the CPU in fp32 the model's linear layers run there on oneDNN's GEMM instead of F.linear's (MKL's):
+On the CPU the model's fp32 linear layers run on oneDNN's GEMM rather than F.linear's (MKL's) in this forward:
 `_linears_on_onednn`."""
 
 from __future__ import annotations
