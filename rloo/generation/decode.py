@@ -4,7 +4,8 @@ without its per-module dispatch, its mask building and a KV cache that grows by 
 
 The keys and values live in one preallocated buffer per layer (rows x key/value heads x total length x head size),
 filled in place; where rows repeat a prompt and the attention is our C, the prompts' keys and values stay once in
-the prefill's cache, which the rows of a prompt all read, and each row's buffer holds only its new tokens. Attention
+the prefill's cache, which the rows of a prompt all read, and each row's buffer holds only its new tokens (distinct
+prompts may go through the C step into these buffers: rloo.generation.prompt_steps). Attention
 runs on the key/value heads with the query heads grouped (as transformers' SDPA path does for one query token; in
 fp32 as matmuls). fp32 weights on the CPU are packed for a small-batch GEMM (ours, rloo.generation.kernel, where the
 CPU has AVX-512 or AVX2 with FMA; else oneDNN's, MKL's in a build without it) once per generation call (or per
@@ -80,13 +81,9 @@ def _packed_linear(weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor
                    ) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> F.linear(x, weight, bias) (a list of weights: side by side) for inputs of `rows` rows (fp32 on the CPU):
     the weight packed once per generation call for the first of `_kernels` (ours where the CPU has AVX-512 or AVX2
-    with FMA), else oneDNN's small-batch GEMM, MKL's where the build has no oneDNN. oneDNN's packed copy is the
-    weight's size, MKL's 2-21x it at 8 rows (1.7 GB for SmolLM2's layers, mostly never touched): a fresh mapping on
-    every generation call, where oneDNN's copies fit into the memory the previous step's gradients freed. In the
-    training loop (2 cores of an Intel Xeon, SmolLM2 full fine-tune, 8 rows x 32 tokens) generation took 2.21 s with
-    MKL for the layers (what timing each kernel alone picks on that CPU) and 1.70 s with oneDNN, and the step's
-    peak RSS went 3.19 -> 2.90 GiB; on an AMD EPYC oneDNN's GEMM itself is 1.4-3x faster (LM head at 8 rows 6.4 vs
-    20.1 ms)."""
+    with FMA), else oneDNN's small-batch GEMM, MKL's where the build has no oneDNN (its packed copy 2-21x the
+    weight's size at 8 rows: in the training loop on an Intel Xeon generation 2.21 s with MKL, 1.70 s with oneDNN,
+    the step's peak RSS 3.19 -> 2.90 GiB; on an AMD EPYC oneDNN's GEMM itself is 1.4-3x faster)."""
     bias = None if bias is None else bias.detach()
     name, make = next(iter(_kernels().items()))
     if isinstance(weight, list) and name != "rloo":  # (ours packs weights side by side where they are)
@@ -151,10 +148,9 @@ def _linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _merged_into(scratch: list[torch.Tensor], weights: list[tuple], side_by_side: bool = False) -> list[torch.Tensor]:
     """Each (weight, LoRA (A, B, scaling) or None): the weight itself, or W + (B @ A) * scaling (peft's merge, one
-    addmm) written into `scratch`'s one buffer (grown as needed, reused by the next projection once its weights are
-    packed: LoRA's merged copies then cost no fresh pages per projection; SmolLM2 with LoRA on every projection, the
-    packing of a generation call 0.25 -> 0.20 s on 2 cores). `side_by_side`: every weight goes into the buffer, one
-    after the other, and the one tensor they make is returned (for the kernels that pack a single weight)."""
+    addmm) written into `scratch`'s one buffer (grown as needed, reused by the next projection once packed: no fresh
+    pages per projection; SmolLM2 with LoRA everywhere, a call's packing 0.25 -> 0.20 s on 2 cores). `side_by_side`:
+    every weight into the buffer, one after the other, returned as one tensor (kernels that pack a single weight)."""
     into = [w for w, lora in weights if lora is not None or side_by_side]
     need = sum(w.numel() for w in into)
     if need and (not scratch or scratch[0].numel() < need or scratch[0].dtype != weights[0][0].dtype):
@@ -173,10 +169,10 @@ def _merged_into(scratch: list[torch.Tensor], weights: list[tuple], side_by_side
 def _side_by_side(modules: list[nn.Module], rows: int, scratch: list[torch.Tensor] | None = None
                   ) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> torch.cat([m(x) for m in modules], dim=-1). Packable (fp32 on the CPU) Linear and LoRA layers: one packed
-    matmul over their weights side by side (q/k/v and gate/up of a layer: measured at 8 rows, SmolLM2's 150 such
-    matmuls per decode step 15.6 -> 14.5 ms), LoRA merged first (equal to peft's base(x) + B(A(x)) * scaling up to
-    float rounding). Our GEMM packs the weights side by side from where they are (the model's own, or the merged
-    copy); the other kernels pack one buffer written once with all of them. Otherwise each module's own product."""
+    matmul over their weights side by side (q/k/v and gate/up: at 8 rows SmolLM2's 150 matmuls a step 15.6 -> 14.5
+    ms), LoRA merged first (peft's base(x) + B(A(x)) * scaling up to float rounding). Our GEMM packs the weights from
+    where they are (the model's, or the merged copy); the others one buffer written with all of them. Otherwise
+    each module's own product."""
     found = [_weight_parts(module) for module in modules]
     if all(part is not None and _packable(part[0]) for part in found):
         with torch.no_grad():  # (ours packs the weights side by side where they are; the others one tensor)
@@ -283,8 +279,7 @@ class LeanDecoder:
         self.attend = None if library is None else kernel_module.attention(library, self.heads, self.kv_heads,
                                                                            self.head_dim)
         self.whole = self._whole_step(model)
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.keys, self.values = [], []  # (each layer's buffers: begin)
         self.mask: torch.Tensor | None = None
         self.shared: list[kernel_module.Shared] | None = None
         self.graphs: dict[int, Graphed] | None = None  # on a GPU: attention length -> the step's CUDA graph
@@ -321,45 +316,50 @@ class LeanDecoder:
             first.device.type == "cpu"
         if prompt_rows is not None and not shared:
             cache.batch_select_indices(prompt_rows)
-        self.offset = prompt_length if shared else 0  # (the positions before each row's own buffers)
+        offset = prompt_length if shared else 0  # (the positions before each row's own buffers)
         # on a GPU the steps replay CUDA graphs (_graph_step), which attend over the buffers' first positions in
         # fixed lengths: zero at first; not with the rotary embeddings that read the largest position on the host
         # (dynamic, longrope)
         rope = str(getattr(self.inner.rotary_emb, "rope_type", "default"))
         graphed = first.device.type == "cuda" and "dynamic" not in rope and "longrope" not in rope
         self.graphs = {} if graphed else None
-        self.keys, self.values = [], []
+        keys, values, copies = [], [], None
         for layer in cache.layers:
-            for source, target in ((layer.keys, self.keys), (layer.values, self.values)):
+            for source, target in ((layer.keys, keys), (layer.values, values)):
                 make = source.new_zeros if graphed else source.new_empty
-                buffer = make(rows, self.kv_heads, prompt_length + new_tokens - self.offset, self.head_dim)
+                buffer = make(rows, self.kv_heads, prompt_length + new_tokens - offset, self.head_dim)
                 if not shared:
                     buffer[:, :, :prompt_length] = source
                 target.append(buffer)
-        self.shared = None
         if shared:
             if prompt_rows.numel() != rows or not 0 <= int(prompt_rows.min()) <= int(prompt_rows.max()) < first.size(0):
                 raise ValueError(f"LeanDecoder: prompt_rows must name one of the cache's {first.size(0)} rows for "
                                  f"each of the {rows} rows, got {prompt_rows.tolist()}")
             prompt = prompt_rows.to(torch.int32).contiguous()
-            self.shared = [kernel_module.Shared(_aligned(layer.keys), _aligned(layer.values), prompt)
-                           for layer in cache.layers]
+            copies = [kernel_module.Shared(_aligned(layer.keys), _aligned(layer.values), prompt)
+                      for layer in cache.layers]
         # added to the attention scores: 0 where a row attends, -inf at its padding and at positions not yet written
-        self.mask = self.keys[0].new_full((rows, 1, 1, prompt_length + new_tokens), float("-inf"))
-        self.mask[:, 0, 0, :prompt_length].masked_fill_(attention_mask.bool(), 0.0)
-        self.length = prompt_length
+        mask = keys[0].new_full((rows, 1, 1, prompt_length + new_tokens), float("-inf"))
+        mask[:, 0, 0, :prompt_length].masked_fill_(attention_mask.bool(), 0.0)
+        self.begin(keys, values, mask, prompt_length, offset, copies)
+
+    def begin(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, length: int, offset: int,
+              shared: list[kernel_module.Shared] | None) -> None:
+        """Decode on from buffers holding the prompts' keys and values (`start`, rloo.generation.prompt_steps): per
+        layer rows x kv heads x positions after the `offset` first (`shared`'s) x head size; the scores' mask."""
+        self.keys, self.values, self.mask, self.length, self.offset = keys, values, mask, length, offset
+        self.shared = shared
         if self.whole is not None:
-            self.whole.start(self.keys, self.values, rows, self.shared)
+            self.whole.start(keys, values, self.rows, shared)
 
     @staticmethod
     def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float
                    ) -> torch.Tensor:
         """softmax(query keys^T * scaling + mask) values, SDPA's formula, for one query token per row: query (rows x
         key/value heads, query heads per key/value head, head size), keys and values (rows x key/value heads,
-        positions, head size), mask (rows x key/value heads, 1, positions). In fp32 as two batched matmuls on those
-        three-dimensional views and a softmax: for one query token the CPU flash kernel's set-up costs more than the
-        work (measured at 32 rows x 110 positions: 0.61 -> 0.44 ms per layer), and the four-dimensional matmul more
-        than bmm (8 rows x 80 positions: 101 -> 67 us); in other dtypes SDPA itself (its fp32 accumulation)."""
+        positions, head size), mask (rows x key/value heads, 1, positions). In fp32 as two bmm and a softmax (for one
+        query token the CPU flash kernel's set-up costs more than the work: 0.61 -> 0.44 ms per layer at 32 rows x
+        110 positions); in other dtypes SDPA itself (its fp32 accumulation)."""
         if query.dtype != torch.float32:
             return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
         scores = torch.bmm(query, keys.transpose(1, 2)).mul_(scaling).add_(mask)

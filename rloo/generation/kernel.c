@@ -251,59 +251,76 @@ static void weigh(vec *acc, const float *v, const float *weights, int count, int
     }
 }
 
-/* Inside a parallel region, one decode step's attention: qkv [rows][heads + 2 kv_heads][dim] (the projections),
-   cos / sin [rows][dim] at this step's positions; the rotated key and the value are written at position `at` of
-   keys / values [rows][kv_heads][total][dim]; out [rows][heads][dim] = softmax((q . k) * scale + mask) v over the
-   row's positions: first the `shared` positions of its prompt's keys / values [prompts][kv_heads][shared][dim]
-   (prompt[r]; the rows of one prompt read the same ones), then 0..at of its own; mask [rows][shared + total] (0 or
-   -inf). query head h uses key/value head h / (heads / kv_heads). dim a multiple of NB, at most 512. Parallel over
-   rows x key/value heads (rows of one prompt next to each other: its keys and values stay in the cache for them);
-   each key and value is loaded once for all the query heads that read it, the softmax runs NB positions at a
-   time. */
+/* Inside a parallel region, the attention of `tokens` new tokens per row (a decode step: 1; the prompts' tokens in
+   steps of several: rloo.generation.prompt_steps): qkv [rows][tokens][heads + 2 kv_heads][dim] (the projections),
+   cos / sin [rows][tokens][dim] at their positions; token t's rotated key and its value are written at position
+   at + t of keys / values [buffer rows][kv_heads][total][dim], the buffer row of row i being row_of[i] (NULL: i);
+   out [rows][tokens][heads][dim] = softmax((q . k) * scale + mask) v over the row's positions up to the token's:
+   first the `shared` positions of its prompt's keys / values [prompts][kv_heads][shared][dim] (prompt[buffer row];
+   the rows of one prompt read the same ones), then 0..at + t of its own; mask [buffer rows][shared + total] (0 or
+   -inf). A token of several at a position its row masks (left padding) attends to nothing: out 0. Query head h
+   uses key/value head h / (heads / kv_heads). dim a multiple of NB, at most 512. Parallel over rows x key/value
+   heads (rows of one prompt next to each other: its keys and values stay in the cache for them); each key and value
+   is loaded once per token for all the query heads that read it, the softmax runs NB positions at a time. */
 static void attention(const float *qkv, const float *cos, const float *sin, const float *shared_keys,
                       const float *shared_values, const int *prompt, int shared, float *keys, float *values,
-                      const float *mask, float *out, int rows, int heads, int kv_heads, int dim, int total, int at,
-                      float scale) {
+                      const float *mask, float *out, int rows, int tokens, const int *row_of, int heads, int kv_heads,
+                      int dim, int total, int at, float scale) {
     int groups = heads / kv_heads, width = (heads + 2 * kv_heads) * dim, chunks = dim / NB;
-    int positions = shared + at + 1, stride = (positions + NB - 1) / NB * NB;
+    int most = shared + at + tokens, stride = (most + NB - 1) / NB * NB;
     #pragma omp for schedule(static)
     for (int task = 0; task < rows * kv_heads; task++) {
-        int r = task / kv_heads, h = task % kv_heads;
-        const float *row = qkv + (size_t)r * width, *c = cos + (size_t)r * dim, *s = sin + (size_t)r * dim;
+        int i = task / kv_heads, h = task % kv_heads, r = row_of ? row_of[i] : i;
         float *k = keys + ((size_t)r * kv_heads + h) * total * dim;
         float *v = values + ((size_t)r * kv_heads + h) * total * dim;
         size_t from = shared ? ((size_t)prompt[r] * kv_heads + h) * shared * dim : 0;
-        int nr = (task + 1) / kv_heads, nh = (task + 1) % kv_heads;  /* the next task's (this thread's, mostly) */
-        const float *next = keys + ((size_t)(nr < rows ? nr : r) * kv_heads + nh) * total * dim;
-        size_t next_from = shared ? ((size_t)prompt[nr < rows ? nr : r] * kv_heads + nh) * shared * dim : 0;
-        rotate(row + (size_t)(heads + h) * dim, c, s, k + (size_t)at * dim, dim);
-        memcpy(v + (size_t)at * dim, row + (size_t)(heads + kv_heads + h) * dim, dim * sizeof(float));
+        int ni = (task + 1) / kv_heads < rows ? (task + 1) / kv_heads : i, nh = (task + 1) % kv_heads;
+        int nr = row_of ? row_of[ni] : ni;  /* the next task's row (this thread's, mostly) */
+        const float *next = keys + ((size_t)nr * kv_heads + nh) * total * dim;
+        size_t next_from = shared ? ((size_t)prompt[nr] * kv_heads + nh) * shared * dim : 0;
+        for (int t = 0; t < tokens; t++) {
+            size_t token = (size_t)i * tokens + t;
+            const float *row = qkv + token * width, *c = cos + token * dim, *s = sin + token * dim;
+            rotate(row + (size_t)(heads + h) * dim, c, s, k + (size_t)(at + t) * dim, dim);
+            memcpy(v + (size_t)(at + t) * dim, row + (size_t)(heads + kv_heads + h) * dim, dim * sizeof(float));
+        }
         const float *m = mask + (size_t)r * (shared + total);
         vec q[groups * chunks], acc[groups * chunks];
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)groups * stride);
-        for (int g = 0; g < groups; g++)
-            rotate(row + (size_t)(h * groups + g) * dim, c, s, (float *)(q + g * chunks), dim);
-        if (shared)
-            score(q, shared_keys + from, m, scores, shared, groups, chunks, stride, dim, scale, shared_values + from);
-        score(q, k, m + shared, scores + shared, at + 1, groups, chunks, stride, dim, scale, v);
-        for (int g = 0; g < groups; g++) {
-            vec *sc = (vec *)(scores + (size_t)g * stride), top = {0}, sum = {0};
-            for (int j = positions; j < stride; j++) scores[(size_t)g * stride + j] = -INFINITY;
-            top -= INFINITY;
-            for (int j = 0; j < stride / NB; j++) top = pick(sc[j] > top, sc[j], top);
-            float largest = largest_of(top);
-            for (int j = 0; j < stride / NB; j++) {
-                sc[j] = exp_of(sc[j] - largest);
-                sum += sc[j];
+        for (int t = 0; t < tokens; t++) {
+            size_t token = (size_t)i * tokens + t;
+            float *o = out + (token * heads + h * groups) * dim;
+            if (tokens > 1 && m[shared + at + t] == -INFINITY) {
+                memset(o, 0, (size_t)groups * dim * sizeof(float));
+                continue;
             }
-            vec inverse = (vec){0} + 1.0f / total_of(sum);
-            for (int j = 0; j < stride / NB; j++) sc[j] *= inverse;
+            const float *row = qkv + token * width, *c = cos + token * dim, *s = sin + token * dim;
+            int positions = shared + at + t + 1, width_t = (positions + NB - 1) / NB * NB;
+            for (int g = 0; g < groups; g++)
+                rotate(row + (size_t)(h * groups + g) * dim, c, s, (float *)(q + g * chunks), dim);
+            if (shared)
+                score(q, shared_keys + from, m, scores, shared, groups, chunks, stride, dim, scale,
+                      shared_values + from);
+            score(q, k, m + shared, scores + shared, at + t + 1, groups, chunks, stride, dim, scale, v);
+            for (int g = 0; g < groups; g++) {
+                vec *sc = (vec *)(scores + (size_t)g * stride), top = {0}, sum = {0};
+                for (int j = positions; j < width_t; j++) scores[(size_t)g * stride + j] = -INFINITY;
+                top -= INFINITY;
+                for (int j = 0; j < width_t / NB; j++) top = pick(sc[j] > top, sc[j], top);
+                float largest = largest_of(top);
+                for (int j = 0; j < width_t / NB; j++) {
+                    sc[j] = exp_of(sc[j] - largest);
+                    sum += sc[j];
+                }
+                vec inverse = (vec){0} + 1.0f / total_of(sum);
+                for (int j = 0; j < width_t / NB; j++) sc[j] *= inverse;
+            }
+            for (int e = 0; e < groups * chunks; e++) acc[e] = (vec){0};
+            if (shared)
+                weigh(acc, shared_values + from, scores, shared, groups, chunks, stride, dim, shared_keys + next_from);
+            weigh(acc, v, scores + shared, at + t + 1, groups, chunks, stride, dim, next);
+            memcpy(o, acc, (size_t)groups * dim * sizeof(float));
         }
-        for (int i = 0; i < groups * chunks; i++) acc[i] = (vec){0};
-        if (shared)
-            weigh(acc, shared_values + from, scores, shared, groups, chunks, stride, dim, shared_keys + next_from);
-        weigh(acc, v, scores + shared, at + 1, groups, chunks, stride, dim, next);
-        memcpy(out + ((size_t)r * heads + h * groups) * dim, acc, (size_t)groups * dim * sizeof(float));
         free(scores);
     }
 }
@@ -312,8 +329,8 @@ void attend(const float *qkv, const float *cos, const float *sin, const float *s
             const float *shared_values, const int *prompt, int shared, float *keys, float *values, const float *mask,
             float *out, int rows, int heads, int kv_heads, int dim, int total, int at, float scale, int threads) {
     #pragma omp parallel num_threads(threads)
-    attention(qkv, cos, sin, shared_keys, shared_values, prompt, shared, keys, values, mask, out, rows, heads,
-              kv_heads, dim, total, at, scale);
+    attention(qkv, cos, sin, shared_keys, shared_values, prompt, shared, keys, values, mask, out, rows, 1, NULL,
+              heads, kv_heads, dim, total, at, scale);
 }
 
 #define BLOCK 256  /* entries per block of the draw (rloo.generation.lean.BLOCK) */
@@ -418,12 +435,13 @@ void draw(const float *scores, int rows, int vocab, const int *banned, int count
     }
 }
 
-/* Inside a parallel region: out [rows][dim] = weight * (x * 1 / sqrt(mean(x^2) + eps)), Llama's RMSNorm; the squares
-   summed NB lanes at a time (then total_of) */
-static void rms_norm(const float *x, const float *weight, float *out, int rows, int dim, float eps) {
+/* Inside a parallel region: out [rows][dim] = weight * (x * 1 / sqrt(mean(x^2) + eps)), Llama's RMSNorm, for the rows
+   every * r + first of x; the squares summed NB lanes at a time (then total_of) */
+static void rms_norm(const float *x, const float *weight, float *out, int rows, int dim, float eps, int every,
+                     int first) {
     #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
-        const float *xr = x + (size_t)r * dim;
+        const float *xr = x + ((size_t)r * every + first) * dim;
         vec lanes = {0};
         int i = 0;
         for (; i + NB <= dim; i += NB) {
@@ -468,33 +486,37 @@ typedef struct {
     const float *shared_keys, *shared_values;
 } layer;
 
-/* A whole decode step of a Llama-family decoder in one parallel region: hidden [rows][width] (the tokens'
-   embeddings; the step's residual stream afterwards) through every layer (norm, q/k/v side by side, `attention`,
-   o + residual, norm, gate/up side by side, silu(gate) * up, down + residual), the final norm and the LM head into
-   logits [rows][vocab]; each layer's keys and values as `attention` takes them (`shared` positions of prompt[r]'s
-   first, where shared > 0). Scratch: normed [rows][width], qkv [rows][(heads + 2 kv_heads) dim], attended
-   [rows][heads dim], gate_up [rows][2 intermediate], act [rows][intermediate]. */
+/* A whole decode step of a Llama-family decoder in one parallel region, or a step of `tokens` prompt tokens per row:
+   hidden [rows][tokens][width] (the tokens' embeddings; the step's residual stream afterwards) through every layer
+   (norm, q/k/v side by side, `attention`, o + residual, norm, gate/up side by side, silu(gate) * up, down + residual),
+   the final norm and the LM head of each row's last token into logits [rows][vocab] (NULL: not computed); each
+   layer's keys and values as
+   `attention` takes them (`shared` positions of prompt[r]'s first, where shared > 0; row i's buffer row row_of[i],
+   NULL: i). Scratch, rows x tokens rows each: normed [width], qkv [(heads + 2 kv_heads) dim], attended [heads dim],
+   gate_up [2 intermediate], act [intermediate]. */
 void decode_step(const layer *layers, int count, const float *final_norm, float final_eps, const float *head,
                  const float *head_bias, float *hidden, float *logits, const float *cos, const float *sin,
                  const float *mask, float *normed, float *qkv, float *attended, float *gate_up, float *act, int rows,
                  int width, int heads, int kv_heads, int dim, int intermediate, int vocab, int total, int at,
-                 const int *prompt, int shared, int threads) {
-    int projected = (heads + 2 * kv_heads) * dim;
+                 const int *prompt, int shared, int threads, int tokens, const int *row_of) {
+    int projected = (heads + 2 * kv_heads) * dim, m = rows * tokens;
     #pragma omp parallel num_threads(threads)
     {
         for (int l = 0; l < count; l++) {
             const layer *L = layers + l;
-            rms_norm(hidden, L->norm1, normed, rows, width, L->eps1);
-            gemm(normed, L->qkv, L->qkv_bias, NULL, qkv, rows, projected, width);
+            rms_norm(hidden, L->norm1, normed, m, width, L->eps1, 1, 0);
+            gemm(normed, L->qkv, L->qkv_bias, NULL, qkv, m, projected, width);
             attention(qkv, cos, sin, L->shared_keys, L->shared_values, prompt, shared, L->keys, L->values, mask,
-                      attended, rows, heads, kv_heads, dim, total, at, L->scale);
-            gemm(attended, L->o, L->o_bias, hidden, hidden, rows, width, heads * dim);
-            rms_norm(hidden, L->norm2, normed, rows, width, L->eps2);
-            gemm(normed, L->gate_up, L->gate_up_bias, NULL, gate_up, rows, 2 * intermediate, width);
-            silu_times_up(gate_up, act, rows, intermediate);
-            gemm(act, L->down, L->down_bias, hidden, hidden, rows, width, intermediate);
+                      attended, rows, tokens, row_of, heads, kv_heads, dim, total, at, L->scale);
+            gemm(attended, L->o, L->o_bias, hidden, hidden, m, width, heads * dim);
+            rms_norm(hidden, L->norm2, normed, m, width, L->eps2, 1, 0);
+            gemm(normed, L->gate_up, L->gate_up_bias, NULL, gate_up, m, 2 * intermediate, width);
+            silu_times_up(gate_up, act, m, intermediate);
+            gemm(act, L->down, L->down_bias, hidden, hidden, m, width, intermediate);
         }
-        rms_norm(hidden, final_norm, normed, rows, width, final_eps);
-        gemm(normed, head, head_bias, NULL, logits, rows, vocab, width);
+        if (logits) {
+            rms_norm(hidden, final_norm, normed, rows, width, final_eps, tokens, tokens - 1);
+            gemm(normed, head, head_bias, NULL, logits, rows, vocab, width);
+        }
     }
 }

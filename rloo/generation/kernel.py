@@ -90,7 +90,7 @@ def compiled(target: str = "native") -> ctypes.CDLL | None:
     library.draw.argtypes = [pointer, number, number, pointer, number, pointer, pointer, number]
     library.draw.restype = None
     library.decode_step.argtypes = [pointer, number, pointer, real] + [pointer] * 12 + [number] * 9 + \
-        [pointer, number, number]
+        [pointer, number, number, number, pointer]
     library.fused.restype = library.vector_floats.restype = ctypes.c_int
     library.pack.restype = library.linear.restype = library.attend.restype = library.decode_step.restype = None
     return library
@@ -257,18 +257,39 @@ class Step:
         """hidden (rows, 1, width): the tokens' embeddings; cos / sin (rows, 1, dim) at their positions; mask (rows,
         ..., shared positions + total) with 0 up to the shared ones + `at` where a row attends -> logits (rows,
         vocab)."""
-        rows = hidden.size(0)
+        return self._run(hidden, cos, sin, mask, at, None, self.scratch)
+
+    def prompt_tokens(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, at: int,
+                      row_of: torch.Tensor | None = None, head: bool = True) -> torch.Tensor | None:
+        """Several prompt tokens per row through the model at once (rloo.generation.prompt_steps): hidden (rows,
+        tokens, width) their embeddings, at positions at..at + tokens - 1 of the rows' buffers (row i's buffer row
+        row_of[i]: int32, or i); cos / sin (rows, tokens, dim); the mask as for a step, its 0s at the tokens'
+        positions already set (a token at a position its row masks attends to nothing) -> the logits of each row's
+        last token (rows, vocab); not computed without `head` (None)."""
+        rows, tokens = hidden.shape[:2]
+        if row_of is not None and (row_of.dtype != torch.int32 or not row_of.is_contiguous() or
+                                   row_of.numel() != rows):
+            raise ValueError(f"decode step: row_of must be {rows} contiguous int32 buffer rows")
+        _checked_position(at + tokens - 1, self.total)
+        new = functools.partial(torch.empty, dtype=torch.float32)
+        scratch = [new(rows * tokens, size) for size in (self.width, (self.heads + 2 * self.kv_heads) * self.dim,
+                                                         self.heads * self.dim, 2 * self.intermediate,
+                                                         self.intermediate)]
+        return self._run(hidden, cos, sin, mask, at, row_of, scratch, head)
+
+    def _run(self, hidden, cos, sin, mask, at, row_of, scratch, head: bool = True) -> torch.Tensor | None:
+        rows, tokens = hidden.shape[:2]
         _checked_position(at, self.total)
-        hidden = hidden.reshape(rows, self.width).contiguous()  # (the step's own: written in place)
+        hidden = hidden.reshape(rows * tokens, self.width).contiguous()  # (the step's own: written in place)
         cos, sin = cos.contiguous(), sin.contiguous()
-        logits = hidden.new_empty(rows, self.head.n)
+        logits = hidden.new_empty(rows, self.head.n) if head else None
         weight, eps = self.norm
         self.library.decode_step(
             ctypes.addressof(self.table), len(self.layers), weight.data_ptr(), eps, self.head.packed.data_ptr(),
-            _address(self.head.bias), hidden.data_ptr(), logits.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            mask.data_ptr(), *(t.data_ptr() for t in self.scratch), rows, self.width, self.heads, self.kv_heads,
+            _address(self.head.bias), hidden.data_ptr(), _address(logits), cos.data_ptr(), sin.data_ptr(),
+            mask.data_ptr(), *(t.data_ptr() for t in scratch), rows, self.width, self.heads, self.kv_heads,
             self.dim, self.intermediate, self.head.n, self.total, at, self.prompt, self.positions,
-            torch.get_num_threads())
+            torch.get_num_threads(), tokens, _address(row_of))
         return logits
 
 

@@ -1,6 +1,7 @@
 """Sampling completions with a decode loop of our own (the default in-process backend when the sampling settings
-allow it): the prompts through the model's forward once per distinct prompt (rloo.generation.prefill: rows repeating a
-prompt share its KV cache; on the CPU in groups of similar length), then one decode step per token
+allow it): the prompts once per distinct prompt through the decode step's C where the whole step is ours
+(rloo.generation.prompt_steps), else through the model's forward (rloo.generation.prefill: rows repeating a prompt
+share its KV cache; on the CPU in groups of similar length), then one decode step per token
 (rloo.generation.decode's written-out step for the Llama family, else the model's forward), transformers' own
 logits processors in `generate`'s order, and an inverse-CDF draw instead of `torch.multinomial` (in C on the logits
 where min_new_tokens is the only processor: rloo.generation.kernel.draw; on a GPU replayed as a CUDA graph: Draws).
@@ -32,6 +33,7 @@ from rloo.generation import kernel
 from rloo.generation.cuda_graph import Graphed
 from rloo.generation.decode import lean_decoder, weights_key
 from rloo.generation.prefill import prefill
+from rloo.generation.prompt_steps import prompt_steps
 from rloo.generation.transformers_backend import TransformersGenerator
 from rloo.logps import cache_argument, selective_log_softmax, share_cache_rows
 
@@ -260,13 +262,16 @@ class LeanGenerator(TransformersGenerator):
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         # MoE: no auxiliary loss while decoding (as generate)
         extra = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
-        logits, arguments, prompt_rows = prefill(model, input_ids, attention_mask, positions, extra,
-                                                 keep_distinct=not self.synced)
         decoder = None if self.synced else self._decoder(model, rows)  # (ZeRO-3: the model's collective forward)
-        if decoder is not None:
-            decoder.start(arguments[cache_argument(model)], attention_mask, config.max_new_tokens, prompt_rows)
-        elif prompt_rows is not None:  # (the model's own forward reads a cache row per row)
-            share_cache_rows(arguments[cache_argument(model)], prompt_rows)
+        logits = None if decoder is None or extra else prompt_steps(decoder, input_ids, attention_mask, positions,
+                                                                    config.max_new_tokens)
+        if logits is None:
+            logits, arguments, prompt_rows = prefill(model, input_ids, attention_mask, positions, extra,
+                                                     keep_distinct=not self.synced)
+            if decoder is not None:
+                decoder.start(arguments[cache_argument(model)], attention_mask, config.max_new_tokens, prompt_rows)
+            elif prompt_rows is not None:  # (the model's own forward reads a cache row per row)
+                share_cache_rows(arguments[cache_argument(model)], prompt_rows)
         draws = Draws(processors, config.do_sample)
         sequences, unfinished = input_ids, torch.ones(rows, dtype=torch.bool, device=input_ids.device)
         logps: list[torch.Tensor] = []

@@ -1,4 +1,5 @@
-"""The prompts' forward of a generation call (rloo.generation.lean): each distinct prompt once (the num_generations
+"""The prompts' forward of a generation call (rloo.generation.lean) by the model's forward (where the decode step is
+wholly our C, rloo.generation.prompt_steps takes the prompts instead): each distinct prompt once (the num_generations
 copies of a prompt share its KV cache), and on the CPU in parts: the first tokens every prompt shares (a chat
 template's system turn, a shared instruction) once, and the rest in groups of similar length, each group padded only
 to its own longest.
