@@ -16,10 +16,13 @@ _TARGETS = ["native"] + (["x86-64-v3"] if kernel.compiled() is not None and kern
 
 def test_spans_skip_the_padding_before_short_prompts_where_it_outweighs_a_span():
     from rloo.generation.prompt_steps import spans
-    # 12 rows begin at column 0, 20 at 12: 12 x 12 + 32 x 22 + 2 x 16 < 32 x 34 + 16
+    # 12 rows begin at column 0, 20 at 12: 12 x 12 + 32 x 22 + 2 < 32 x 34 + 1
     assert spans([0] * 12 + [12] * 20, 34, span_cost=16) == [(0, 12), (12, 34)]
-    assert spans([0] * 12 + [12] * 20, 34, span_cost=500, most=4096) == [(0, 34)]
+    assert spans([0] * 12 + [12] * 20, 34, span_cost=500, most=4096) == [(0, 34)]  # (2 x 501 > 1089)
     assert spans([0, 1, 2], 10, span_cost=16) == [(0, 10)]  # (3 padded token-rows: one span)
+    # a span of 3 x 1 costs as much as reading the weights (20): 12 x 12 + 1 < 20 + 1 + 12 x 11 + 1
+    assert spans([0] * 3 + [1] * 9, 12, span_cost=20) == [(0, 12)]
+    assert spans([0] * 3 + [1] * 9, 12, span_cost=2) == [(0, 1), (1, 12)]  # (3 + 1 + 132 + 1 < 145)
     assert spans([5], 9) == [(5, 9)]  # (nothing before the first row's start)
     assert spans([0] * 32, 100, most=1024) == [(0, 25), (25, 50), (50, 75), (75, 100)]  # (3200 token-rows: 4 parts)
     starts = torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(0)).tolist()

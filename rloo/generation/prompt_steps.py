@@ -24,25 +24,26 @@ from rloo.generation import kernel as kernel_module
 from rloo.generation.prefill import _left_padded, shared_prefix
 from rloo.logps import distinct_prompts
 
-# a span's fixed cost in token-rows, for `spans`: a span of fewer rows x tokens than about this reads the weights
-# from memory longer than it computes (SmolLM2 on 2 cores: 425 MB of layer weights at ~25 GB/s, ~1 ms per token-row)
-SPAN_COST = 16
+# the least a span costs, in token-rows (rows x tokens), for `spans`: every span reads all the weights, which takes
+# as long as computing about this many (SmolLM2 on 2 cores of an AMD EPYC: a span of 3 x 2 tokens 25 ms, one of
+# 12 x 10 134 ms: ~1.05 ms a token-row)
+SPAN_COST = 20
 # token-rows a span computes at most (its scratch: ~ 4 x (width + 3 intermediate) bytes each)
 MOST_TOKENS = 1024
 
 
 def spans(starts: list[int], end: int, span_cost: int = SPAN_COST, most: int = MOST_TOKENS) -> list[tuple[int, int]]:
     """Column spans [a, b) from the first row's start to `end` covering every row's prompt columns [start, end):
-    where each span computes the rows begun by its end (start < b) over its columns, the spans whose token-rows
-    plus `span_cost` each are fewest (dynamic programming over the distinct starts); spans of more than `most`
-    token-rows split into equal parts."""
+    where each span computes the rows begun by its end (start < b) over its columns, the spans whose costs (each
+    span's token-rows, at least `span_cost`, plus one) add up least (dynamic programming over the distinct starts);
+    spans of more than `most` token-rows split into equal parts."""
     ordered = sorted(starts)
     bounds = sorted(set(ordered)) + [end]
     best, cut = [0.0] + [float("inf")] * (len(bounds) - 1), [0] * len(bounds)
     for b in range(1, len(bounds)):
         for a in range(b):
             rows = bisect.bisect_left(ordered, bounds[b])
-            cost = best[a] + rows * (bounds[b] - bounds[a]) + span_cost
+            cost = best[a] + max(rows * (bounds[b] - bounds[a]), span_cost) + 1
             if cost < best[b]:
                 best[b], cut[b] = cost, a
     found, b = [], len(bounds) - 1
