@@ -1,7 +1,7 @@
 """glibc heap settings for a training process (no-ops without glibc): memory a step frees stays in the process for
 the next step's tensors instead of going back to the system and being faulted in again, page by page; the packed
-weights of a generation call, made once and freed at its end, get mappings of their own, so that their memory does
-go back.
+weights of a generation call, made once and freed at its end, go into the heap's free memory where it has room and
+get mappings of their own otherwise, so that they do not grow the heap.
 
 Measured on 2 cores (SmolLM2-135M full fine-tune, 8 rows x 64 tokens, beta 0.05; `ru_minflt` per section): glibc's
 defaults returned the freed top of the heap after every backward, ~550k page faults (2.2 GB) per training step, 3.3-4.3
@@ -40,8 +40,9 @@ def keep_freed_memory() -> bool:
 
 @contextlib.contextmanager
 def own_mappings():
-    """Allocations of 1 MiB or more inside get their own memory mappings, so that freeing them gives their memory
-    back to the system instead of leaving it in the heap, where the training step's allocations do not fit it again
+    """Allocations of 1 MiB or more inside get their own memory mappings where the heap's free memory has no room for
+    them (glibc takes a free chunk that fits first), so that freeing them gives their memory back to the system
+    instead of growing the heap, where the training step's allocations do not fit it again
     (measured, benchmarks/bench_vs_trl.py on 2 cores: peak RSS of the SmolLM2 steps 2.56 -> 2.47 GiB with LoRA, 4.19
     -> 3.85 GiB full, same step time). Afterwards, keep_freed_memory's settings."""
     lib = libc()
