@@ -106,6 +106,11 @@ def test_prompts_through_the_c_step_fill_the_decoders_buffers_as_the_models_forw
             theirs = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=step_positions,
                            use_cache=True, **{name: cache}).logits[:, -1]
             torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+        spanned.clear()  # (spans of at most 8 token-rows: each row's prompt in several, one after the other)
+        monkeypatch.setattr(module, "MOST_TOKENS", 8)
+        split = module.prompt_steps(lean_decoder(model, len(rows)), input_ids, mask[:, :-3], positions, 3)
+        torch.testing.assert_close(split, logits, atol=1e-5, rtol=1e-5)
+        assert len(spanned) > 8 and max(rows * tokens for rows, tokens in spanned) <= 8
         spanned.clear()
         other = lean_decoder(model, len(rows))
         other.whole = None

@@ -4,8 +4,8 @@ without its per-module dispatch, its mask building and a KV cache that grows by 
 
 The keys and values live in one preallocated buffer per layer (rows x key/value heads x total length x head size),
 filled in place; where rows repeat a prompt and the attention is our C, the prompts' keys and values stay once in
-the prefill's cache, which the rows of a prompt all read, and each row's buffer holds only its new tokens (distinct
-prompts may go through the C step into these buffers: rloo.generation.prompt_steps). Attention
+the prefill's cache, which the rows of a prompt all read, and each row's buffer holds only its new tokens (the
+prompts may instead go through the C step straight into such buffers: rloo.generation.prompt_steps). Attention
 runs on the key/value heads with the query heads grouped (as transformers' SDPA path does for one query token; in
 fp32 as matmuls). fp32 weights on the CPU are packed for a small-batch GEMM (ours, rloo.generation.kernel, where the
 CPU has AVX-512 or AVX2 with FMA; else oneDNN's, MKL's in a build without it) once per generation call (or per

@@ -490,10 +490,9 @@ typedef struct {
    hidden [rows][tokens][width] (the tokens' embeddings; the step's residual stream afterwards) through every layer
    (norm, q/k/v side by side, `attention`, o + residual, norm, gate/up side by side, silu(gate) * up, down + residual),
    the final norm and the LM head of each row's last token into logits [rows][vocab] (NULL: not computed); each
-   layer's keys and values as
-   `attention` takes them (`shared` positions of prompt[r]'s first, where shared > 0; row i's buffer row row_of[i],
-   NULL: i). Scratch, rows x tokens rows each: normed [width], qkv [(heads + 2 kv_heads) dim], attended [heads dim],
-   gate_up [2 intermediate], act [intermediate]. */
+   layer's keys and values as `attention` takes them (`shared` positions of prompt[r]'s first, where shared > 0; row
+   i's buffer row row_of[i], NULL: i). Scratch, rows x tokens rows each: normed [width], qkv [(heads + 2 kv_heads)
+   dim], attended [heads dim], gate_up [2 intermediate], act [intermediate]. */
 void decode_step(const layer *layers, int count, const float *final_norm, float final_eps, const float *head,
                  const float *head_bias, float *hidden, float *logits, const float *cos, const float *sin,
                  const float *mask, float *normed, float *qkv, float *attended, float *gate_up, float *act, int rows,

@@ -16,7 +16,8 @@ keys' products run and the next task's keys while the values' do: at 32 rows x 7
 keys and values in the caches, 7.1-7.4 -> 6.5 ms from memory (Intel Xeon, 2 cores).
 `decode_step` (Step): the whole step of a Llama-family decoder in one call and one parallel region (norms, the two
 above, SiLU x up, residual adds, LM head), where every part of the model is one it does. SiLU's exp NB lanes at a
-time (the same polynomial): 2.3 -> 0.4 ms of a 32-row step.
+time (the same polynomial): 2.3 -> 0.4 ms of a 32-row step. The same call takes several prompt tokens per row
+(Step.prompt_tokens: the attention causal over them, the LM head on each row's last; rloo.generation.prompt_steps).
 `draw`: a token per row from softmax(logits) (some columns banned: min_new_tokens' EOS) by inverse CDF on the
 weights e^(s - max) in double, two levels as rloo.generation.lean.sample_from, without the probabilities or a
 processed copy in memory: 32 rows x 49152 entries 1.4 ms (softmax + sample_from) -> 0.46 ms.

@@ -32,11 +32,13 @@ SPAN_COST = 20
 MOST_TOKENS = 1024
 
 
-def spans(starts: list[int], end: int, span_cost: int = SPAN_COST, most: int = MOST_TOKENS) -> list[tuple[int, int]]:
+def spans(starts: list[int], end: int, span_cost: int | None = None, most: int | None = None) -> list[tuple[int, int]]:
     """Column spans [a, b) from the first row's start to `end` covering every row's prompt columns [start, end):
     where each span computes the rows begun by its end (start < b) over its columns, the spans whose costs (each
     span's token-rows, at least `span_cost`, plus one) add up least (dynamic programming over the distinct starts);
-    spans of more than `most` token-rows split into equal parts."""
+    spans of more than `most` token-rows split into equal parts (defaults: SPAN_COST, MOST_TOKENS)."""
+    span_cost = SPAN_COST if span_cost is None else span_cost
+    most = MOST_TOKENS if most is None else most
     ordered = sorted(starts)
     bounds = sorted(set(ordered)) + [end]
     best, cut = [0.0] + [float("inf")] * (len(bounds) - 1), [0] * len(bounds)
