@@ -9,6 +9,8 @@ import torch
 
 from rloo.generation import kernel
 
+from helpers import with_lora
+
 _TARGETS = ["native"] + (["x86-64-v3"] if kernel.compiled() is not None and kernel.compiled().vector_floats() == 16
                          and {"avx2", "fma"} <= set(kernel._cpu_flags().split())
                          and kernel.compiled("x86-64-v3") is not None else [])
@@ -44,13 +46,20 @@ class _NanEmpty:
         return torch.full(shape, float("nan"), **options)
 
 
-@pytest.mark.parametrize("repeated", [False, True], ids=["distinct", "repeated"])
-@pytest.mark.parametrize("shared", ["", "you are a careful helper who answers the question below in one short line: "],
-                         ids=["", "shared-start"])
-@pytest.mark.parametrize("target", _TARGETS)
-def test_prompts_through_the_c_step_fill_the_decoders_buffers_as_the_models_forward(tokenizer, shared, repeated,
-                                                                                     target, monkeypatch):
-    """Prompts of 3 to ~60 tokens (after a start they all share, or none) through the C step in spans that skip the
+_START = "you are a careful helper who answers the question below in one short line: "
+
+
+_CASES = [(target, shared, repeated, "plain") for target in _TARGETS for shared in ("", _START)
+          for repeated in (False, True)] + [("native", _START, True, "lora"), ("native", _START, False, "biases")]
+
+
+@pytest.mark.parametrize("target,shared,repeated,kind", [
+    pytest.param(*case, id=f"{case[0]}-{'shared-start' if case[1] else 'no-start'}-"
+                           f"{'repeated' if case[2] else 'distinct'}-{case[3]}") for case in _CASES])
+def test_prompts_through_the_c_step_fill_the_decoders_buffers_as_the_models_forward(tokenizer, target, shared, repeated,
+                                                                                     kind, monkeypatch):
+    """Prompts of 3 to ~60 tokens (after a start they all share, or none; a Llama with LoRA on every projection, or
+    with biases on every projection, too) through the C step in spans that skip the
     long padding before the short ones (the shared start once, as one row: read by every row, or copied into each
     repeated prompt's buffers); each distinct prompt once where rows repeat one (its rows' steps read its buffers).
     The logits are the model's forward's, three decode steps after it too (grouped query heads, tied embeddings,
@@ -76,8 +85,15 @@ def test_prompts_through_the_c_step_fill_the_decoders_buffers_as_the_models_forw
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         attention_bias=kind == "biases", mlp_bias=kind == "biases",
                                          tie_word_embeddings=True, eos_token_id=2, pad_token_id=2,
-                                         bos_token_id=None)).eval()
+                                         bos_token_id=None))
+    with torch.no_grad():  # (norm weights and biases start at 1 and 0: a pass that dropped them would pass)
+        for part in model.modules():
+            for name, param in part.named_parameters(recurse=False):
+                if name == "bias" or "norm" in type(part).__name__.lower():
+                    param.normal_(0.5 if name == "weight" else 0.0, 0.3)
+    model = (with_lora(model) if kind == "lora" else model).eval()
     long = " ".join(["one two three four the dog sat on the mat"] * 6)
     prompts = [tokenizer(shared + text)["input_ids"] for text in ("the dog sat", long, "red", long + " a big cat")]
     rows = [prompt for prompt in prompts for _ in range(2)] if repeated else prompts
