@@ -78,3 +78,22 @@ def with_lora(model, std: float = 0.3, **settings):
             if "lora_B" in name:
                 param.normal_(0, std)
     return model
+
+
+def small_llama(tokenizer, biases: bool = False):
+    """A 2-layer Llama (hidden 64, 4 query heads over 2 key/value heads of 16, tied embeddings), seeded, whose norm
+    weights and biases (every projection's, with `biases`) are drawn from N(0.5, 0.3) and N(0, 0.3) instead of 1 and
+    0: a computation that dropped one of them gives other outputs."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         attention_bias=biases, mlp_bias=biases, tie_word_embeddings=True,
+                                         eos_token_id=2, pad_token_id=2, bos_token_id=None))
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if name == "bias" or "norm" in type(module).__name__.lower():
+                    param.normal_(0.5 if name == "weight" else 0.0, 0.3)
+    return model

@@ -18,7 +18,7 @@ from rloo.generation.decode import _kernels
 from rloo.generation.lean import Draws, MinNewTokens, sample_from
 from rloo.testing import tiny_causal_lm
 
-from helpers import DEVICES, with_lora
+from helpers import DEVICES, small_llama, with_lora
 
 PROMPTS = ["the dog sat", "one two three four", "red", "a big cat on the mat"]
 
@@ -679,7 +679,7 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
     left-padded batch, grouped query heads, tied embeddings; greedy decoding gives generate's tokens. `shared`:
     rows repeating a prompt start from a cache with each prompt once, which the C attention reads for all of its
     rows (each row's own buffers only its new tokens) and torch's copies to each row."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
 
     from rloo.data import pad_rows
     from rloo.generation import decode
@@ -691,17 +691,7 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
         pytest.skip("no gcc on this machine: the step stays torch's")
     # our GEMM (on a CPU without AVX2 and FMA built with 8-float vectors: tested here, not used there)
     monkeypatch.setattr(decode, "_kernels", lambda: {"rloo": functools.partial(kernel.packed_linear, library)})
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         attention_bias=kind == "biases", mlp_bias=kind == "biases",
-                                         tie_word_embeddings=True, eos_token_id=2, pad_token_id=2,
-                                         bos_token_id=None))
-    with torch.no_grad():
-        for module in model.modules():  # (norm weights and biases start at 1 and 0: a step that dropped them passes)
-            for name, param in module.named_parameters(recurse=False):
-                if name == "bias" or "norm" in type(module).__name__.lower():
-                    param.normal_(0.5 if name == "weight" else 0.0, 0.3)
+    model = small_llama(tokenizer, biases=kind == "biases")
     if kind == "lora":
         model = with_lora(model)
     gates = []

@@ -9,7 +9,7 @@ import torch
 
 from rloo.generation import kernel
 
-from helpers import with_lora
+from helpers import small_llama, with_lora
 
 _TARGETS = ["native"] + (["x86-64-v3"] if kernel.compiled() is not None and kernel.compiled().vector_floats() == 16
                          and {"avx2", "fma"} <= set(kernel._cpu_flags().split())
@@ -65,7 +65,7 @@ def test_prompts_through_the_c_step_fill_the_decoders_buffers_as_the_models_forw
     The logits are the model's forward's, three decode steps after it too (grouped query heads, tied embeddings,
     every buffer position it leaves unwritten NaN first), and greedy decoding through LeanGenerator (which takes it)
     gives generate's tokens; a step that is not wholly C leaves it (None)."""
-    from transformers import DynamicCache, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache, GenerationConfig
 
     from rloo.data import pad_rows
     from rloo.generation import LeanGenerator, TransformersGenerator, decode
@@ -82,17 +82,7 @@ def test_prompts_through_the_c_step_fill_the_decoders_buffers_as_the_models_forw
     through = kernel.Step.prompt_tokens
     monkeypatch.setattr(kernel.Step, "prompt_tokens", lambda step, hidden, *rest: spanned.append(
         tuple(hidden.shape[:2])) or through(step, hidden, *rest))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         attention_bias=kind == "biases", mlp_bias=kind == "biases",
-                                         tie_word_embeddings=True, eos_token_id=2, pad_token_id=2,
-                                         bos_token_id=None))
-    with torch.no_grad():  # (norm weights and biases start at 1 and 0: a pass that dropped them would pass)
-        for part in model.modules():
-            for name, param in part.named_parameters(recurse=False):
-                if name == "bias" or "norm" in type(part).__name__.lower():
-                    param.normal_(0.5 if name == "weight" else 0.0, 0.3)
+    model = small_llama(tokenizer, biases=kind == "biases")
     model = (with_lora(model) if kind == "lora" else model).eval()
     long = " ".join(["one two three four the dog sat on the mat"] * 6)
     prompts = [tokenizer(shared + text)["input_ids"] for text in ("the dog sat", long, "red", long + " a big cat")]
