@@ -61,15 +61,13 @@ def spans(starts: list[int], end: int, span_cost: int | None = None, most: int |
     return split
 
 
-def _fill(decoder, ids: torch.Tensor, positions: torch.Tensor, starts: list[int], keys: list[torch.Tensor],
-          values: list[torch.Tensor], mask: torch.Tensor, shared: list | None = None, head: bool = True
-          ) -> torch.Tensor | None:
-    """Rows' prompt tokens through the whole step into `keys` / `values` (each layer's: rows x kv heads x columns x
-    head size, after `shared`'s positions where given), ids / positions (rows, columns) at the buffers' columns, row
-    r's prompt from column starts[r] to the last of `ids`; `mask` (rows, ..., shared + buffer columns) 0 at the
-    prompts' columns -> the logits of each row's last token (with `head`)."""
+def _fill(decoder, ids: torch.Tensor, positions: torch.Tensor, starts: list[int], mask: torch.Tensor,
+          head: bool = True) -> torch.Tensor | None:
+    """Rows' prompt tokens through the whole step into the buffers it was started on (each layer's: rows x kv heads x
+    columns x head size, after shared positions where given), ids / positions (rows, columns) at the buffers'
+    columns, row r's prompt from column starts[r] to the last of `ids`; `mask` (rows, ..., shared + buffer columns) 0
+    at the prompts' columns -> the logits of each row's last token (with `head`)."""
     whole, rows, end = decoder.whole, ids.size(0), ids.size(1)
-    whole.start(keys, values, rows, shared)
     found, logits = spans(starts, end), None
     for number, (a, b) in enumerate(found):
         begun = [row for row, start in enumerate(starts) if start < b]
@@ -113,8 +111,9 @@ def prompt_steps(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if prefix:  # their shared first tokens' keys and values, once, as one row
         start = width - int(lengths[0])
         common = _buffers(1, decoder, prefix, 0)
-        _fill(decoder, ids[:1, start:start + prefix], places[:1, start:start + prefix], [0], *common,
-              torch.zeros(1, prefix), head=False)
+        decoder.whole.start(*common, 1)
+        _fill(decoder, ids[:1, start:start + prefix], places[:1, start:start + prefix], [0], torch.zeros(1, prefix),
+              head=False)
     if inverse is None:  # rows' own buffers: their prompts after the prefix (read from `common`), then new tokens
         end = width - prefix
         keys, values = _buffers(rows, decoder, end + new_tokens, end)
@@ -123,9 +122,8 @@ def prompt_steps(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         scores_mask[:, 0, 0, prefix:width].masked_fill_(attention_mask[:, :end].bool(), 0.0)
         every_row = torch.zeros(rows, dtype=torch.int32)
         shared = None if common is None else [kernel_module.Shared(k, v, every_row) for k, v in zip(*common)]
-        decoder.begin(keys, values, scores_mask, width, prefix, shared)
-        return _fill(decoder, ids[:, prefix:], places[:, prefix:], (end - (lengths - prefix)).tolist(), keys, values,
-                     scores_mask, shared)
+        decoder.begin(keys, values, scores_mask, width, prefix, shared)  # (the whole step started on them)
+        return _fill(decoder, ids[:, prefix:], places[:, prefix:], (end - (lengths - prefix)).tolist(), scores_mask)
     # each distinct prompt's buffers (its prefix copied in), read by its rows' steps
     prompt_keys, prompt_values = _buffers(ids.size(0), decoder, width, width)
     starts = (width - lengths).tolist()
@@ -135,8 +133,8 @@ def prompt_steps(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 for prompt, start in enumerate(starts):
                     buffer[prompt, :, start:start + prefix] = source[0]
     prompts_mask = torch.zeros(ids.size(0), width).masked_fill_(~mask.bool(), float("-inf"))
-    logits = _fill(decoder, ids, places, [start + prefix for start in starts], prompt_keys, prompt_values,
-                   prompts_mask)
+    decoder.whole.start(prompt_keys, prompt_values, ids.size(0))
+    logits = _fill(decoder, ids, places, [start + prefix for start in starts], prompts_mask)
     keys, values = _buffers(rows, decoder, new_tokens, 0)
     scores_mask = torch.full((rows, 1, 1, width + new_tokens), float("-inf"))
     scores_mask[:, 0, 0, :width].masked_fill_(attention_mask.bool(), 0.0)
