@@ -78,7 +78,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="8,32")
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--generations", default="1,4", help="rows per prompt (comma-separated: one table row each)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (the decode loop's steps as CUDA graphs)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -140,15 +140,17 @@ def main() -> int:
             with torch.no_grad():
                 model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
 
+        def call():
+            backend.generate(model, ids, 1, 0)
+
         plain, ours, kept = [], [], []
-        with backend.reusing_weights():
-            backend.generate(model, ids, 1, 0)  # (packs the copy the `kept` calls reuse)
-            plain_generate()  # (a GPU's first call of each shape: cuBLAS's and the allocator's set-up)
-            for _ in range(options.repeats):
-                plain.append(rate(plain_generate))
-                kept.append(rate(lambda: backend.generate(model, ids, 1, 0)))
-        for _ in range(options.repeats):
-            ours.append(rate(lambda: backend.generate(model, ids, 1, 0)))
+        plain_generate(), call()  # (a GPU's first call of each shape: cuBLAS's and the allocator's set-up)
+        for _ in range(options.repeats):  # (the three in turn: a change in the machine's speed hits all of them)
+            plain.append(rate(plain_generate))
+            ours.append(rate(call))
+            with backend.reusing_weights():
+                call()  # (packs the copy the `kept` call reuses)
+                kept.append(rate(call))
         floor = call_floor(model.config, parameters, model.get_input_embeddings().weight.numel(), batch,
                            -(-batch // generations), input_ids.size(1), tokens, bandwidth, flops, element)
         limit = batch * tokens / floor
