@@ -12,7 +12,7 @@ decode step: max((weight bytes + the KV cache's bytes at that step) / bandwidth,
 "backend" packs the decode step's weights on every call, as a training step does; "kept" reuses the packed copy
 (`reusing_weights`), as evaluation's batches of one policy do.
 
-    .venv/bin/python benchmarks/bench_generation.py [--batches 8,32] [--tokens 48] [--repeats 3]
+    .venv/bin/python benchmarks/bench_generation.py [--batches 8,32] [--tokens 48] [--repeats 5]
     python benchmarks/bench_generation.py --device cuda [--dtype bfloat16] [--random-weights]   (a GPU)
 """
 
