@@ -746,7 +746,8 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
 def test_decode_attention_in_c_is_sdpas_for_scores_far_apart_and_masked_positions(target):
     """rloo.generation.kernel.attention (its own exp and softmax, NB positions at a time): the rotated key and the
     value written at the step's position, and softmax(q k^T * scale + mask) v as SDPA computes it, for scores from
-    0 to hundreds apart (weights that underflow to 0), masked positions, position counts in and out of a vector."""
+    0 to hundreds apart (weights that underflow to 0), masked positions, position counts in and out of a vector and
+    more scores than the C keeps on its stack; a row's left padding is never read (NaN there)."""
     import torch.nn.functional as F
     library = kernel.compiled(target)
     if library is None:
@@ -754,7 +755,7 @@ def test_decode_attention_in_c_is_sdpas_for_scores_far_apart_and_masked_position
     heads, kv_heads, dim = 6, 2, 2 * library.vector_floats()
     attend = kernel.attention(library, heads, kv_heads, dim)
     torch.manual_seed(0)
-    for at, spread in ((0, 1.0), (5, 1.0), (37, 30.0), (40, 300.0)):
+    for at, spread in ((0, 1.0), (5, 1.0), (37, 30.0), (40, 300.0), (1500, 1.0)):
         rows, total = 3, at + 4
         projected = torch.randn(rows, heads + 2 * kv_heads, dim) * spread
         keys, values = torch.randn(rows, kv_heads, total, dim), torch.randn(rows, kv_heads, total, dim)
@@ -762,7 +763,10 @@ def test_decode_attention_in_c_is_sdpas_for_scores_far_apart_and_masked_position
         mask[1, ..., : at // 2] = float("-inf")  # (a row's left padding)
         cos, sin = torch.randn(rows, 1, dim), torch.randn(rows, 1, dim)
         expected_keys, expected_values = keys.clone(), values.clone()
+        keys[1, :, : at // 2], values[1, :, : at // 2] = float("nan"), float("nan")
         out = attend(projected, cos, sin, keys, values, mask, at, 0.125)
+        padding = slice(None, at // 2)
+        keys[1, :, padding], values[1, :, padding] = expected_keys[1, :, padding], expected_values[1, :, padding]
 
         def rotated(x):
             return x * cos + torch.cat([-x[..., dim // 2:], x[..., : dim // 2]], -1) * sin

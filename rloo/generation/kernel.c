@@ -325,7 +325,8 @@ static void attention(const float *qkv, const float *cos, const float *sin, cons
         int f = 0;  /* the row's first own position it attends to: the left padding before it is not read */
         while (f < at && m[shared + f] == -INFINITY) f++;
         vec q[groups * chunks], acc[groups * chunks];
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)groups * stride);
+        float local[4096] __attribute__((aligned(64)));  /* (the scores on the stack where they fit) */
+        float *scores = (size_t)groups * stride <= 4096 ? local : aligned_alloc(64, sizeof(float) * groups * stride);
         for (int t = 0; t < tokens; t++) {
             size_t token = (size_t)i * tokens + t;
             float *o = out + (token * heads + h * groups) * dim;
@@ -363,7 +364,7 @@ static void attention(const float *qkv, const float *cos, const float *sin, cons
             weigh(acc, v + (size_t)f * dim, scores + shared + f, at + t + 1 - f, groups, chunks, stride, dim, next);
             memcpy(o, acc, (size_t)groups * dim * sizeof(float));
         }
-        free(scores);
+        if (scores != local) free(scores);
     }
 }
 
