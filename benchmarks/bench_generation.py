@@ -144,7 +144,8 @@ def main() -> int:
             backend.generate(model, ids, 1, 0)
 
         plain, ours, kept = [], [], []
-        plain_generate(), call()  # (a GPU's first call of each shape: cuBLAS's and the allocator's set-up)
+        plain_generate()  # (a GPU's first call of each shape: cuBLAS's and the allocator's set-up)
+        call()
         for _ in range(options.repeats):  # (the three in turn: a change in the machine's speed hits all of them)
             plain.append(rate(plain_generate))
             ours.append(rate(call))
