@@ -105,9 +105,10 @@ static void share(int count, int *first, int *last) {
    MR rows. Where there are more than MR rows, the passes of the second to the (S + 1)th group of rows over a block's
    weights (in cache after the first) bring the next block's into L2, spread evenly over them, so that its first pass
    does not wait for memory; after a thread's last block, its first block of the GEMM `then` (then_n x then_k,
-   packed as p is; NULL: none). 2 cores of an AMD EPYC, SmolLM2's 30 layers and LM head, both builds alternated in one
-   process: the next block in the second pass, 32 rows 45.5 -> 42.7 ms, 16 rows 25.7 -> 22.6 ms; spread over passes
-   and the next GEMM's first block, a decode step of 32 rows 3.7 % faster. */
+   packed as p is; NULL: none; k x S lines of it, so past that block where then_k < k: a prefetch never faults).
+   2 cores of an AMD EPYC, SmolLM2's 30 layers and LM head, both builds alternated in one process: the next block in
+   the second pass, 32 rows 45.5 -> 42.7 ms, 16 rows 25.7 -> 22.6 ms; spread over passes and the next GEMM's first
+   block, a decode step of 32 rows 3.7 % faster. */
 static void gemm_then(const float *x, const float *p, const float *bias, const float *residual, float *y, int m,
                       int n, int k, const float *then, int then_n, int then_k) {
     int first, last, then_first, then_last;
