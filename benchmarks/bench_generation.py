@@ -13,6 +13,8 @@ decode step: max((weight bytes + the KV cache's bytes at that step) / bandwidth,
 (`reusing_weights`), as evaluation's batches of one policy do.
 
     .venv/bin/python benchmarks/bench_generation.py [--batches 8,32] [--tokens 48] [--repeats 5]
+    RLOO_KERNEL_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        .venv/bin/python benchmarks/bench_generation.py     (a CPU with AVX-512 held to AVX2, both sides)
     python benchmarks/bench_generation.py --device cuda [--dtype bfloat16] [--random-weights]   (a GPU)
 """
 
@@ -122,6 +124,13 @@ def main() -> int:
     print(f"machine ({device}): {bandwidth / 1e9:.1f} GB/s reading the weights' size, {flops / 1e9:.0f} GFLOP/s "
           f"{options.dtype} matmul; model {parameters / 1e6:.0f}M parameters, {weight_bytes / 2**20:.0f} MiB"
           f"{', random weights' if options.random_weights else ''}")
+    if device.type == "cpu":
+        from rloo.generation import kernel
+        library = kernel.for_decoding()
+        build = "none (oneDNN's GEMM)" if library is None else \
+            "AVX-512" if library.vector_floats() == 16 else "AVX2 + FMA"
+        print(f"our decode step's kernel: {build}, -march={os.environ.get(kernel.MARCH) or 'native'}; torch's CPU "
+              f"capability {torch.backends.cpu.get_cpu_capability()}")
     print(f"\n{'batch':>5} {'rows/prompt':>11} {'generate tok/s':>15} {'backend tok/s':>14} {'ratio':>7} "
           f"{'kept tok/s':>14} {'ratio':>7} {'limit tok/s':>12} {'backend/limit':>13} {'3x generate/limit':>17}")
     for batch, generations in ((int(b), int(g)) for b in options.batches.split(",")

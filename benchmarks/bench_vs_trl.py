@@ -10,6 +10,8 @@ breakdown (timing/*) is printed beside it. Run it with the benchmark environment
     bash benchmarks/run.sh                                   # every case, 3 repeats (about an hour on 2 cores)
     bash benchmarks/run.sh --cases smollm2-full-32 --repeats 1
     bash benchmarks/run.sh --cases smollm2-full-32 --kl-logps-from-generation   # ours with that option (beta > 0)
+    RLOO_KERNEL_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        bash benchmarks/run.sh ...       # a CPU with AVX-512 held to AVX2 (both trainers; the children inherit it)
 """
 
 from __future__ import annotations

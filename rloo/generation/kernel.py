@@ -24,7 +24,8 @@ processed copy in memory: 32 rows x 49152 entries 1.4 ms (softmax + sample_from)
 
 Compiled once per machine and source by the system's gcc (-O3 -march=native, OpenMP) into the kernels folder of
 rloo.assets.cache_root (~/.cache/rloo or $RLOO_CACHE) and loaded with ctypes. The decode step takes it where the CPU
-has AVX-512 or AVX2 with FMA (`for_decoding`). With AVX-512, on 2 cores of an Intel Xeon, SmolLM2's 121 matmuls of a
+has AVX-512 or AVX2 with FMA (`for_decoding`; $RLOO_KERNEL_MARCH, where set, is the -march instead of native: e.g.
+x86-64-v3, AVX2 and FMA, to measure on a CPU with AVX-512 what one without it does). With AVX-512, on 2 cores of an Intel Xeon, SmolLM2's 121 matmuls of a
 decode step took 18.7 ms at 8 rows against oneDNN's 28.9 (42.3 vs 48.4 at 32 rows), the rest of the step 7.5 -> 3.5
 ms module by module; the whole step in one call 29.7 -> 25.0 ms (8 rows) and 58.2 -> 52.5 ms (32 rows), with the
 prefetching and this attention 21.7 / 44.8 ms. With AVX2 (measured on that Xeon held to AVX2: built for x86-64-v3,
@@ -49,6 +50,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+MARCH = "RLOO_KERNEL_MARCH"  # gcc's -march for the library instead of native (for_decoding)
 SOURCE = (resources.files("rloo.generation") / "kernel.c").read_text()
 
 
@@ -79,8 +81,9 @@ def compiled(target: str = "native") -> ctypes.CDLL | None:
                 handle.write(SOURCE)
             done = subprocess.run([compiler, *flags, source, "-o", built], capture_output=True, text=True)
             if done.returncode != 0:
-                logger.info("decode GEMM not built (%s); the decode step uses oneDNN's: %s", compiler,
-                            done.stderr.strip()[-500:])
+                level = logging.INFO if target == "native" else logging.WARNING  # (asked for: for_decoding)
+                logger.log(level, "decode GEMM not built (%s -march=%s); the decode step uses oneDNN's: %s", compiler,
+                           target, done.stderr.strip()[-500:])
                 return None
             os.replace(built, path)  # (atomic: another process never loads half a file)
     library = ctypes.CDLL(path)
@@ -107,8 +110,19 @@ def _cpu_flags() -> str:
 
 def for_decoding() -> ctypes.CDLL | None:
     """The library where the decode step should use it: built, for AVX-512 (16 floats a vector) or for AVX2 with
-    FMA (8 floats a vector, fused multiply-adds)."""
-    library = compiled()
+    FMA (8 floats a vector, fused multiply-adds), for $RLOO_KERNEL_MARCH's -march where set (an error where that
+    build fails or this CPU lacks what it needs), else for this CPU's."""
+    target = os.environ.get(MARCH, "").strip()
+    library = compiled(target) if target else compiled()
+    if target:
+        flags = set(_cpu_flags().split())
+        needs = "avx512f" if library is not None and library.vector_floats() == 16 else \
+            "fma" if library is not None and library.fused() else None
+        if library is None or (needs is not None and needs not in flags):
+            why = "gcc could not build it (its message: logged above)" if library is None else f"this CPU has no {needs}"
+            raise ValueError(f"{MARCH}={target!r}: the decode step's library for -march={target} cannot run here: "
+                             f"{why}. Unset {MARCH} (this CPU's own build) or set a -march this CPU runs, e.g. "
+                             "x86-64-v3 (AVX2 and FMA).")
     return library if library is not None and (library.vector_floats() == 16 or library.fused()) else None
 
 
