@@ -23,14 +23,15 @@ weights e^(s - max) in double, two levels as rloo.generation.lean.sample_from, w
 processed copy in memory: 32 rows x 49152 entries 1.4 ms (softmax + sample_from) -> 0.46 ms.
 
 Compiled once per machine and source by the system's gcc (-O3 -march=native, OpenMP) into the kernels folder of
-rloo.assets.cache_root (~/.cache/rloo or $RLOO_CACHE) and loaded with ctypes. The decode step takes it where the CPU
-has AVX-512 or AVX2 with FMA (`for_decoding`; $RLOO_KERNEL_MARCH, where set, is the -march instead of native: e.g.
+rloo.assets.cache_root (~/.cache/rloo or $RLOO_CACHE) and loaded with ctypes. The decode step takes it where the CPU has
+AVX-512 or AVX2 with FMA (`for_decoding`; $RLOO_KERNEL_MARCH, where set, is the -march instead of native: e.g.
 x86-64-v3, AVX2 and FMA, to measure on a CPU with AVX-512 what one without it does). With AVX-512, on 2 cores of an
-Intel Xeon, SmolLM2's 121 matmuls of a decode step took 18.7 ms at 8 rows against oneDNN's 28.9 (42.3 vs 48.4 at
-32 rows), the rest of the step 7.5 -> 3.5 ms module by module; the whole step in one call 29.7 -> 25.0 ms (8 rows)
-and 58.2 -> 52.5 ms (32 rows), with the prefetching and this attention 21.7 / 44.8 ms. With AVX2 (measured on that Xeon held to AVX2: built for x86-64-v3,
-oneDNN, MKL and torch's own kernels capped at AVX2), the step 51.9 -> 26.6 ms at 8 rows and 84.4 -> 70.1 ms at 32.
-Without either, without gcc, or off Linux on x86-64, the step keeps oneDNN's GEMM and torch's attention."""
+Intel Xeon, SmolLM2's 121 matmuls of a decode step took 18.7 ms at 8 rows against oneDNN's 28.9 (42.3 vs 48.4 at 32
+rows), the rest of the step 7.5 -> 3.5 ms module by module; the whole step in one call 29.7 -> 25.0 ms (8 rows) and 58.2
+-> 52.5 ms (32 rows), with the prefetching and this attention 21.7 / 44.8 ms. With AVX2 (measured on that Xeon held to
+AVX2: built for x86-64-v3, oneDNN, MKL and torch's own kernels capped at AVX2), the step 51.9 -> 26.6 ms at 8 rows and
+84.4 -> 70.1 ms at 32. Without either, without gcc, or off Linux on x86-64, the step keeps oneDNN's GEMM and torch's
+attention."""
 
 from __future__ import annotations
 
