@@ -669,12 +669,16 @@ def test_decode_gemm_goes_first_with_avx512_or_avx2_and_is_skipped_without_a_com
 @pytest.mark.skipif(kernel.compiled() is None, reason="no build of our kernel here (no gcc, or not Linux x86-64)")
 def test_decode_kernel_march_from_the_environment(monkeypatch):
     """RLOO_KERNEL_MARCH picks the -march of the library the decode step takes (x86-64-v3: 8-float vectors on a CPU
-    with AVX-512); one gcc does not know is an error that names the variable, not a silent fall-back."""
+    with AVX-512); one gcc does not know, or whose build the decode step would not take, is an error that names the
+    variable, not a silent fall-back."""
     if len(_TARGETS) > 1:
         monkeypatch.setenv("RLOO_KERNEL_MARCH", "x86-64-v3")
         assert kernel.for_decoding().vector_floats() == 8
     monkeypatch.setenv("RLOO_KERNEL_MARCH", "no-such-cpu")
     with pytest.raises(ValueError, match="RLOO_KERNEL_MARCH='no-such-cpu'.*gcc could not build it"):
+        kernel.for_decoding()
+    monkeypatch.setenv("RLOO_KERNEL_MARCH", "x86-64")  # (SSE2 only: built and runnable, but not taken)
+    with pytest.raises(ValueError, match="'x86-64'.*neither AVX-512 nor AVX2 with FMA"):
         kernel.for_decoding()
     monkeypatch.delenv("RLOO_KERNEL_MARCH")
     assert kernel.for_decoding() is kernel.compiled()

@@ -101,7 +101,9 @@ def compiled(target: str = "native") -> ctypes.CDLL | None:
     return library
 
 
+@functools.cache
 def _cpu_flags() -> str:
+    """The "flags" line of /proc/cpuinfo (read once a process: a CPU's flags do not change)."""
     try:
         with open("/proc/cpuinfo") as handle:
             return next((line for line in handle if line.startswith("flags")), "")
@@ -109,23 +111,26 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _needs(library: ctypes.CDLL) -> str | None:
+    """The CPU flag the library's vectors need: avx512f (16 floats a vector) or fma (AVX2's 8 floats with fused
+    multiply-adds); None where its build has neither, which the decode step does not take."""
+    return "avx512f" if library.vector_floats() == 16 else "fma" if library.fused() else None
+
+
 def for_decoding() -> ctypes.CDLL | None:
-    """The library where the decode step should use it: built, for AVX-512 (16 floats a vector) or for AVX2 with
-    FMA (8 floats a vector, fused multiply-adds), for $RLOO_KERNEL_MARCH's -march where set (an error where that
-    build fails or this CPU lacks what it needs), else for this CPU's."""
+    """The library where the decode step should use it: built, for AVX-512 or for AVX2 with FMA (`_needs`), for
+    $RLOO_KERNEL_MARCH's -march where set (an error where that build fails, has neither, or needs what this CPU
+    lacks), else for this CPU's."""
     target = os.environ.get(MARCH, "").strip()
     library = compiled(target) if target else compiled()
-    if target:
-        flags = set(_cpu_flags().split())
-        needs = "avx512f" if library is not None and library.vector_floats() == 16 else \
-            "fma" if library is not None and library.fused() else None
-        if library is None or (needs is not None and needs not in flags):
-            why = "gcc could not build it (its message: logged above)" if library is None else \
-                f"this CPU has no {needs}"
-            raise ValueError(f"{MARCH}={target!r}: the decode step's library for -march={target} cannot run here: "
-                             f"{why}. Unset {MARCH} (this CPU's own build) or set a -march this CPU runs, e.g. "
-                             "x86-64-v3 (AVX2 and FMA).")
-    return library if library is not None and (library.vector_floats() == 16 or library.fused()) else None
+    needs = None if library is None else _needs(library)
+    if target and (needs is None or needs not in _cpu_flags().split()):
+        why = "gcc could not build it (its message: logged above)" if library is None else \
+            f"this CPU has no {needs}" if needs else "its build has neither AVX-512 nor AVX2 with FMA"
+        raise ValueError(f"{MARCH}={target!r}: the decode step's library for -march={target} cannot run here: "
+                         f"{why}. Unset {MARCH} (this CPU's own build) or set a -march this CPU runs, e.g. "
+                         "x86-64-v3 (AVX2 and FMA).")
+    return library if needs is not None else None
 
 
 class PackedLinear:
