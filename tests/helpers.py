@@ -11,6 +11,24 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 WORDS = ["the dog", "a big cat", "one two", "what is", "red mat", "sat on", "good dog", "small blue"]
+PROMPTS = ["the dog sat", "one two three four", "red", "a big cat on the mat"]  # (generation tests: texts to tokenize)
+
+
+def config(tokenizer, **settings):
+    """A GenerationConfig for the tiny tokenizer: its pad and EOS, 12 new tokens unless `settings` say otherwise."""
+    from transformers import GenerationConfig
+    return GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id],
+                            **{"max_new_tokens": 12, **settings})
+
+
+def kernel_targets() -> list[str]:
+    """The builds of our decode kernel the tests check: this CPU's, and where that one has 16-float vectors (AVX-512)
+    and the CPU AVX2 and FMA, the build for x86-64-v3 as well (8-float vectors: what a CPU without AVX-512 runs)."""
+    from rloo.generation import kernel
+    native = kernel.compiled()
+    wide = native is not None and native.vector_floats() == 16 and {"avx2", "fma"} <= set(kernel._cpu_flags().split())
+    # (a gcc older than 11 has no -march=x86-64-v3)
+    return ["native"] + (["x86-64-v3"] if wide and kernel.compiled("x86-64-v3") is not None else [])
 
 
 def conversational(n=8):

@@ -9,11 +9,9 @@ import torch
 
 from rloo.generation import kernel
 
-from helpers import small_llama, with_lora
+from helpers import kernel_targets, small_llama, with_lora
 
-_TARGETS = ["native"] + (["x86-64-v3"] if kernel.compiled() is not None and kernel.compiled().vector_floats() == 16
-                         and {"avx2", "fma"} <= set(kernel._cpu_flags().split())
-                         and kernel.compiled("x86-64-v3") is not None else [])
+_TARGETS = kernel_targets()
 
 
 def test_spans_skip_the_padding_before_short_prompts_where_it_outweighs_a_span():
