@@ -1,4 +1,4 @@
-"""The layout issue 12 asks for, kept: module sizes, where mlflow may be imported, no test code in the product, no
+"""The layout kept: module sizes, where mlflow may be imported, no test code in the product, no
 import cycle between the launchers."""
 
 import pathlib

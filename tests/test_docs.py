@@ -1,0 +1,49 @@
+"""The README is a front page: its two commands are the ones CI runs, it stays small, and no page of the
+documentation is a diary."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _readme_commands() -> list[str]:
+    block = re.search(r"## The two commands\n\n```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block, "README.md has no '## The two commands' bash block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_the_readmes_test_command_is_what_ci_runs():
+    commands = _readme_commands()
+    assert len(commands) == 2
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert ci == [commands[1]]
+
+
+def test_the_main_job_command_runs_the_quick_start():
+    main = _readme_commands()[0]
+    assert main == "bash scripts/setup.sh && .venv/bin/rloo-pipeline run configs/quickstart.yaml"
+    assert (ROOT / "configs" / "quickstart.yaml").is_file()
+
+
+def test_the_readme_is_at_most_15_kb():
+    assert (ROOT / "README.md").stat().st_size <= 15 * 1024
+
+
+def test_no_page_is_a_diary():
+    # The history is git log: pages describe the project as it is.
+    diary = re.compile(r"\bsessions?\b|(?<![\w/])issue #?\d+|(?<![\w/])#\d+\b", re.I)
+    hits = [f"{page.relative_to(ROOT)}:{number}: {line.strip()[:80]}" for page in DOCS
+            for number, line in enumerate(page.read_text().splitlines(), 1) if diary.search(line)]
+    assert hits == []
+
+
+def test_every_link_between_pages_resolves():
+    broken = []
+    for page in DOCS:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert broken == []
