@@ -25,11 +25,11 @@ STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from 
 
 
 def _one_projection_each(modules, rows, scratch=None):
-    """rloo.generation.decode._side_by_side as before the "side by side" stage: a matmul per projection."""
+    """rloo.engine.decode._side_by_side as before the "side by side" stage: a matmul per projection."""
     import torch
     import torch.nn.functional as F
 
-    import rloo.generation.decode as decode
+    import rloo.engine.decode as decode
 
     def one(module):
         if type(module) is torch.nn.Linear:
@@ -46,7 +46,7 @@ def _one_projection_each(modules, rows, scratch=None):
 
 
 def _one_cumulative_sum(probs):
-    """rloo.generation.lean.sample_from as before the "side by side" stage."""
+    """rloo.engine.lean.sample_from as before the "side by side" stage."""
     import torch
     cumulative = probs.double().cumsum(dim=-1)
     draw = torch.rand(probs.size(0), 1, dtype=torch.float64, device=probs.device) * cumulative[:, -1:]
@@ -60,14 +60,15 @@ def child(stage: str, case: str) -> dict:
     import torch.nn.functional as F
 
     import bench_vs_trl
-    import rloo.generation.decode as decode
-    import rloo.generation.lean as lean
-    import rloo.generation.prefill as prefill
+    import rloo.engine.decode as decode
+    import rloo.engine.lean as lean
+    import rloo.engine.prefill as prefill
+    import rloo.engine.shared_prompts as shared_prompts
     import rloo.logps as logps
     import rloo.trainer as trainer
     level = STAGES.index(stage)
     if level < 1:
-        logps.can_share_prompts = lambda model: False
+        shared_prompts.can_share_prompts = lambda model: False
         prefill.distinct_prompts = lambda *args: None
     if level < 2:
         lean.lean_decoder = lambda *args: None
@@ -80,7 +81,7 @@ def child(stage: str, case: str) -> dict:
         decode._side_by_side = _one_projection_each
         lean.sample_from = _one_cumulative_sum
     if level < 6:
-        import rloo.heap as heap
+        import rloo.engine.heap as heap
         heap.keep_freed_memory = lambda: heap.libc() is not None and heap.libc().mallopt(
             heap.M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD)
     if level < 7 and "mkl" in decode._kernels():

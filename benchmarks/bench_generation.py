@@ -125,7 +125,7 @@ def main() -> int:
           f"{options.dtype} matmul; model {parameters / 1e6:.0f}M parameters, {weight_bytes / 2**20:.0f} MiB"
           f"{', random weights' if options.random_weights else ''}")
     if device.type == "cpu":
-        from rloo.generation import kernel
+        from rloo.engine import kernel
         library = kernel.for_decoding()
         build = "none (oneDNN's GEMM)" if library is None else \
             "AVX-512" if library.vector_floats() == 16 else "AVX2 + FMA"

@@ -1,5 +1,5 @@
 """Peak memory of the loss's forward + backward with shared prompts, with and without each prompt layer's backward run
-within its completions' layer (`rloo.prompt_layers`), on SmolLM2-135M (full fine-tune, fp32, the trainer's
+within its completions' layer (`rloo.engine.prompt_layers`), on SmolLM2-135M (full fine-tune, fp32, the trainer's
 recomputed activations and tied embedding). Each (mode, repeat) runs in its own child process, the two modes
 alternating, so that peak RSS is the child's own; prints medians and their ratio:
 
@@ -21,10 +21,10 @@ def child(layered: bool, prompt_tokens: int, completion_tokens: int, prompts: in
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rloo import heap, prompt_layers, tied
+    from rloo.engine import heap, prompt_layers, tied
     from rloo.assets import smollm2_path
     from rloo.logps import per_token_logps
-    from rloo.recompute import recomputed_activations
+    from rloo.engine.recompute import recomputed_activations
     heap.keep_freed_memory()  # as the trainer does
     if not layered:
         prompt_layers.PromptLayers.applies = staticmethod(lambda decoder: False)
@@ -40,7 +40,7 @@ def child(layered: bool, prompt_tokens: int, completion_tokens: int, prompts: in
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         with recomputed_activations(model), tied.tied_rows(model):
-            out = per_token_logps(model, input_ids, torch.ones_like(input_ids), completion_tokens, 1.0)
+            out = per_token_logps(model, input_ids, torch.ones_like(input_ids), completion_tokens, 1.0, share_prompts=True)
         out.logps.sum().backward()
         seconds.append(time.perf_counter() - start)
     return {"peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,

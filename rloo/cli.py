@@ -271,7 +271,21 @@ def build_trainer(argv: list[str]):
     return trainer, script_args
 
 
+def _announce_on_rank_zero() -> None:
+    """The trainer's start lines (which fast paths it took) on rank 0's stderr, once."""
+    import logging
+    if os.environ.get("RANK", "0") != "0":
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("rloo.trainer")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def train(argv: list[str]) -> int:
+    _announce_on_rank_zero()
     try:
         trainer, script_args = build_trainer(argv)
     except (ValueError, TypeError, FileNotFoundError, ImportError, RuntimeError) as err:

@@ -158,6 +158,9 @@ class RLOOConfig(TrainingArguments):
     reward_timeout: float | None = field(
         default=None, metadata={"help": "Seconds one reward function's call may take (async ones are cancelled); "
                                         "None: no limit."})
+    engine: str | None = field(
+        default=None, metadata={"help": "The speed layer (rloo.engine): 'fast', or 'reference' for model.generate "
+                                        "and plain forwards. None: $RLOO_ENGINE, else 'fast'."})
     nonfinite_rewards: str = field(
         default="error", metadata={"help": "A reward function returning NaN or inf: 'error' (names the function and "
                                            "row) or 'none' (treated as None: does not apply)."})
@@ -223,6 +226,8 @@ class RLOOConfig(TrainingArguments):
                              "use_transformers_continuous_batching=False.")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        from rloo.engine import mode
+        self.engine = mode(self.engine)
         if self.kl_logps_from_generation:
             self._check_kl_logps_from_generation()
 
@@ -237,6 +242,9 @@ class RLOOConfig(TrainingArguments):
             reason = (f"num_iterations={self.num_iterations} / steps_per_generation={self.steps_per_generation} "
                       "keep pi_old for later optimizer steps, where the clipped ratio needs the forward's exact "
                       "log-probs")
+        elif self.engine == "reference":
+            reason = ("the speed layer is off (engine='reference' or RLOO_ENGINE=reference): model.generate "
+                      "keeps no log-probs")
         if reason:
             raise ValueError(f"kl_logps_from_generation=True: {reason}. Fix: kl_logps_from_generation=False.")
 

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           PreTrainedModel, PreTrainedTokenizerBase)
 
-from rloo.mapped import mapped_copy
+from rloo.engine.mapped import mapped_copy
 
 
 def _looks_like_local_path(name: str) -> bool:
@@ -166,7 +166,7 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) ->
 
 def create_reference_model(model: PreTrainedModel, mapped: bool = True) -> PreTrainedModel:
     """A frozen copy of the policy as it is now (the reference pi_ref); `mapped`: in a file mapping that is paged out
-    between the reference forwards where rloo.mapped can make one, else in memory."""
+    between the reference forwards where rloo.engine.mapped can make one, else in memory."""
     reference = mapped_copy(model) if mapped else None
     if reference is None:
         reference = copy.deepcopy(model)
@@ -175,10 +175,10 @@ def create_reference_model(model: PreTrainedModel, mapped: bool = True) -> PreTr
     return reference
 
 
-def prepare_reference(policy: PreTrainedModel, accelerator) -> nn.Module:
+def prepare_reference(policy: PreTrainedModel, accelerator, mapped: bool = True) -> nn.Module:
     """create_reference_model, prepared by accelerate for evaluation. A CPU reference stays where it is: accelerate
-    moves a model to `cpu:0` in multi-process CPU runs, which copies every tensor (out of rloo.mapped's mapping)."""
-    reference = create_reference_model(policy)
+    moves a model to `cpu:0` in multi-process CPU runs, which copies every tensor (out of rloo.engine.mapped's mapping)."""
+    reference = create_reference_model(policy, mapped)
     on_cpu = accelerator.device.type == "cpu" and all(p.device.type == "cpu" for p in reference.parameters())
     return accelerator.prepare_model(reference, device_placement=False if on_cpu else None, evaluation_mode=True)
 

@@ -16,19 +16,20 @@ from accelerate.utils import gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, Trainer
 
-from rloo import algorithm, checkpoint, faults, heap, hub, mapped, tied
+from rloo import algorithm, checkpoint, engine, faults, hub
 from rloo.callbacks import MLflowCompletionsCallback, SyncRefModelCallback
 from rloo.checks import check_inputs, prepare_for_iterable_datasets
 from rloo.completion_log import CompletionLog, print_table
 from rloo.config import RLOOConfig
 from rloo.generation import make_generation_backend
-from rloo.logps import kl_forwards_share_prompts, per_token_logps
+from rloo.engine import mapped
+from rloo.engine.shared_prompts import kl_forwards_share_prompts
+from rloo.logps import per_token_logps
 from rloo.metrics import MetricBuffer
 from rloo.models import (attach_adapter, disable_dropout, dropout_active, eos_token_ids, is_peft_model, load_policy,
                          load_reward_model, load_tokenizer, model_identity, prepare_reference, prepare_tokenizer,
                          reference_adapter, reference_for_zero3, resolve_router_aux_loss_coef, reward_tokenizers,
                          text_tokenizer_of)
-from rloo.recompute import recomputed_activations
 from rloo.rewards.runner import RewardRunner
 from rloo.rollout import (Rollout, RolloutSettings, build_rollout, finish_rollout, global_masked_mean,
                           rollout_metrics)
@@ -37,10 +38,6 @@ from rloo.timing import StepTimingCallback, device_timer
 from rloo.zero import gathered_parameters, prepare_frozen, single_process_ddp, zero_stage
 
 logger = logging.getLogger(__name__)
-
-
-def _identity(batch):
-    return batch
 
 
 class RLOOTrainer(Trainer):
@@ -97,11 +94,12 @@ class RLOOTrainer(Trainer):
 
         prepare_for_iterable_datasets(args, train_dataset, eval_dataset)
         set_seed(args.seed)
-        super().__init__(model=model, args=args, data_collator=_identity, train_dataset=train_dataset,
+        super().__init__(model=model, args=args, data_collator=list, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
         single_process_ddp(self.accelerator)  # torchrun with one CPU process: no DDP wrapper (rloo.zero)
-        heap.keep_freed_memory()  # freed memory kept for the next step, not faulted in again (rloo.heap)
+        self._fast = engine.is_fast(args.engine)  # the speed layer on, or the reference path (rloo.engine)
+        engine.keep_freed_memory(self._fast)
         self._gather_object = gather_object if self.accelerator.num_processes > 1 else None
 
         # Reference model: only needed when the KL penalty is on. Under ZeRO-3 it is sharded like the policy.
@@ -119,7 +117,7 @@ class RLOOTrainer(Trainer):
                     disable_dropout(reference)
                 self.ref_model = prepare_frozen(reference, self.accelerator, args.per_device_train_batch_size)
             else:
-                self.ref_model = prepare_reference(self.model, self.accelerator)
+                self.ref_model = prepare_reference(self.model, self.accelerator, mapped=self._fast)
         if args.sync_ref_model:
             self.add_callback(SyncRefModelCallback(self))
         if "mlflow" in (args.report_to or []):
@@ -137,6 +135,7 @@ class RLOOTrainer(Trainer):
                                                  self.eos_token_ids, zero3=self._zero3)
         self._metrics, self._timer = MetricBuffer(), device_timer(self.accelerator.device)
         self.generator.timer = self._timer
+        logger.info(engine.describe(self._fast, self.model, self.generator, self.ref_model))
         self.add_callback(StepTimingCallback(self._timer, self._metrics))
         self._logs = CompletionLog(args.generation_batch_size)
         self._logs_fresh = False
@@ -291,7 +290,7 @@ class RLOOTrainer(Trainer):
             self._logs_fresh = True
 
     def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
-        share = kl_forwards_share_prompts(self.accelerator.unwrap_model(self.model), self.ref_model)
+        share = self._fast and kl_forwards_share_prompts(self.accelerator.unwrap_model(self.model), self.ref_model)
         if self._kl_from_loss and self.model.training:  # as the loss's forward does (not through a wrapper)
             share = share and self.accelerator.unwrap_model(self.model_wrapped) is self.model_wrapped
         return torch.cat([per_token_logps(model, input_ids[start:start + chunk], attention_mask[start:start + chunk],
@@ -300,7 +299,7 @@ class RLOOTrainer(Trainer):
 
     def _reference_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
         if self.ref_model is not None:
-            with mapped.paged_out_after(self.accelerator.unwrap_model(self.ref_model)):  # its pages go (rloo.mapped)
+            with mapped.paged_out_after(self.accelerator.unwrap_model(self.ref_model)):  # its pages go (rloo.engine.mapped)
                 return self._chunked_logps(self.ref_model, input_ids, attention_mask, logits_to_keep, chunk)
         with reference_adapter(unwrapped, self._trainable_adapter):  # PEFT: base (or frozen copy) is the reference
             return self._chunked_logps(unwrapped, input_ids, attention_mask, logits_to_keep, chunk)
@@ -311,10 +310,11 @@ class RLOOTrainer(Trainer):
         mode = "train" if self.model.training else "eval"
         mask, input_ids = inputs.completion_mask, torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)
         attention_mask = torch.cat([inputs.prompt_mask, mask], dim=1)
-        with recomputed_activations(model), tied.tied_rows(self.accelerator.unwrap_model(model)):  # less memory
+        unwrapped = self.accelerator.unwrap_model(model)
+        with engine.loss_context(model, unwrapped, self._fast):  # less memory, same gradients
             token_logps, entropy, aux_loss = per_token_logps(  # shared prompts: not through a DDP/DeepSpeed wrapper
                 model, input_ids, attention_mask, inputs.completion_ids.size(1), self.args.temperature,
-                with_entropy=True, share_prompts=self.accelerator.unwrap_model(model) is model)
+                with_entropy=True, share_prompts=self._fast and unwrapped is model)
         if inputs.pending is not None:  # on-policy: this forward is the KL's pi_old (rloo.rollout.finish_rollout)
             inputs = finish_rollout(inputs, token_logps, self.accelerator.gather)
             self._record_rollout(inputs, mode)

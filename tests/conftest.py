@@ -9,6 +9,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from rloo.testing import tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 
+def pytest_generate_tests(metafunc):
+    """A test marked `engines` runs twice: with the speed layer on and off (RLOO_ENGINE=reference)."""
+    if metafunc.definition.get_closest_marker("engines"):
+        metafunc.fixturenames.append("engine_mode")
+        metafunc.parametrize("engine_mode", ["fast", "reference"], indirect=True)
+
+
+@pytest.fixture
+def engine_mode(request, monkeypatch):
+    monkeypatch.setenv("RLOO_ENGINE", request.param)
+    return request.param
+
+
 @pytest.fixture
 def tokenizer():
     return tiny_tokenizer()

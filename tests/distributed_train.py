@@ -7,7 +7,8 @@ import sys
 import torch.distributed
 from datasets import Dataset
 
-from rloo import RLOOConfig, RLOOTrainer, mapped
+from rloo import RLOOConfig, RLOOTrainer
+from rloo.engine import mapped
 from rloo.cli import exit_without_native_teardown
 from rloo.testing import tiny_causal_lm, tiny_tokenizer
 
@@ -33,7 +34,7 @@ args = RLOOConfig(output_dir=os.path.join(out, "run"), bf16=False, use_cpu=True,
 trainer = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=reward, args=args, train_dataset=data,
                       processing_class=tokenizer)
 assert trainer._kl_from_loss
-flat = getattr(trainer.ref_model, "_rloo_mapping", None)  # rloo.mapped: accelerate's placement did not copy it out
+flat = getattr(trainer.ref_model, "_rloo_mapping", None)  # rloo.engine.mapped: accelerate's placement did not copy it out
 if mapped.disk_directory(1 << 20) is not None:
     assert all(flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel() for p in trainer.ref_model.parameters())
 trainer._kl_from_loss = sys.argv[2:] != ["separate-old-forward"]  # the KL's pi_old from a forward of its own

@@ -24,7 +24,7 @@ def config(tokenizer, **settings):
 def kernel_targets() -> list[str]:
     """The builds of our decode kernel the tests check: this CPU's, and where that one has 16-float vectors (AVX-512)
     and the CPU AVX2 and FMA, the build for x86-64-v3 as well (8-float vectors: what a CPU without AVX-512 runs)."""
-    from rloo.generation import kernel
+    from rloo.engine import kernel
     native = kernel.compiled()
     wide = native is not None and native.vector_floats() == 16 and {"avx2", "fma"} <= set(kernel._cpu_flags().split())
     # (a gcc older than 11 has no -march=x86-64-v3)

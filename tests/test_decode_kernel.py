@@ -1,4 +1,4 @@
-"""The decode step's C (rloo.generation.kernel): its GEMM, attention, draw and whole step against torch's and the
+"""The decode step's C (rloo.engine.kernel): its GEMM, attention, draw and whole step against torch's and the
 model's forward, for this CPU's build and, where this CPU has AVX-512, the AVX2 build; which build the decode step
 takes, and none without a compiler."""
 
@@ -11,9 +11,9 @@ from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
 from rloo.generation import LeanGenerator, TransformersGenerator
-from rloo.generation import kernel
-from rloo.generation.decode import _kernels
-from rloo.generation.lean import Draws, MinNewTokens, sample_from
+from rloo.engine import kernel
+from rloo.engine.decode import _kernels
+from rloo.engine.lean import Draws, MinNewTokens, sample_from
 
 from helpers import PROMPTS, config, kernel_targets, small_llama, with_lora
 
@@ -22,7 +22,7 @@ _TARGETS = kernel_targets()
 
 @pytest.mark.parametrize("target", _TARGETS)
 def test_decode_gemm_is_flinear_for_any_rows_columns_bias_and_threads(target):
-    """rloo.generation.kernel: built wherever gcc is (8-float vectors without AVX-512), and x W^T + b for row counts
+    """rloo.engine.kernel: built wherever gcc is (8-float vectors without AVX-512), and x W^T + b for row counts
     in and out of its groups of rows, columns in and out of its blocks, and for weights packed side by side
     (segments of sizes in and out of a block) as the one concatenated weight."""
     import torch.nn.functional as F
@@ -54,7 +54,7 @@ def test_decode_gemm_is_flinear_for_any_rows_columns_bias_and_threads(target):
 def test_decode_gemm_goes_first_with_avx512_or_avx2_and_is_skipped_without_a_compiler(tmp_path, monkeypatch):
     """The decode step packs for our kernel where it is built for AVX-512 or for AVX2 with FMA, and for oneDNN's
     where there is no compiler (nothing cached): the build's failure is not an error."""
-    from rloo.generation import decode
+    from rloo.engine import decode
     assert ("rloo" in _kernels()) == (kernel.for_decoding() is not None)
     flags = set(kernel._cpu_flags().split())
     if kernel.compiled() is not None:
@@ -98,7 +98,7 @@ def test_decode_kernel_march_from_the_environment(monkeypatch):
                          [("attention", kind, target) for kind in ("plain", "shared") for target in _TARGETS] +
                          [("torch", "plain", "native"), ("torch", "shared", "native")])
 def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, monkeypatch):
-    """rloo.generation.kernel: the whole step in one C call (kernel.Step: norms, packed projections, attention,
+    """rloo.engine.kernel: the whole step in one C call (kernel.Step: norms, packed projections, attention,
     SiLU x up, residuals, LM head; with biases on every projection, with LoRA merged, with gates far out on both
     sides, where e^-|gate| underflows), the C attention alone in the
     step module by module, and torch's attention: three steps' logits against the model's forward over a
@@ -108,9 +108,9 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
     from transformers import DynamicCache
 
     from rloo.data import pad_rows
-    from rloo.generation import decode
-    from rloo.generation.decode import lean_decoder
-    from rloo.logps import cache_argument
+    from rloo.engine import decode
+    from rloo.engine.decode import lean_decoder
+    from rloo.kv import cache_argument
     library = kernel.compiled(target)
     if library is None:
         assert shutil.which("gcc") is None
@@ -170,7 +170,7 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
 
 @pytest.mark.parametrize("target", _TARGETS)
 def test_decode_attention_in_c_is_sdpas_for_scores_far_apart_and_masked_positions(target):
-    """rloo.generation.kernel.attention (its own exp and softmax, NB positions at a time): the rotated key and the
+    """rloo.engine.kernel.attention (its own exp and softmax, NB positions at a time): the rotated key and the
     value written at the step's position, and softmax(q k^T * scale + mask) v as SDPA computes it, for scores from
     0 to hundreds apart (weights that underflow to 0), masked positions, position counts in and out of a vector and
     more scores than the C keeps on its stack; a row's left padding is never read (NaN there)."""
@@ -210,7 +210,7 @@ def test_decode_attention_in_c_is_sdpas_for_scores_far_apart_and_masked_position
 
 @pytest.mark.parametrize("target", _TARGETS)
 def test_c_draw_is_the_inverse_cdf_of_softmax_with_banned_columns_and_leaves_rows_it_cannot_draw(target):
-    """rloo.generation.kernel.draw: for the same uniform numbers, the token of one cumulative sum of softmax's
+    """rloo.engine.kernel.draw: for the same uniform numbers, the token of one cumulative sum of softmax's
     probabilities over the whole row (banned columns at -inf, one of them a row's largest score; a vocabulary that
     is not a whole number of blocks); never an entry of weight 0, also for uniforms at 0 and just under 1 and whole
     blocks at -inf; -1 for a row with a NaN, +inf or nothing finite."""

@@ -1,4 +1,4 @@
-"""The decode step written out in torch (rloo.generation.decode): its logits against the model's forward with each
+"""The decode step written out in torch (rloo.engine.decode): its logits against the model's forward with each
 GEMM kernel and packing the build has, the fixed-shape form a CUDA graph replays, the models it leaves to `generate`,
 and the packed weights kept while they are unchanged."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rloo.generation import LeanGenerator, TransformersGenerator
-from rloo.generation import kernel
-from rloo.generation.decode import _kernels
+from rloo.engine import kernel
+from rloo.engine.decode import _kernels
 from rloo.testing import tiny_causal_lm
 
 from helpers import DEVICES, PROMPTS, config, with_lora
@@ -52,11 +52,11 @@ _PACKABLE = ("llama", "llama-bias", "qwen2", "lora", "lora-mixed")
 @pytest.mark.parametrize("kind,gemm", [(kind, gemm) for kind in _PACKABLE for gemm in sorted(_KERNELS)]
                          + [("lora-float64", None)])
 def test_written_out_decode_step_is_the_models_forward(tokenizer, kind, gemm, monkeypatch):
-    """rloo.generation.decode: the step's logits are the model's (KV buffers; packed weights with each GEMM kernel
+    """rloo.engine.decode: the step's logits are the model's (KV buffers; packed weights with each GEMM kernel
     the build has, q/k/v and gate/up side by side, LoRA merged; or, not packable, LoRA written out; the attention's
     matmuls), and greedy decoding with it gives generate's tokens."""
-    from rloo.generation import decode
-    from rloo.generation.decode import lean_decoder
+    from rloo.engine import decode
+    from rloo.engine.decode import lean_decoder
     if gemm is not None:  # that kernel alone (MKL's is otherwise used only in a build without oneDNN)
         monkeypatch.setattr(decode, "_kernels", lambda: {gemm: _KERNELS[gemm]})
     model = _variant(tokenizer, kind).eval()
@@ -69,7 +69,7 @@ def test_written_out_decode_step_is_the_models_forward(tokenizer, kind, gemm, mo
     from transformers import DynamicCache
 
     from rloo.data import pad_rows
-    from rloo.logps import cache_argument
+    from rloo.kv import cache_argument
     input_ids, mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
@@ -96,7 +96,7 @@ def test_the_steps_fixed_shape_form_replayed_as_a_cuda_graph_gives_the_steps_log
     from transformers import DynamicCache
 
     from rloo.data import pad_rows
-    from rloo.generation.decode import LeanDecoder, lean_decoder
+    from rloo.engine.decode import LeanDecoder, lean_decoder
     monkeypatch.setattr(kernel, "for_decoding", lambda: None)
     monkeypatch.setattr(LeanDecoder, "GRAPH_LENGTH", 4)  # (graphs of lengths 8, then the buffers' 14)
     model.to(device).eval()
@@ -132,7 +132,7 @@ def test_the_steps_fixed_shape_form_replayed_as_a_cuda_graph_gives_the_steps_log
 
 
 def test_models_the_decode_step_does_not_write_out_keep_their_forward(tokenizer):
-    from rloo.generation.decode import lean_decoder
+    from rloo.engine.decode import lean_decoder
     from rloo.testing import tiny_moe_causal_lm
     assert lean_decoder(tiny_moe_causal_lm(tokenizer), 2) is None  # Mixtral: experts
     from transformers import MistralConfig, MistralForCausalLM
@@ -143,11 +143,11 @@ def test_models_the_decode_step_does_not_write_out_keep_their_forward(tokenizer)
 
 
 def test_the_decode_steps_fused_operations_give_the_modules_values(tokenizer, model):
-    """rloo.generation.decode: a Llama norm as one torch.rms_norm call, the rotation as a roll with sin's first half
+    """rloo.engine.decode: a Llama norm as one torch.rms_norm call, the rotation as a roll with sin's first half
     negated: the same values, bit for bit, as the module and as apply_rotary_pos_emb."""
     from transformers.models.llama.modeling_llama import rotate_half
 
-    from rloo.generation.decode import _norm
+    from rloo.engine.decode import _norm
     norm = model.model.layers[0].input_layernorm
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -159,14 +159,14 @@ def test_the_decode_steps_fused_operations_give_the_modules_values(tokenizer, mo
 
 
 def test_weights_are_packed_for_onednn_and_for_mkl_only_in_a_build_without_it(monkeypatch):
-    """rloo.generation.decode._packed_linear: oneDNN's kernel where the build has it, nothing else packed or timed
+    """rloo.engine.decode._packed_linear: oneDNN's kernel where the build has it, nothing else packed or timed
     (MKL's packed copy is up to 21x the weight's size: a fresh mapping on every generation call); MKL's in a build
     without oneDNN; packing draws no random numbers."""
     import functools
 
     import torch.nn.functional as F
 
-    from rloo.generation import decode
+    from rloo.engine import decode
     built = []
 
     def kernel(name):
@@ -192,8 +192,8 @@ def test_weights_are_packed_for_onednn_and_for_mkl_only_in_a_build_without_it(mo
 
 
 def _counting_builds(monkeypatch):
-    from rloo.generation import lean
-    from rloo.generation.decode import lean_decoder
+    from rloo.engine import lean
+    from rloo.engine.decode import lean_decoder
     built = []
 
     def counted(model, rows):

@@ -1,4 +1,4 @@
-"""rloo.heap: memory a training step frees stays in the process for the next step instead of being returned and
+"""rloo.engine.heap: memory a training step frees stays in the process for the next step instead of being returned and
 faulted in again page by page."""
 
 import resource
@@ -6,7 +6,7 @@ import resource
 import pytest
 import torch
 
-from rloo import heap
+from rloo.engine import heap
 
 
 def _faults_of_a_step() -> int:

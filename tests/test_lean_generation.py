@@ -1,4 +1,4 @@
-"""Our decode loop (rloo.generation.lean) against `model.generate`: greedy tokens identical, sampled tokens from the
+"""Our decode loop (rloo.engine.lean) against `model.generate`: greedy tokens identical, sampled tokens from the
 same distribution (first token against the exact processed distribution, the first two jointly against
 `generate`'s samples), the settings it does not implement left to `generate`, and the prompts' forward before the
 decode steps (each repeated prompt once, a shared start once, length groups, oneDNN's linears). The decode step
@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (RepetitionPenaltyLogitsProce
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from rloo.generation import LeanGenerator, TransformersGenerator, in_process_generator
-from rloo.generation.lean import Draws, MinNewTokens, sample_from
+from rloo.engine.lean import Draws, MinNewTokens, sample_from
 from rloo.testing import tiny_causal_lm
 
 from helpers import DEVICES, PROMPTS, config, with_lora
@@ -41,7 +41,7 @@ def test_a_model_under_mixed_precision_decodes_through_its_autocast_forward(toke
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from rloo.generation.decode import lean_decoder
+    from rloo.engine.decode import lean_decoder
     plain = tiny_causal_lm(tokenizer).to(device)
     assert lean_decoder(plain, 4) is not None
     with torch.autocast(device, dtype=torch.bfloat16):
@@ -76,7 +76,7 @@ def test_min_new_tokens_processor_gives_transformers_scores(eos):
     minimum, float32 and bfloat16, -inf / nan / -0.0 among the scores; a fresh tensor either way."""
     from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
-    from rloo.generation.lean import MinNewTokens
+    from rloo.engine.lean import MinNewTokens
     theirs, ours = (kind(5, 3, torch.tensor(eos)) for kind in (MinNewTokensLengthLogitsProcessor, MinNewTokens))
     for dtype in (torch.float32, torch.bfloat16):
         scores = torch.randn(4, 32).to(dtype)
@@ -248,7 +248,7 @@ def test_repeated_prompts_are_prefilled_once_with_generates_tokens(tokenizer, mo
 
 
 def test_prompt_lengths_are_grouped_where_the_padding_saved_outweighs_a_forward():
-    from rloo.generation.prefill import length_groups
+    from rloo.engine.prefill import length_groups
     assert length_groups([5, 50, 5, 50, 5], 32) == [[0, 2, 4], [1, 3]]  # 3 x 5 + 32 + 2 x 50 + 32 < 5 x 50 + 32
     assert length_groups([5, 50, 5, 50, 5], 200) == [[0, 1, 2, 3, 4]]  # 515 > 450
     assert length_groups([10, 11, 12]) == [[0, 1, 2]]  # padding 3 tokens: one forward
@@ -264,7 +264,7 @@ def test_prompt_lengths_are_grouped_where_the_padding_saved_outweighs_a_forward(
 @pytest.mark.parametrize("shared", ["", "you are a careful helper who answers the question below in one short line: "])
 def test_prompts_go_through_once_for_their_shared_start_then_in_length_groups_with_one_forwards_cache_and_tokens(
         tokenizer, model, monkeypatch, shared):
-    """rloo.generation.prefill: distinct prompts of 4-5 and ~60 tokens through the model in two forwards, each padded
+    """rloo.engine.prefill: distinct prompts of 4-5 and ~60 tokens through the model in two forwards, each padded
     to its own longest, after one forward of the first tokens they all share where they share enough; the merged
     cache equals one forward's at every unmasked position, the last positions' logits too, and greedy decoding gives
     generate's tokens (with num_generations copies as well)."""
@@ -273,9 +273,9 @@ def test_prompts_go_through_once_for_their_shared_start_then_in_length_groups_wi
     from transformers import DynamicCache
 
     from rloo.data import pad_rows
-    from rloo.generation import prefill as prefill_module
-    from rloo.generation.prefill import prefill
-    from rloo.logps import cache_argument
+    from rloo.engine import prefill as prefill_module
+    from rloo.engine.prefill import prefill
+    from rloo.kv import cache_argument
     monkeypatch.setattr(prefill_module, "FORWARD_COST", 32)  # (a forward of the tiny model costs ~nothing)
     long = " ".join(["one two three four the dog sat on the mat"] * 6)
     texts = [shared + text for text in ("the dog sat", long, "red", long + " a big cat")]
@@ -324,13 +324,13 @@ def test_prompts_go_through_once_for_their_shared_start_then_in_length_groups_wi
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
 def test_the_prompts_forward_runs_linears_on_onednn_without_grad_or_autocast_and_gives_them_back(
         tokenizer, model, monkeypatch):
-    """rloo.generation.prefill._linears_on_onednn: inside the prompts' forward every plain fp32 Linear of the model
+    """rloo.engine.prefill._linears_on_onednn: inside the prompts' forward every plain fp32 Linear of the model
     (a LoRA layer's base and adapters too) runs on oneDNN's GEMM, with the model's logits; F.linear where a gradient
     is recorded or autocast is on; afterwards every module has its own forward back."""
     import torch.nn.functional as F
 
     from rloo.data import pad_rows
-    from rloo.generation import prefill as prefill_module
+    from rloo.engine import prefill as prefill_module
     model = with_lora(model).eval()
     linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
     assert len(linears) > 10

@@ -1,11 +1,12 @@
-"""rloo.mapped: the reference model's weights in a shared file mapping whose pages leave the process after each
+"""rloo.engine.mapped: the reference model's weights in a shared file mapping whose pages leave the process after each
 module's forward and after each reference forward, with the same values, ties and outputs as a plain copy; never on a memory filesystem."""
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from rloo import RLOOTrainer, mapped
+from rloo import RLOOTrainer
+from rloo.engine import mapped
 from rloo.models import create_reference_model
 from rloo.tiny import tiny_config
 

@@ -19,6 +19,7 @@ def snapshot(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.engines
 def test_lora_trains_adapter_only_and_reference_is_the_base(tmp_path, tokenizer, model):
     trainer = RLOOTrainer(model=model, reward_funcs=position_reward, args=make_args(tmp_path, beta=0.05, max_steps=3),
                           train_dataset=conversational(), processing_class=tokenizer,
@@ -144,6 +145,7 @@ def test_router_aux_loss_on_dense_model_is_an_error(tmp_path, tokenizer, model):
                     train_dataset=conversational(), processing_class=tokenizer)
 
 
+@pytest.mark.engines
 def test_gradient_checkpointing_on_and_off_give_the_same_update(tmp_path, tokenizer):
     results = {}
     for checkpointing in (True, False):
@@ -233,7 +235,8 @@ def test_shared_prompts_give_the_same_logps_entropy_and_gradients(tokenizer, mod
 def test_shared_prompts_under_activation_checkpointing(tokenizer, model):
     """Checkpointed layers keep the shared prompt's cache (written once, so a replay adds nothing) and give the
     gradients of one forward over whole rows; the reentrant variant (no gradients inside its forward) does not share."""
-    from rloo.logps import can_share_prompts, per_token_logps
+    from rloo.engine.shared_prompts import can_share_prompts
+    from rloo.logps import per_token_logps
     input_ids = torch.randint(3, len(tokenizer), (2, 9))
     input_ids[1, :6] = input_ids[0, :6]  # rows 0 and 1 share a 6-token prompt
     input_ids = input_ids[[0, 1, 0]]
@@ -247,7 +250,7 @@ def test_shared_prompts_under_activation_checkpointing(tokenizer, model):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.zero_grad()
         assert can_share_prompts(model)
-        per_token_logps(model, input_ids, attention_mask, 3, 1.0).logps.sum().backward()
+        per_token_logps(model, input_ids, attention_mask, 3, 1.0, share_prompts=True).logps.sum().backward()
         gradients.append([p.grad.clone() for p in model.parameters()])
     hook.remove()
     assert forwards == [(1, 6), (3, 2)] * 2  # the prompt once, then the completions, with and without checkpoints
@@ -264,6 +267,7 @@ def test_shared_prompts_let_each_layers_key_and_value_gradients_go_with_its_back
     keys and values the completions attended to is summed per prompt within that layer's backward and freed, not
     held until the backward of every completion layer is over."""
     from rloo import logps
+    from rloo.engine import shared_prompts
     grads = []
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -272,8 +276,8 @@ def test_shared_prompts_let_each_layers_key_and_value_gradients_go_with_its_back
             tensor.register_hook(lambda grad: grads.append(weakref.ref(grad.untyped_storage())))
         return keys, values
 
-    original = logps._ReadOnlyLayer.update
-    monkeypatch.setattr(logps._ReadOnlyLayer, "update", update)
+    original = shared_prompts._ReadOnlyLayer.update
+    monkeypatch.setattr(shared_prompts._ReadOnlyLayer, "update", update)
     embedded, alive = [], []
     model.model.embed_tokens.register_forward_hook(lambda module, args, output: embedded.append(output))
     model.train()
@@ -291,11 +295,12 @@ def test_shared_prompts_let_each_layers_key_and_value_gradients_go_with_its_back
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_shared_prompts_backward_layer_by_layer_gives_bitwise_the_same_gradients(tokenizer, model, monkeypatch,
                                                                                  kind):
-    """Each prompt layer's backward runs with its completions' layer (rloo.prompt_layers): the same gradients, bit for
+    """Each prompt layer's backward runs with its completions' layer (rloo.engine.prompt_layers): the same gradients, bit for
     bit, as autograd's own order, also added to gradients already there (accumulation over micro-batches), under the
     trainer's recomputed activations and tied embedding; no hook is left on a parameter after the backward."""
-    from rloo import logps, prompt_layers, tied
-    from rloo.recompute import recomputed_activations
+    from rloo import logps
+    from rloo.engine import prompt_layers, tied
+    from rloo.engine.recompute import recomputed_activations
     model = _in_training(model, kind)
     torch.manual_seed(0)
     prompts = torch.randint(3, len(tokenizer), (2, 7))
@@ -315,7 +320,7 @@ def test_shared_prompts_backward_layer_by_layer_gives_bitwise_the_same_gradients
         model.zero_grad(set_to_none=True)
         for weight in (1.0, 0.5):  # the second backward adds into the gradients the first set
             with recomputed_activations(model), tied.tied_rows(model):
-                out = logps.per_token_logps(model, input_ids, attention_mask, 5, 0.7)
+                out = logps.per_token_logps(model, input_ids, attention_mask, 5, 0.7, share_prompts=True)
             (out.logps * weight).sum().backward()
         results[layered] = [p.grad.clone() for p in model.parameters() if p.requires_grad]
         assert not any(p._backward_hooks for p in model.parameters())
@@ -351,7 +356,8 @@ def test_a_parameter_with_a_hook_of_its_own_keeps_the_prompts_backward_after_the
     """A hook on a parameter sees its gradient once per backward, the sum of the prompts' and the completions' parts:
     the prompts' layers then run their backward as autograd orders it (the layered one would show it the prompts'
     part too)."""
-    from rloo import logps, prompt_layers
+    from rloo import logps
+    from rloo.engine import prompt_layers
     boundaries, seen = [], []
     boundary = prompt_layers.PromptLayers.boundary
     monkeypatch.setattr(prompt_layers.PromptLayers, "boundary",
@@ -359,6 +365,6 @@ def test_a_parameter_with_a_hook_of_its_own_keeps_the_prompts_backward_after_the
     model.train()
     model.model.layers[0].mlp.up_proj.weight.register_hook(lambda grad: seen.append(grad.clone()))
     input_ids = torch.randint(3, len(tokenizer), (2, 9))[[0, 0, 1, 1]]
-    logps.per_token_logps(model, input_ids, torch.ones_like(input_ids), 3, 1.0).logps.sum().backward()
+    logps.per_token_logps(model, input_ids, torch.ones_like(input_ids), 3, 1.0, share_prompts=True).logps.sum().backward()
     assert boundaries == [] and len(seen) == 1
     assert torch.equal(seen[0], model.model.layers[0].mlp.up_proj.weight.grad)

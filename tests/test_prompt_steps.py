@@ -1,4 +1,4 @@
-"""The prompts' forward through the decode step's C (rloo.generation.prompt_steps): its spans of columns, and the
+"""The prompts' forward through the decode step's C (rloo.engine.prompt_steps): its spans of columns, and the
 decoder's buffers it fills against the model's own forward."""
 
 import functools
@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from rloo.generation import kernel
+from rloo.engine import kernel
 
 from helpers import kernel_targets, small_llama, with_lora
 
@@ -15,7 +15,7 @@ _TARGETS = kernel_targets()
 
 
 def test_spans_skip_the_padding_before_short_prompts_where_it_outweighs_a_span():
-    from rloo.generation.prompt_steps import spans
+    from rloo.engine.prompt_steps import spans
     # 12 rows begin at column 0, 20 at 12: 12 x 12 + 32 x 22 + 2 < 32 x 34 + 1
     assert spans([0] * 12 + [12] * 20, 34, span_cost=16) == [(0, 12), (12, 34)]
     assert spans([0] * 12 + [12] * 20, 34, span_cost=500, most=4096) == [(0, 34)]  # (2 x 501 > 1089)
@@ -33,7 +33,7 @@ def test_spans_skip_the_padding_before_short_prompts_where_it_outweighs_a_span()
 
 
 class _NanEmpty:
-    """torch for rloo.generation.prompt_steps, its `empty` filled with NaN: a buffer position read before it is
+    """torch for rloo.engine.prompt_steps, its `empty` filled with NaN: a buffer position read before it is
     written (or zeroed) poisons the logits."""
 
     def __getattr__(self, name):
@@ -66,10 +66,11 @@ def test_prompts_through_the_c_step_fill_the_decoders_buffers_as_the_models_forw
     from transformers import DynamicCache, GenerationConfig
 
     from rloo.data import pad_rows
-    from rloo.generation import LeanGenerator, TransformersGenerator, decode
-    from rloo.generation import prompt_steps as module
-    from rloo.generation.decode import lean_decoder
-    from rloo.logps import cache_argument
+    from rloo.engine import decode
+    from rloo.generation import LeanGenerator, TransformersGenerator
+    from rloo.engine import prompt_steps as module
+    from rloo.engine.decode import lean_decoder
+    from rloo.kv import cache_argument
     library = kernel.compiled(target)
     if library is None:
         assert shutil.which("gcc") is None

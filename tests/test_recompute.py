@@ -1,4 +1,4 @@
-"""rloo.recompute: the loss's forward keeps no activation that its backward can make again, and the gradients are
+"""rloo.engine.recompute: the loss's forward keeps no activation that its backward can make again, and the gradients are
 bitwise the model's own."""
 
 import contextlib
@@ -8,7 +8,8 @@ import weakref
 import pytest
 import torch
 
-from rloo import RLOOTrainer, recompute
+from rloo import RLOOTrainer
+from rloo.engine import recompute
 from rloo.logps import per_token_logps
 from rloo.testing import tiny_causal_lm
 
@@ -45,7 +46,7 @@ def _logps_and_grads(model, recomputed: bool):
     model.zero_grad(set_to_none=True)
     ids, mask = _rows()
     with recompute.recomputed_activations(model if recomputed else None) as covered:
-        out = per_token_logps(model, ids, mask, 5, 0.7, with_entropy=True)
+        out = per_token_logps(model, ids, mask, 5, 0.7, with_entropy=True, share_prompts=True)
     (out.logps.float() * mask[:, -5:]).sum().backward()
     grads = {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
     return covered, out.logps.detach(), out.entropy, grads
@@ -70,7 +71,8 @@ def test_recomputable_activations_are_not_kept_for_the_backward(tokenizer, monke
     hooks the graph keeps them. A module whose forward is not Llama's is left alone, and so is a model under ZeRO-3."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
-    kinds = [recompute.llama_kind(cls) for cls in (LlamaRMSNorm, LlamaMLP, GemmaRMSNorm)]
+    from rloo.engine.registry import registry
+    kinds = [registry().get(cls) for cls in (LlamaRMSNorm, LlamaMLP, GemmaRMSNorm)]
     assert kinds == ["norm", "mlp", None]
     model = tiny_causal_lm(tokenizer)
     registered = []
@@ -82,7 +84,7 @@ def test_recomputable_activations_are_not_kept_for_the_backward(tokenizer, monke
     def alive_after_forward():
         registered.clear()
         with recompute.recomputed_activations(model):
-            out = per_token_logps(model, ids, mask, 5, 1.0)
+            out = per_token_logps(model, ids, mask, 5, 1.0, share_prompts=True)
         gc.collect()
         return out, [ref for ref in registered if ref() is not None]
 
@@ -101,9 +103,8 @@ def test_recomputable_activations_are_not_kept_for_the_backward(tokenizer, monke
 
 
 def test_the_loss_forward_recomputes_activations_unless_layers_are_checkpointed(tmp_path, tokenizer, monkeypatch):
-    import rloo.trainer
     seen = []
-    real = rloo.trainer.recomputed_activations
+    real = recompute.recomputed_activations
 
     @contextlib.contextmanager
     def recording(model):
@@ -111,7 +112,7 @@ def test_the_loss_forward_recomputes_activations_unless_layers_are_checkpointed(
             seen.append(covered)
             yield covered
 
-    monkeypatch.setattr(rloo.trainer, "recomputed_activations", recording)
+    monkeypatch.setattr(recompute, "recomputed_activations", recording)
     for checkpointed in (False, True):
         seen.clear()
         trainer = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=position_reward,
@@ -137,7 +138,7 @@ def test_what_a_recipe_needs_goes_with_its_layers_backward(tokenizer):
         lambda param: alive_at_the_end.append(sum(ref() is not None for ref in outputs)))
     ids, mask = _rows()
     with recompute.recomputed_activations(model):
-        out = per_token_logps(model, ids, mask, 5, 1.0)
+        out = per_token_logps(model, ids, mask, 5, 1.0, share_prompts=True)
     assert len(outputs) == 2 * 2 * 2 and all(ref() is not None for ref in outputs)  # 2 passes x 2 layers x 2
     out.logps.sum().backward()
     assert alive_at_the_end == [0]

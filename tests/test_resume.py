@@ -41,6 +41,7 @@ def train(tmp_path, tokenizer, resume=None, interrupt_at=None, **kwargs):
 @pytest.mark.parametrize("extra", [{}, {"num_iterations": 2, "beta": 0.05},
                                    {"beta": 0.1, "sync_ref_model": True, "ref_model_sync_steps": 1}],
                          ids=["buffer", "iterations+kl", "tr-dpo"])
+@pytest.mark.engines
 def test_resume_mid_buffer_matches_uninterrupted_run(tmp_path, tokenizer, extra):
     settings = {**MID_BUFFER, **extra}
     full = train(tmp_path / "full", tokenizer, **settings)

@@ -1,4 +1,4 @@
-"""rloo.tied: a weight tied between the input embedding and the LM head gets the model's own gradient, without the
+"""rloo.engine.tied: a weight tied between the input embedding and the LM head gets the model's own gradient, without the
 vocabulary-sized tables PyTorch's embedding backward and gradient sum would make."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from rloo.logps import per_token_logps
-from rloo.tied import tied_rows
+from rloo.engine.tied import tied_rows
 from rloo.tiny import tiny_config
 
 VOCAB, HIDDEN = 1000, 32
@@ -84,7 +84,7 @@ def test_untied_frozen_or_no_grad_models_run_as_they_are():
 def test_head_over_parts_gives_each_parts_own_logits_and_one_weight_gradient():
     """The prompts' last positions and the completions through one head node: logits bitwise the head's own per part,
     gradients (weight, bias, inputs) those of two separate calls up to rounding, one vocabulary x hidden product."""
-    from rloo.logps import _head_over_parts
+    from rloo.engine.shared_prompts import _head_over_parts
     torch.manual_seed(0)
     head = torch.nn.Linear(HIDDEN, VOCAB)
     first, second = torch.randn(2, 1, HIDDEN, requires_grad=True), torch.randn(3, 4, HIDDEN, requires_grad=True)

@@ -17,7 +17,7 @@ def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
     """Rewarding the share of 'cat' tokens raises it. Measured with model.generate's sampler (lr 0.01, 40 steps,
     seeds 0-9 and 42, 1 and 2 threads): mean reward of the first 5 steps 0.013-0.050, of the last 5 steps
     0.167-0.249; smallest gain 0.123, smallest ratio 3.5. With our decode loop (same distribution, other draws:
-    rloo.generation.lean), seeds 0-8: gains 0.137-0.225, ratios >= 4.3; seed 42: +0.066 only (0.006 -> 0.072), so the
+    rloo.engine.lean), seeds 0-8: gains 0.137-0.225, ratios >= 4.3; seed 42: +0.066 only (0.006 -> 0.072), so the
     test runs seed 0 (+0.139). It asks for +0.07 and 2.5x. (At lr 0.05, 3 of 10 seeds collapsed to reward 0; 60
     steps instead of 40 plateau at the same level.)"""
     cat = tokenizer.convert_tokens_to_ids("cat")
@@ -36,6 +36,7 @@ def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
     assert last > first + 0.07 and last > 2.5 * first, rewards
 
 
+@pytest.mark.engines
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradient_is_exactly_reinforce_with_leave_one_out(tmp_path, tokenizer, model, device):
     """After one SGD step, delta theta = lr * grad (1/B) sum_i A_i log pi(o_i|q), recomputed independently (on the
@@ -173,7 +174,8 @@ def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(tmp_path, tok
             make_args(tmp_path, kl_logps_from_generation=True, **{"beta": 0.1, **settings})
 
 
-def test_kl_takes_pi_old_from_the_loss_forward(tmp_path, tokenizer, model):
+@pytest.mark.engines
+def test_kl_takes_pi_old_from_the_loss_forward(tmp_path, tokenizer, model, engine_mode):
     """On-policy with one micro-batch per generation, the KL's pi_old is the loss's own forward: each rollout runs
     one log-prob forward (the reference's), not two, and the run is the one with a separate old forward: the same
     KL (exactly 0 at the first step, the reference being the policy), completion log and weights."""
@@ -195,14 +197,16 @@ def test_kl_takes_pi_old_from_the_loss_forward(tmp_path, tokenizer, model):
                              [p.detach().clone() for p in policy.parameters()])
     (kl, forwards, table, weights), (kl_old, forwards_old, table_old, weights_old) = results[True], results[False]
     assert (forwards, forwards_old) == (3, 6)  # per rollout: reference only / policy and reference
-    assert kl[0] == 0.0 and max(kl) > 0
-    assert kl == pytest.approx(kl_old, rel=1e-5, abs=1e-8)
+    # (the speed layer runs both forwards the same way: exactly 0; plain forwards with and without autograd may
+    # take other kernels: 0 to float rounding)
+    assert (kl[0] == 0.0 if engine_mode == "fast" else abs(kl[0]) < 1e-6) and max(kl) > 0
+    assert kl == pytest.approx(kl_old, rel=1e-5, abs=1e-7)
     assert table[:2] == table_old[:2]
     assert table[2] == pytest.approx(table_old[2], rel=1e-5, abs=1e-6)
     for mine, theirs in zip(weights, weights_old):
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
     for settings in (dict(steps_per_generation=2, gradient_accumulation_steps=2), dict(num_iterations=2),
-                     dict(beta=0.0), dict(kl_logps_from_generation=True)):  # pi_old kept, no KL, or the sampler's
+                     dict(beta=0.0), *([dict(kl_logps_from_generation=True)] if engine_mode == "fast" else [])):
         trainer = RLOOTrainer(model=copy.deepcopy(model), reward_funcs=position_reward, processing_class=tokenizer,
                               args=make_args(tmp_path / "other", **{"beta": 0.1, **settings}),
                               train_dataset=conversational())

@@ -1,9 +1,10 @@
 """Generation backends: each turns prompt token ids into completion token ids (rloo.generation.base), and the one
 factory that picks a backend from an RLOOConfig."""
 
+from rloo import engine
+from rloo.engine.lean import LeanGenerator, supports
 from rloo.generation.base import Completions, GenerationBackend
 from rloo.generation.continuous_batching import ContinuousBatchingGenerator
-from rloo.generation.lean import LeanGenerator, supports
 from rloo.generation.transformers_backend import TransformersGenerator, build_generation_config
 
 __all__ = ["Completions", "ContinuousBatchingGenerator", "GenerationBackend", "LeanGenerator", "TransformersGenerator",
@@ -11,11 +12,13 @@ __all__ = ["Completions", "ContinuousBatchingGenerator", "GenerationBackend", "L
 
 
 def in_process_generator(generation_config, pad_token_id: int, eos_token_ids: list[int], model,
-                         pad_to_multiple_of: int | None = None, synced: bool = False) -> GenerationBackend:
-    """Our decode loop where it reproduces `generate` for these settings (rloo.generation.lean.supports), else
+                         pad_to_multiple_of: int | None = None, synced: bool = False,
+                         fast: bool | None = None) -> GenerationBackend:
+    """Our decode loop where it reproduces `generate` for these settings (rloo.engine.lean.supports), else
     `model.generate`. `synced`: ZeRO-3 without gathering for generation, where every rank must run the same
-    forwards until all are done (as generate's synced_gpus)."""
-    if supports(generation_config, model):
+    forwards until all are done (as generate's synced_gpus). `fast`: the speed layer on (None: rloo.engine's
+    environment switch); off, always `model.generate`."""
+    if (engine.is_fast() if fast is None else fast) and supports(generation_config, model):
         return LeanGenerator(generation_config, pad_token_id, eos_token_ids, pad_to_multiple_of, synced)
     return TransformersGenerator(generation_config, pad_token_id, eos_token_ids, pad_to_multiple_of)
 
@@ -35,7 +38,8 @@ def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: i
         return ContinuousBatchingGenerator(generation_config, eos_token_ids,
                                            args.transformers_continuous_batching_config)
     generator = in_process_generator(generation_config, pad_token_id, eos_token_ids, model, args.pad_to_multiple_of,
-                                     synced=zero3 and not args.ds3_gather_for_generation)
+                                     synced=zero3 and not args.ds3_gather_for_generation,
+                                     fast=engine.is_fast(args.engine))
     if args.kl_logps_from_generation:  # pi_old for the KL from the decode loop, not a second forward
         keep_policy_logprobs(generator, model, args.temperature)
     return generator
@@ -47,8 +51,9 @@ def keep_policy_logprobs(generator: GenerationBackend, model, temperature: float
     from rloo.models import dropout_active
     if not isinstance(generator, LeanGenerator):
         raise ValueError("kl_logps_from_generation=True: these generation settings (generation_kwargs, "
-                         "cache_implementation or a model forward without cache arguments) keep model.generate, "
-                         "which keeps no log-probs. Fix: kl_logps_from_generation=False.")
+                         "cache_implementation, a model forward without cache arguments, or the speed layer "
+                         "off: engine='reference') keep model.generate, which keeps no log-probs. Fix: "
+                         "kl_logps_from_generation=False.")
     if dropout_active(model):  # decoding runs in eval mode, the forward it replaces in training mode
         raise ValueError("kl_logps_from_generation=True: the policy has dropout, so the decode loop's log-probs "
                          "(eval mode) are not the training-mode forward's. Fix: disable_dropout=True, or "

@@ -45,7 +45,7 @@ class GenerationBackend:
 
     @contextlib.contextmanager
     def reusing_weights(self):
-        """Calls inside may keep what they derive from the model's weights (rloo.generation.lean: the decode step's
+        """Calls inside may keep what they derive from the model's weights (rloo.engine.lean: the decode step's
         packed copy) for the next call with the same weights: evaluation's batches of one policy. No-op here."""
         yield
 

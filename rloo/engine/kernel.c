@@ -1,4 +1,4 @@
-/* The decode step's kernels and the token draw (rloo.generation.kernel builds this file with gcc -O3 -march=native
+/* The decode step's kernels and the token draw (rloo.engine.kernel builds this file with gcc -O3 -march=native
    -fopenmp and loads it with ctypes): fp32, one new token per row, parallel over the OpenMP threads of the torch
    that loaded it. */
 #include <math.h>
@@ -290,7 +290,7 @@ static void weigh(vec *acc, const float *v, const float *weights, int count, int
 }
 
 /* Inside a parallel region, the attention of `tokens` new tokens per row (a decode step: 1; the prompts' tokens in
-   steps of several: rloo.generation.prompt_steps): qkv [rows][tokens][heads + 2 kv_heads][dim] (the projections),
+   steps of several: rloo.engine.prompt_steps): qkv [rows][tokens][heads + 2 kv_heads][dim] (the projections),
    cos / sin [rows][tokens][dim] at their positions; token t's rotated key and its value are written at position
    at + t of keys / values [buffer rows][kv_heads][total][dim], the buffer row of row i being row_of[i] (NULL: i);
    out [rows][tokens][heads][dim] = softmax((q . k) * scale + mask) v over the row's positions up to the token's:
@@ -377,7 +377,7 @@ void attend(const float *qkv, const float *cos, const float *sin, const float *s
               heads, kv_heads, dim, total, at, scale);
 }
 
-#define BLOCK 256  /* entries per block of the draw (rloo.generation.lean.BLOCK) */
+#define BLOCK 256  /* entries per block of the draw (rloo.engine.lean.BLOCK) */
 typedef double dvec __attribute__((vector_size(NB * 4)));  /* NB / 2 doubles */
 
 static float exp1(float x) { return exp_of((vec){0} + x)[0]; }  /* exp_of for one number */
@@ -420,7 +420,7 @@ static double block_total(const float *scores, int from, int to, float top, cons
 
 /* One token per row drawn from softmax(scores[r]) with the `banned` columns at -inf: by inverse CDF on the
    unnormalised weights e^(s - max) (float, exp_of; the max over the columns not banned) against uniform[r] x their
-   total, in double and two levels, as rloo.generation.lean.sample_from does on softmax's probabilities (the same
+   total, in double and two levels, as rloo.engine.lean.sample_from does on softmax's probabilities (the same
    distribution up to float rounding; entries of weight 0 are never drawn). tokens[r] = -1 where the row has a NaN,
    no finite largest score or a total that is not a positive finite number (the caller's torch path decides then). */
 void draw(const float *scores, int rows, int vocab, const int *banned, int count, const double *uniform,

@@ -1,4 +1,4 @@
-"""A shared prompt's backward run layer by layer with its completions' (`rloo.logps.shared_prompt_logits`).
+"""A shared prompt's backward run layer by layer with its completions' (`rloo.engine.shared_prompts.shared_prompt_logits`).
 
 The distinct prompts go through the decoder first, their rows' completions after, attending to the prompts' keys and
 values. Autograd runs a node once everything made after it has run, so every prompt layer's backward waited for the

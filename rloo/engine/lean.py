@@ -1,10 +1,10 @@
 """Sampling completions with a decode loop of our own (the default in-process backend when the sampling settings
 allow it): the prompts once per distinct prompt through the decode step's C where the whole step is ours
-(rloo.generation.prompt_steps), else through the model's forward (rloo.generation.prefill: rows repeating a prompt
+(rloo.engine.prompt_steps), else through the model's forward (rloo.engine.prefill: rows repeating a prompt
 share its KV cache; on the CPU in groups of similar length), then one decode step per token
-(rloo.generation.decode's written-out step for the Llama family, else the model's forward), transformers' own
+(rloo.engine.decode's written-out step for the Llama family, else the model's forward), transformers' own
 logits processors in `generate`'s order, and an inverse-CDF draw instead of `torch.multinomial` (in C on the logits
-where min_new_tokens is the only processor: rloo.generation.kernel.draw; on a GPU replayed as a CUDA graph: Draws).
+where min_new_tokens is the only processor: rloo.engine.kernel.draw; on a GPU replayed as a CUDA graph: Draws).
 
 Same distribution as `model.generate`: the same logits (same function, positions and mask), the same processors
 (repetition penalty, min_new_tokens, temperature, top-k, top-p, min-p), the same EOS handling; only the random
@@ -29,13 +29,14 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
                                                     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from rloo.generation import kernel
-from rloo.generation.cuda_graph import Graphed
-from rloo.generation.decode import lean_decoder, weights_key
-from rloo.generation.prefill import prefill
-from rloo.generation.prompt_steps import prompt_steps
+from rloo.engine import kernel
+from rloo.engine.cuda_graph import Graphed
+from rloo.engine.decode import lean_decoder, weights_key
+from rloo.engine.prefill import prefill
+from rloo.engine.prompt_steps import prompt_steps
 from rloo.generation.transformers_backend import TransformersGenerator
-from rloo.logps import cache_argument, selective_log_softmax, share_cache_rows
+from rloo.kv import cache_argument, share_cache_rows
+from rloo.logps import selective_log_softmax
 
 # GenerationConfig fields this loop implements; any other field set away from its default keeps model.generate.
 HANDLED = {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
@@ -144,7 +145,7 @@ GRAPHABLE = (MinNewTokens, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogits
 class Draws:
     """The next token of each row from the logits, as the loop picks them: drawn (`drawn`) or, greedy, the
     processed scores' argmax. On a GPU, where every processor is one of GRAPHABLE, replayed as a CUDA graph
-    (rloo.generation.cuda_graph), one per state of the processors (min_new_tokens banning EOS or not), captured
+    (rloo.engine.cuda_graph), one per state of the processors (min_new_tokens banning EOS or not), captured
     at its first use in the call: the draw's ~40 small kernels are one launch; the random numbers are new at every
     replay (the CUDA generator's offset advances with each)."""
 
@@ -156,7 +157,7 @@ class Draws:
     def drawn(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """One token per row from softmax(processors(sequences, logits)): where the processors are at most
         min_new_tokens (EOS at -inf) and the logits fp32 on the CPU, the C `draw` on the logits themselves
-        (rloo.generation.kernel.draw: no processed copy, no probabilities, the weights' block totals in one pass; at
+        (rloo.engine.kernel.draw: no processed copy, no probabilities, the weights' block totals in one pass; at
         32 rows x 49152 entries on 2 cores min_new_tokens' copy, softmax and sample_from 1.6 ms -> 0.46 ms a token),
         else softmax and sample_from; the same uniform numbers either way (one torch.rand per step), rows the C leaves
         (a NaN, nothing finite) through the torch path."""
@@ -204,7 +205,7 @@ class LeanGenerator(TransformersGenerator):
     @contextlib.contextmanager
     def reusing_weights(self):
         """Inside, a call takes the previous call's decoder (its packed weights: ~0.2 s for SmolLM2 on 2 cores) where
-        rloo.generation.decode.weights_key is unchanged (same model, rows, parameters and adapters), else packs
+        rloo.engine.decode.weights_key is unchanged (same model, rows, parameters and adapters), else packs
         anew, the previous copy freed first. Left, the copy goes: a training step never holds it through its
         backward."""
         self._reusing, self._kept = True, None

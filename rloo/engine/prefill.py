@@ -1,5 +1,5 @@
-"""The prompts' forward of a generation call (rloo.generation.lean) by the model's forward (where the decode step is
-wholly our C, rloo.generation.prompt_steps takes the prompts instead): each distinct prompt once (the num_generations
+"""The prompts' forward of a generation call (rloo.engine.lean) by the model's forward (where the decode step is
+wholly our C, rloo.engine.prompt_steps takes the prompts instead): each distinct prompt once (the num_generations
 copies of a prompt share its KV cache), and on the CPU in parts: the first tokens every prompt shares (a chat
 template's system turn, a shared instruction) once, and the rest in groups of similar length, each group padded only
 to its own longest.
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rloo.logps import cache_argument, cache_rows_shareable, distinct_prompts, plain_cache, share_cache_rows
+from rloo.kv import cache_argument, cache_rows_shareable, distinct_prompts, plain_cache, share_cache_rows
 
 # a forward's fixed cost in padded tokens, for _plan. Measured on 2 cores (SmolLM2, the generation benchmark's
 # distinct prompts): 32 rows of 44-58 tokens in two groups 1.35 -> 1.28 s; 8 rows (45-57) in two groups 0.36 -> 0.38 s,

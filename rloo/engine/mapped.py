@@ -28,7 +28,7 @@ import tempfile
 import torch
 from torch import nn
 
-from rloo.heap import libc
+from rloo.engine.heap import libc
 
 MADV_DONTNEED = 4
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"}

@@ -5,15 +5,15 @@ without its per-module dispatch, its mask building and a KV cache that grows by 
 The keys and values live in one preallocated buffer per layer (rows x key/value heads x total length x head size),
 filled in place; where rows repeat a prompt and the attention is our C, the prompts' keys and values stay once in
 the prefill's cache, which the rows of a prompt all read, and each row's buffer holds only its new tokens (the
-prompts may instead go through the C step straight into such buffers: rloo.generation.prompt_steps). Attention
+prompts may instead go through the C step straight into such buffers: rloo.engine.prompt_steps). Attention
 runs on the key/value heads with the query heads grouped (as transformers' SDPA path does for one query token; in
-fp32 as matmuls). fp32 weights on the CPU are packed for a small-batch GEMM (ours, rloo.generation.kernel, where the
+fp32 as matmuls). fp32 weights on the CPU are packed for a small-batch GEMM (ours, rloo.engine.kernel, where the
 CPU has AVX-512 or AVX2 with FMA; else oneDNN's, MKL's in a build without it) once per generation call (or per
 version of the weights, `weights_key`), a layer's query/key/value and gate/up projections side by side in one matmul
 each, LoRA layers (peft, one active adapter) merged into that copy (the model's own tensors are not touched); other
 weights keep their own products, LoRA written out as peft computes it. Where every part of the step
 is one our C does (its GEMM for every projection, Llama's RMSNorm, head sizes its attention takes), the whole step
-is one call into it (kernel.Step). On a GPU the step (torch's) is replayed as a CUDA graph (rloo.generation.cuda_graph),
+is one call into it (kernel.Step). On a GPU the step (torch's) is replayed as a CUDA graph (rloo.engine.cuda_graph),
 captured once per generation call for each of a few attention lengths: there a small step's time goes to launching
 its kernels, one by one.
 `lean_decoder` returns None for anything else (and under ZeRO-3 or autocast), and the decode loop then calls the
@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rloo.generation import kernel as kernel_module
-from rloo.generation.cuda_graph import Graphed
-from rloo.heap import own_mappings
-from rloo.recompute import llama_kind
+from rloo.engine import kernel as kernel_module
+from rloo.engine.cuda_graph import Graphed
+from rloo.engine.heap import own_mappings
+from rloo.engine.registry import kind_of
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -64,7 +64,7 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _kernels() -> dict[str, Callable]:
-    """The packed fp32 GEMM kernels here, the one used first: ours (rloo.generation.kernel) where the CPU has
+    """The packed fp32 GEMM kernels here, the one used first: ours (rloo.engine.kernel) where the CPU has
     AVX-512 or AVX2 with FMA and gcc built it, then this torch build's: oneDNN's, then MKL's."""
     found = {}
     library = kernel_module.for_decoding()
@@ -94,7 +94,7 @@ def _packed_linear(weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor
 def _rms_parts(module: nn.Module) -> tuple[torch.Tensor, float] | None:
     """(weight, eps) of Llama's RMSNorm with an fp32 weight and its own forward; None for anything else."""
     weight = getattr(module, "weight", None)
-    if llama_kind(type(module)) != "norm" or "forward" in module.__dict__ or weight is None or \
+    if kind_of(module) != "norm" or "forward" in module.__dict__ or weight is None or \
             weight.dtype != torch.float32:
         return None
     return weight.detach(), module.variance_epsilon
@@ -262,7 +262,7 @@ class LeanDecoder:
         self.intermediate = config.intermediate_size
         self.layers = []
         scratch: list[torch.Tensor] = []  # (LoRA's merged weights, one projection at a time: _merged_into)
-        with own_mappings():  # (rloo.heap)
+        with own_mappings():  # (rloo.engine.heap)
             for layer in self.inner.layers:
                 attention, mlp = layer.self_attn, layer.mlp
                 self.layers.append(dict(
@@ -307,7 +307,7 @@ class LeanDecoder:
               prompt_rows: torch.Tensor | None = None) -> None:
         """Take the prompts' keys and values from a transformers cache into buffers with room for `new_tokens`.
         `prompt_rows`: the cache holds each distinct prompt once, row r of the batch reads its row prompt_rows[r]
-        (rloo.generation.prefill). Where the step's attention is ours (kernel.attention: fp32 on the CPU), the rows of
+        (rloo.engine.prefill). Where the step's attention is ours (kernel.attention: fp32 on the CPU), the rows of
         a prompt then read its keys and values from that one copy, and each row's buffers hold only its new tokens;
         else the cache's rows are first copied to each row."""
         rows, prompt_length = attention_mask.shape
@@ -345,7 +345,7 @@ class LeanDecoder:
 
     def begin(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, length: int, offset: int,
               shared: list[kernel_module.Shared] | None) -> None:
-        """Decode on from buffers holding the prompts' keys and values (`start`, rloo.generation.prompt_steps): per
+        """Decode on from buffers holding the prompts' keys and values (`start`, rloo.engine.prompt_steps): per
         layer rows x kv heads x positions after the `offset` first (`shared`'s) x head size; the scores' mask."""
         self.keys, self.values, self.mask, self.length, self.offset = keys, values, mask, length, offset
         self.shared = shared
@@ -396,7 +396,7 @@ class LeanDecoder:
                     ) -> torch.Tensor:
         """The step with its position a one-element tensor and attention over the buffers' first `length` positions
         (past `at` masked, and zero): the same kernels on the same shapes at every position up to `length`, as a CUDA
-        graph replays them (rloo.generation.cuda_graph)."""
+        graph replays them (rloo.engine.cuda_graph)."""
         self.mask.index_fill_(3, at, 0.0)
         return self._forward(tokens, positions, at, length)
 

@@ -7,10 +7,8 @@ gradients are the model's own. Likewise the keys and values that SDPA attention 
 key/value head once per query head of its group: the copy is made again from the un-repeated heads, a fraction of
 its size.
 
-It applies to the modules whose forward is exactly Llama's RMSNorm or gated MLP (compared as compiled code: Llama,
-Mistral, Qwen2/3, SmolLM3, Granite and many more share it); any other module runs as it is. Measured on 2 cores
-(SmolLM2-135M, 2 prompts x 4 rows, 50 prompt and 32 completion tokens): the bytes the graph holds for the backward
-571 -> 270 MiB; at 256 completion tokens the peak RSS of a forward + backward 6.13 -> 5.25 GiB (docs/benchmarks.md)."""
+It applies to the registered RMSNorm and gated-MLP classes whose self-check passed (rloo.engine.registry); any
+other module runs as it is. What it saves: docs/design.md."""
 
 from __future__ import annotations
 
@@ -23,30 +21,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from transformers.integrations import sdpa_attention
-from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaMLP, LlamaRMSNorm
 
+from rloo.engine.registry import kind_of
 from rloo.zero import is_partitioned
-
-
-def _code(function) -> tuple:
-    code = function.__code__
-    return code.co_code, code.co_consts, code.co_names, code.co_varnames
-
-
-@functools.cache
-def llama_kind(cls: type) -> str | None:
-    """'norm' / 'mlp' / 'causal_lm' where the class's forward is Llama's RMSNorm / MLP / LlamaForCausalLM forward
-    (the last: `lm_head(model(...))`, nothing else on the logits), else None."""
-    forward = getattr(cls, "forward", None)
-    if not hasattr(forward, "__code__"):
-        return None
-    if _code(forward) == _code(LlamaRMSNorm.forward):
-        return "norm"
-    if _code(forward) == _code(LlamaMLP.forward):
-        return "mlp"
-    if _code(forward) == _code(LlamaForCausalLM.forward):
-        return "causal_lm"
-    return None
 
 
 class _Recipe:
@@ -135,6 +112,11 @@ def checkpointed_or_sharded(model: nn.Module) -> bool:
     return bool(checkpointed_layers(model)) or is_partitioned(model)
 
 
+def covered_modules(model: nn.Module) -> int:
+    """How many of the model's modules `recomputed_activations` would cover."""
+    return sum(kind_of(module) in ("norm", "mlp") for module in model.modules())
+
+
 @contextlib.contextmanager
 def recomputed_activations(model: nn.Module | None) -> Iterator[int]:
     """Inside, with gradients on: the model's Llama-style norms and MLPs keep no activation the backward can make
@@ -148,9 +130,9 @@ def recomputed_activations(model: nn.Module | None) -> Iterator[int]:
     recipes = _Recipes()
     forwards = {"norm": _norm_forward, "mlp": _mlp_forward}
     patched = [module for module in model.modules()
-               if llama_kind(type(module)) in forwards and "forward" not in module.__dict__]
+               if kind_of(module) in forwards and "forward" not in module.__dict__]
     for module in patched:
-        module.forward = functools.partial(forwards[llama_kind(type(module))], module, recipes)
+        module.forward = functools.partial(forwards[kind_of(module)], module, recipes)
     repeat = sdpa_attention.repeat_kv  # a module global, looked up by SDPA attention at each call
     sdpa_attention.repeat_kv = functools.partial(_repeat_kv, recipes, repeat)
     try:

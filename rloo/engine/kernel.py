@@ -1,4 +1,4 @@
-"""Kernels of our own for the written-out decode step (rloo.generation.decode), fp32 on the CPU, in kernel.c.
+"""Kernels of our own for the written-out decode step (rloo.engine.decode), fp32 on the CPU, in kernel.c.
 
 `linear` (PackedLinear): y = x W^T (+ bias) for a few rows. The weights (several side by side: a layer's q/k/v) are
 packed once per generation call, straight from where they are, into blocks of NB output columns x K (NB = one vector
@@ -17,9 +17,9 @@ keys and values in the caches, 7.1-7.4 -> 6.5 ms from memory (Intel Xeon, 2 core
 `decode_step` (Step): the whole step of a Llama-family decoder in one call and one parallel region (norms, the two
 above, SiLU x up, residual adds, LM head), where every part of the model is one it does. SiLU's exp NB lanes at a
 time (the same polynomial): 2.3 -> 0.4 ms of a 32-row step. The same call takes several prompt tokens per row
-(Step.prompt_tokens: the attention causal over them, the LM head on each row's last; rloo.generation.prompt_steps).
+(Step.prompt_tokens: the attention causal over them, the LM head on each row's last; rloo.engine.prompt_steps).
 `draw`: a token per row from softmax(logits) (some columns banned: min_new_tokens' EOS) by inverse CDF on the
-weights e^(s - max) in double, two levels as rloo.generation.lean.sample_from, without the probabilities or a
+weights e^(s - max) in double, two levels as rloo.engine.lean.sample_from, without the probabilities or a
 processed copy in memory: 32 rows x 49152 entries 1.4 ms (softmax + sample_from) -> 0.46 ms.
 
 Compiled once per machine and source by the system's gcc (-O3 -march=native, OpenMP) into the kernels folder of
@@ -52,7 +52,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 MARCH = "RLOO_KERNEL_MARCH"  # gcc's -march for the library instead of native (for_decoding)
-SOURCE = (resources.files("rloo.generation") / "kernel.c").read_text()
+SOURCE = (resources.files("rloo.engine") / "kernel.c").read_text()
 
 
 @functools.cache
@@ -190,7 +190,7 @@ class Shared(NamedTuple):
 def attention(library: ctypes.CDLL, heads: int, kv_heads: int, dim: int) -> Callable | None:
     """(projected, cos, sin, keys, values, mask, at, scale, shared=None) -> attended (rows, 1, heads x dim): the
     decode step's rotary embedding, key/value write at position `at` and attention (the C `attend`) for fp32 tensors
-    laid out as rloo.generation.decode.LeanDecoder keeps them: each row's own keys / values (rows, kv_heads, total,
+    laid out as rloo.engine.decode.LeanDecoder keeps them: each row's own keys / values (rows, kv_heads, total,
     dim), after its prompt's (`Shared`) where given, mask (rows, ..., shared positions + total); None where its
     shapes are not ones it takes (dim a multiple of the vector's floats, at most 512)."""
     if dim % library.vector_floats() or dim > 512 or heads % kv_heads:
@@ -283,7 +283,7 @@ class Step:
 
     def prompt_tokens(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, at: int,
                       row_of: torch.Tensor | None = None, head: bool = True) -> torch.Tensor | None:
-        """Several prompt tokens per row through the model at once (rloo.generation.prompt_steps): hidden (rows,
+        """Several prompt tokens per row through the model at once (rloo.engine.prompt_steps): hidden (rows,
         tokens, width) their embeddings, at positions at..at + tokens - 1 of the rows' buffers (row i's buffer row
         row_of[i]: int32, or i); cos / sin (rows, tokens, dim); the mask as for a step, its 0s at the tokens'
         positions already set (a token at a position its row masks attends to nothing) -> the logits of each row's

@@ -76,6 +76,11 @@ def _tied_modules(model: nn.Module) -> tuple[nn.Embedding, nn.Linear] | None:
     return embedding, head
 
 
+def is_tied(model: nn.Module) -> bool:
+    """Whether `tied_rows` applies to the model's modules (a plain embedding and head sharing one weight)."""
+    return _tied_modules(model) is not None
+
+
 @contextlib.contextmanager
 def tied_rows(model: nn.Module) -> Iterator[bool]:
     """Inside, with gradients on and a trainable weight tied between the input embedding and the LM head (plain

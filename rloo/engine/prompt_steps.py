@@ -10,7 +10,7 @@ template's system turn) go through once, as one row, into buffers that the decod
 row (kernel.Shared, every row of prompt 0). Only the last span's last tokens go through the LM head. The same
 operations on the same values as the model's forward, as the decode step computes them (float rounding apart).
 
-Against the model's forward in groups (rloo.generation.prefill) it saves the per-module dispatch, the elementwise
+Against the model's forward in groups (rloo.engine.prefill) it saves the per-module dispatch, the elementwise
 operations as separate passes, the cache's concatenation and the copy into the decoder's buffers. Rows that repeat a
 prompt keep that forward: there each distinct prompt goes through once and its rows read its one cache."""
 
@@ -20,9 +20,9 @@ import bisect
 
 import torch
 
-from rloo.generation import kernel as kernel_module
-from rloo.generation.prefill import _left_padded, shared_prefix
-from rloo.logps import distinct_prompts
+from rloo.engine import kernel as kernel_module
+from rloo.engine.prefill import _left_padded, shared_prefix
+from rloo.kv import distinct_prompts
 
 # the least a span costs, in token-rows (rows x tokens), for `spans`: every span reads all the weights, which takes
 # as long as computing about this many (SmolLM2 on 2 cores of an AMD EPYC: a span of 3 x 2 tokens 25 ms, one of

@@ -1,0 +1,94 @@
+"""The speed layer: faster code for parts of the reference path (`model.generate` for in-process generation,
+plain forwards for log-probs) that gives the same gradients for given samples, the same greedy tokens and the same
+sampling distribution. Seams toward the trainer: generation through `rloo.generation.make_generation_backend`
+(this package's decode loop or `model.generate`), the forwards through `rloo.logps.per_token_logps`
+(`share_prompts`), and the memory techniques the trainer enters around its loss (`loss_context`).
+
+One switch turns all of it off: RLOO_ENGINE=reference in the environment, or RLOOConfig(engine="reference").
+`describe` says, in one line, which parts are on for a model and machine and why the others are off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from torch import nn
+
+ENVIRONMENT = "RLOO_ENGINE"
+MODES = ("fast", "reference")
+
+
+def mode(value: str | None = None) -> str:
+    """The engine mode: `value` where given (RLOOConfig.engine), else $RLOO_ENGINE, else 'fast'."""
+    chosen = value if value is not None else os.environ.get(ENVIRONMENT, "").strip() or "fast"
+    if chosen not in MODES:
+        source = "engine" if value is not None else ENVIRONMENT
+        raise ValueError(f"{source}={chosen!r}: use 'fast' (the speed layer) or 'reference' (model.generate "
+                         "and plain forwards, the speed layer off).")
+    return chosen
+
+
+def is_fast(value: str | None = None) -> bool:
+    return mode(value) == "fast"
+
+
+@contextlib.contextmanager
+def loss_context(model: nn.Module, unwrapped: nn.Module, fast: bool):
+    """Around the loss's forward and backward: activations recomputed in the backward (rloo.engine.recompute) and
+    a tied embedding's gradient as rows (rloo.engine.tied); nothing in reference mode."""
+    if not fast:
+        yield
+        return
+    from rloo.engine.recompute import recomputed_activations
+    from rloo.engine.tied import tied_rows
+    with recomputed_activations(model), tied_rows(unwrapped):
+        yield
+
+
+def keep_freed_memory(fast: bool) -> None:
+    """Freed memory kept in the process for the next step (rloo.engine.heap), where the layer is on."""
+    if fast:
+        from rloo.engine import heap
+        heap.keep_freed_memory()
+
+
+def describe(fast: bool, model: nn.Module, generator: object, reference: nn.Module | None) -> str:
+    """One line: each part of the speed layer, on or off and why, for this model and machine."""
+    model, reference = _unwrapped(model), reference and _unwrapped(reference)
+    if not fast:
+        return f"rloo engine: reference ({ENVIRONMENT}=reference or engine='reference'): model.generate and " \
+               "plain forwards; no fast path on"
+    from rloo.engine import heap, kernel, shared_prompts, tied
+    from rloo.engine.lean import LeanGenerator
+    from rloo.engine.recompute import covered_modules
+    parts = []
+    if isinstance(generator, LeanGenerator):
+        library = kernel.for_decoding() if _on_cpu(model) else None
+        build = "C kernel, AVX-512 build" if library is not None and library.vector_floats() == 16 else \
+            "C kernel, AVX2 build" if library is not None else "torch step"
+        parts.append(f"decode loop: on ({build})")
+    else:
+        parts.append(f"decode loop: off ({type(generator).__name__} generates)")
+    parts.append("shared prompts: " + ("on" if shared_prompts.can_share_prompts(model) else
+                                       "off (this model's forward takes no shareable KV cache)"))
+    covered = covered_modules(model)
+    parts.append(f"recomputed activations: on ({covered} modules)" if covered else
+                 "recomputed activations: off (no registered norm or MLP class)")
+    parts.append("tied-embedding rows: " + ("on" if tied.is_tied(model) else "off (untied model)"))
+    mapped = reference is not None and getattr(reference, "_rloo_mapping", None) is not None
+    parts.append("mapped reference: " + ("on" if mapped else "off (" + (
+        "no separate reference model" if reference is None else "no disk filesystem to map from") + ")"))
+    parts.append("freed memory kept: " + ("on" if heap.libc() is not None else "off (no glibc)"))
+    return "rloo engine: " + "; ".join(parts)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):  # DDP / DeepSpeed wrappers
+        model = model.module
+    return model
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    parameter = next(model.parameters(), None)
+    return parameter is None or parameter.device.type == "cpu"

@@ -1,0 +1,98 @@
+"""rloo.engine, the speed layer: one switch turns it off, it says which parts it took, the same gradients either
+way, and a registered module class whose forward changed is left to itself with a warning."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from rloo import RLOOTrainer, engine
+from rloo.engine import registry
+from rloo.generation import LeanGenerator, TransformersGenerator
+
+from helpers import conversational, make_args, position_reward
+
+
+def test_the_switch_from_the_environment_and_the_config(tmp_path, monkeypatch):
+    monkeypatch.delenv("RLOO_ENGINE", raising=False)
+    assert make_args(tmp_path).engine == "fast"
+    monkeypatch.setenv("RLOO_ENGINE", "reference")
+    assert make_args(tmp_path).engine == "reference"
+    assert make_args(tmp_path, engine="fast").engine == "fast"  # the config's field wins
+    monkeypatch.setenv("RLOO_ENGINE", "quick")
+    with pytest.raises(ValueError, match="RLOO_ENGINE='quick': use 'fast'"):
+        make_args(tmp_path)
+    with pytest.raises(ValueError, match="engine='off': use 'fast'"):
+        make_args(tmp_path, engine="off")
+
+
+def test_reference_mode_generates_with_generate_and_runs_plain_forwards(tmp_path, tokenizer, model, monkeypatch,
+                                                                          caplog):
+    from rloo.engine import heap, recompute, shared_prompts, tied
+    touched = []
+    for module, name in ((shared_prompts, "shared_prompt_logits"), (recompute, "recomputed_activations"),
+                         (tied, "tied_rows"), (heap, "keep_freed_memory")):  # none of them called
+        monkeypatch.setattr(module, name, lambda *a, _name=name, **k: touched.append(_name))
+    caplog.set_level(logging.INFO, logger="rloo.trainer")
+    trainer = RLOOTrainer(model=model, reward_funcs=position_reward, processing_class=tokenizer,
+                          args=make_args(tmp_path, engine="reference", beta=0.1, max_steps=1),
+                          train_dataset=conversational())
+    assert type(trainer.generator) is TransformersGenerator
+    assert getattr(trainer.ref_model, "_rloo_mapping", None) is None  # a plain copy, not a mapped one
+    trainer.train()
+    assert touched == []
+    assert any("rloo engine: reference" in record.message for record in caplog.records)
+    with pytest.raises(ValueError, match="speed layer is off"):
+        make_args(tmp_path, engine="reference", beta=0.1, kl_logps_from_generation=True)
+
+
+def test_the_start_line_names_each_fast_path(tmp_path, tokenizer, model, caplog):
+    caplog.set_level(logging.INFO, logger="rloo.trainer")
+    trainer = RLOOTrainer(model=model, reward_funcs=position_reward, processing_class=tokenizer,
+                          args=make_args(tmp_path, engine="fast"), train_dataset=conversational())
+    assert isinstance(trainer.generator, LeanGenerator)
+    line = next(record.message for record in caplog.records if record.message.startswith("rloo engine:"))
+    for part in ("decode loop: on", "shared prompts: on", "recomputed activations: on",
+                 "mapped reference: off (no separate reference model)", "freed memory kept: on"):
+        assert part in line, line
+    assert "tied-embedding rows: " + ("on" if model.config.tie_word_embeddings else "off (untied model)") in line
+
+
+def test_the_same_gradients_for_the_same_samples_in_both_modes(tmp_path, tokenizer, model):
+    """One rollout, then the loss's gradient with the speed layer on and off (shared prompts, recomputed
+    activations and tied rows against one plain forward): equal to float rounding."""
+    trainer = RLOOTrainer(model=model, reward_funcs=position_reward, processing_class=tokenizer,
+                          args=make_args(tmp_path, engine="fast", beta=0.1), train_dataset=conversational())
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    rollout = trainer._prepare_inputs(batch)
+    gradients = {}
+    for fast in (True, False):
+        trainer._fast = fast
+        trainer.model.zero_grad()
+        trainer.compute_loss(trainer.model, copy.copy(rollout)).backward()
+        gradients[fast] = {name: p.grad.clone() for name, p in trainer.model.named_parameters()
+                           if p.grad is not None}
+    assert gradients[True].keys() == gradients[False].keys() and gradients[True]
+    for name, grad in gradients[True].items():
+        torch.testing.assert_close(grad, gradients[False][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_registered_class_whose_forward_changed_keeps_its_own_forward(tokenizer, model, monkeypatch, caplog):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    monkeypatch.setattr(registry, "_verdicts", {})
+    norm = next(module for module in model.modules() if type(module) is LlamaRMSNorm)
+    assert registry.kind_of(norm) == "norm"
+    own = LlamaRMSNorm.forward
+    monkeypatch.setattr(registry, "_verdicts", {})
+    monkeypatch.setattr(LlamaRMSNorm, "forward", lambda self, x: own(self, x) * 1.5)
+    caplog.set_level(logging.WARNING, logger="rloo.engine.registry")
+    state = torch.get_rng_state()
+    assert registry.kind_of(norm) is None and registry.kind_of(norm) is None
+    assert torch.equal(torch.get_rng_state(), state)  # the check draws nothing from the run's generator
+    warnings = [record.message for record in caplog.records if "LlamaRMSNorm" in record.message]
+    assert len(warnings) == 1 and "fast path is off" in warnings[0]
+    from rloo.engine.recompute import covered_modules
+    assert covered_modules(model) == sum(type(m).__name__ == "LlamaMLP" for m in model.modules())
+    assert engine.describe(True, model, None, None).startswith("rloo engine: decode loop: off")
