@@ -56,7 +56,7 @@ def child(impl: str, case: dict) -> dict:
     from rloo.rewards import numeric_accuracy_reward
     dataset = load_dataset("json", data_files=os.path.join(ROOT, "data/arithmetic.jsonl"), split="train")
     if case["model"] == "tiny":
-        from rloo.testing import save_tiny, tiny_causal_lm, tiny_tokenizer
+        from rloo.tiny import save_tiny, tiny_causal_lm, tiny_tokenizer
         tokenizer = tiny_tokenizer()
         # TRL rebuilds its reference model from the policy's path, so both get a saved folder.
         model, _ = save_tiny(f"/tmp/bench-tiny-{impl}", tiny_causal_lm(tokenizer), tokenizer)

@@ -6,7 +6,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from rloo.testing import tiny_causal_lm, tiny_tokenizer  # noqa: E402
+from tiny_models import tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 
 def pytest_generate_tests(metafunc):

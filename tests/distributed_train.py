@@ -10,7 +10,7 @@ from datasets import Dataset
 from rloo import RLOOConfig, RLOOTrainer
 from rloo.engine import mapped
 from rloo.cli import exit_without_native_teardown
-from rloo.testing import tiny_causal_lm, tiny_tokenizer
+from rloo.tiny import tiny_causal_lm, tiny_tokenizer
 
 out = sys.argv[1]
 rank = int(os.environ["RANK"])

@@ -6,7 +6,7 @@ import pytest
 from datasets import Dataset
 
 from rloo import RLOOConfig, RLOOTrainer
-from rloo.testing import tiny_tokenizer
+from tiny_models import tiny_tokenizer
 
 PROMPTS = [{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "a cat", "one two", "boom"]]
 

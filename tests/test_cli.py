@@ -12,7 +12,7 @@ import yaml
 from rloo import RLOOConfig
 from rloo.cli import main, parse_arguments, resolve_callable, resolve_reward
 from rloo.rewards import accuracy_reward
-from rloo.testing import save_tiny
+from tiny_models import save_tiny
 
 from services import free_port
 

@@ -10,7 +10,7 @@ import torch
 from rloo.generation import LeanGenerator, TransformersGenerator
 from rloo.engine import kernel
 from rloo.engine.decode import _kernels
-from rloo.testing import tiny_causal_lm
+from tiny_models import tiny_causal_lm
 
 from helpers import DEVICES, PROMPTS, config, with_lora
 
@@ -133,7 +133,7 @@ def test_the_steps_fixed_shape_form_replayed_as_a_cuda_graph_gives_the_steps_log
 
 def test_models_the_decode_step_does_not_write_out_keep_their_forward(tokenizer):
     from rloo.engine.decode import lean_decoder
-    from rloo.testing import tiny_moe_causal_lm
+    from tiny_models import tiny_moe_causal_lm
     assert lean_decoder(tiny_moe_causal_lm(tokenizer), 2) is None  # Mixtral: experts
     from transformers import MistralConfig, MistralForCausalLM
     mistral = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,

@@ -14,7 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from rloo import RLOOConfig
-from rloo.testing import save_tiny, tiny_causal_lm, tiny_tokenizer
+from tiny_models import save_tiny, tiny_causal_lm, tiny_tokenizer
 from rloo.zero import frozen_engine_config
 from services import free_port
 
@@ -155,7 +155,7 @@ def test_frozen_engine_config_for_reference_and_reward_models(model):
 
 @pytest.mark.slow
 def test_zero3_reward_model_is_sharded_and_scores_as_under_ddp(workdir):
-    from rloo.testing import tiny_reward_model
+    from tiny_models import tiny_reward_model
     tokenizer = tiny_tokenizer()
     reward_dir = workdir / "reward-model"
     tiny_reward_model(tokenizer).save_pretrained(str(reward_dir))

@@ -53,7 +53,7 @@ def test_two_process_training_gathers_rewards_across_ranks(tmp_path):
 ONE_PROCESS = """
 from datasets import Dataset
 from rloo import RLOOConfig, RLOOTrainer
-from rloo.testing import tiny_causal_lm, tiny_tokenizer
+from rloo.tiny import tiny_causal_lm, tiny_tokenizer
 tokenizer = tiny_tokenizer()
 data = Dataset.from_list([{"prompt": [{"role": "user", "content": w}]} for w in ["a b", "c d"] * 4])
 args = RLOOConfig(output_dir=OUT, use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=2,

@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (RepetitionPenaltyLogitsProce
 
 from rloo.generation import LeanGenerator, TransformersGenerator, in_process_generator
 from rloo.engine.lean import Draws, MinNewTokens, sample_from
-from rloo.testing import tiny_causal_lm
+from tiny_models import tiny_causal_lm
 
 from helpers import DEVICES, PROMPTS, config, with_lora
 

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from rloo import RLOOTrainer
-from rloo.testing import save_remote_code_model, save_tiny, tiny_causal_lm, tiny_moe_causal_lm
+from tiny_models import save_remote_code_model, save_tiny, tiny_causal_lm, tiny_moe_causal_lm
 
 from helpers import conversational, length_reward, logged, make_args, position_reward, with_lora
 

@@ -192,7 +192,7 @@ def test_evaluation_scores_one_rollout_with_the_training_state(tmp_path):
 
     from rloo.generation import TransformersGenerator
     from rloo.rewards import RewardRunner
-    from rloo.testing import tiny_causal_lm, tiny_tokenizer
+    from tiny_models import tiny_causal_lm, tiny_tokenizer
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = ("{% if greeting %}hello {% endif %}{% for m in messages %}{{ m['content'] }} "
                                "{% endfor %}")
@@ -231,7 +231,7 @@ def test_evaluation_packs_the_decode_step_once_per_policy(tmp_path, tokenizer, m
     from rloo.generation import LeanGenerator
     from rloo.engine import lean
     from rloo.rewards import RewardRunner
-    from rloo.testing import tiny_causal_lm
+    from tiny_models import tiny_causal_lm
     built, build = [], lean.lean_decoder
     monkeypatch.setattr(lean, "lean_decoder", lambda model, rows: built.append(rows) or build(model, rows))
     rows = [{"prompt": [{"role": "user", "content": w}]} for w in ("the dog", "a big cat", "one two", "red", "sat")]

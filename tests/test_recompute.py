@@ -11,7 +11,7 @@ import torch
 from rloo import RLOOTrainer
 from rloo.engine import recompute
 from rloo.logps import per_token_logps
-from rloo.testing import tiny_causal_lm
+from tiny_models import tiny_causal_lm
 
 from helpers import conversational, make_args, position_reward, with_lora
 

@@ -9,7 +9,7 @@ import torch
 from transformers import TrainerCallback
 
 from rloo import RLOOTrainer
-from rloo.testing import tiny_causal_lm
+from tiny_models import tiny_causal_lm
 
 from helpers import conversational, length_reward, make_args
 

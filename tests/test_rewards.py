@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rloo import RLOOTrainer
-from rloo.testing import tiny_reward_model
+from tiny_models import tiny_reward_model
 
 from helpers import conversational, length_reward, logged, make_args
 

@@ -7,7 +7,7 @@ from rloo import RLOOConfig, RLOOTrainer
 from rloo.generation.transformers_backend import build_generation_config
 from rloo.models import prepare_tokenizer
 from rloo.sampling import RepeatSampler, shuffle_rows, split_rows
-from rloo.testing import tiny_causal_lm, tiny_tokenizer
+from tiny_models import tiny_causal_lm, tiny_tokenizer
 
 
 def test_repeat_sampler_order_and_length():

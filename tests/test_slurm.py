@@ -226,7 +226,7 @@ def test_four_trainer_nodes_and_a_real_vllm_server_on_node_five(cluster, tmp_pat
     and every weight sync is checked against the trainer's log-probs."""
     import json
 
-    from rloo.testing import save_servable, tiny_servable_causal_lm, tiny_tokenizer
+    from tiny_models import save_servable, tiny_servable_causal_lm, tiny_tokenizer
     from services import VLLM_PYTHON, vllm_cpu_server_command
     assert os.path.exists(VLLM_PYTHON), "run `bash scripts/setup.sh --with-vllm`"
     monkeypatch.setenv("PYTHONPATH", TESTS)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rloo import RLOOTrainer
-from rloo.testing import save_tiny, tiny_causal_lm, tiny_reward_model, tiny_tokenizer
+from tiny_models import save_tiny, tiny_causal_lm, tiny_reward_model, tiny_tokenizer
 
 from helpers import DEVICES, assert_step_timing, needs_cuda, conversational, length_reward, make_args, position_reward, standard
 

@@ -20,7 +20,7 @@ from rloo.generation import vllm_server
 from rloo.generation.vllm_common import sampling_of
 from rloo.generation.vllm_server import VLLMServerClient, check_same_model
 from rloo.logps import per_token_logps
-from rloo.testing import save_servable, tiny_causal_lm, tiny_servable_causal_lm, tiny_tokenizer
+from tiny_models import save_servable, tiny_causal_lm, tiny_servable_causal_lm, tiny_tokenizer
 from helpers import assert_step_timing
 from services import VLLM_PYTHON, free_port, vllm_cpu_server_command
 
@@ -261,7 +261,7 @@ import torch
 from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine, NCCLWeightTransferUpdateInfo
 from rloo.generation.vllm_server import VLLMServerClient, named_tensor_source
-from rloo.testing import tiny_servable_causal_lm
+from tiny_models import tiny_servable_causal_lm
 assert isinstance(VLLMServerClient("http://127.0.0.1:1"), VLLMWeightSyncClient)
 source = named_tensor_source()
 source.named = [(n, p.detach()) for n, p in tiny_servable_causal_lm().named_parameters()]
@@ -274,7 +274,7 @@ assert [n for n, _ in pairs] == [n for n, _ in source.named] and all(t.is_contig
 print("contract ok", len(pairs))
 """
     result = subprocess.run([VLLM_PYTHON, "-c", code], capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
+                            env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "tests")))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "contract ok" in result.stdout
 

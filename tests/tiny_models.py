@@ -1,5 +1,6 @@
-"""Test-only models: a remote-code model, a reward model, a mixture of experts (nothing is downloaded); the tiny
-Llama and tokenizer themselves live in rloo.tiny (the pipeline's `tiny` alias uses them) and are re-exported."""
+"""The tests' models, built here (nothing is downloaded): a remote-code model, a reward model, a mixture of experts,
+a tiny Llama a vLLM server can load. The tiny Llama and tokenizer themselves are rloo.tiny's (the `tiny` model
+alias uses them), re-exported so that tests build every model from one place."""
 
 from __future__ import annotations
 
