@@ -38,8 +38,10 @@ def cmd_run(options, config_path: str | None = None, assignments: list[str] | No
 
 
 def _run_checked(options, config, config_path: str, assignments: list[str], api: EphemeralApi) -> int:
+    from flows import console
     from infra.stages import check_config
     from infra.tracking import check_reachable
+    console.quiet(config.run_root)  # before MLflow creates its tables: third-party lines go to pipeline.log
     check_config(config, read_rows=False)  # the rows: in the dataset stage, which reads them anyway
     local_store = config.tracking_uri.startswith("sqlite:")
     if not local_store:
@@ -51,6 +53,7 @@ def _run_checked(options, config, config_path: str, assignments: list[str], api:
         check_reachable(config.tracking_uri)
     from flows.pipeline import rloo_pipeline
     api.wait_ready()
+    console.quiet(config.run_root)  # again: Prefect configured its logging since
     start = time.time()
     try:
         summary = asyncio.run(rloo_pipeline(config_path, if_running=options.if_running, overrides=assignments))
@@ -345,6 +348,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     options = parser().parse_args(argv)
+    from flows import console
+    console.before_imports()
     handlers = {"run": cmd_run, "validate": cmd_validate, "status": cmd_status, "resume": cmd_resume,
                 "compare": cmd_compare, "sync": cmd_sync, "ui": cmd_ui, "serve": cmd_serve,
                 "promote": cmd_promote}

@@ -27,6 +27,17 @@ def client(tracking_uri: str):
     return MlflowClient(tracking_uri=tracking_uri)
 
 
+def log_to(handler) -> None:
+    """MLflow's loggers (which do not propagate) write to `handler` only: their notices stay off the console."""
+    import logging
+
+    import mlflow  # noqa: F401 (configures its loggers on import; replaced here)
+    for name in ("mlflow", "alembic"):
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.propagate = False
+
+
 def check_reachable(tracking_uri: str) -> None:
     """Fail before any compute when the tracking server cannot be used."""
     saved = {name: os.environ.get(name) for name in QUICK_FAIL}

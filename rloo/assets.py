@@ -3,7 +3,9 @@ package, converted once) and 'tiny' (a tiny random Llama, rloo.tiny), both built
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import shutil
 import tempfile
@@ -26,9 +28,11 @@ def smollm2_path() -> str:
                                 "(scripts/setup.sh does it).")
     package_dir = os.path.dirname(spec.origin)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=GGUF_FILE,
-                                                 quantization_config=GgufConfig(dequantize=True))
+    # (transformers' GGUF reader draws a progress bar per file on stderr: carriage returns in a log, not ours)
+    with contextlib.redirect_stderr(io.StringIO()):
+        tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=GGUF_FILE,
+                                                     quantization_config=GgufConfig(dequantize=True))
     model.config.quantization_config = None
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None

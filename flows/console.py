@@ -1,0 +1,57 @@
+"""The pipeline's console: its own lines only (the stage lines, training's progress, the summary, errors). What
+other libraries log below ERROR (MLflow creating its tables, Prefect's run states and server notices, DeepSpeed's
+accelerator notice, Python warnings) goes to the run root's `pipeline.log`; Prefect's database still keeps every
+flow run's log for its UI."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+
+OWN = re.compile(r"\[(pipeline|dataset|model|train|evaluate|promote)\] ")
+LOG_NAME = "pipeline.log"
+
+
+class OwnLines(logging.Filter):
+    """Passes the pipeline's stage lines (`[stage] ...`) and any library's errors, nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or bool(OWN.match(record.getMessage()))
+
+
+def before_imports() -> None:
+    """What must be set before the libraries load: without a GPU, DeepSpeed is told it runs on the CPU (instead
+    of detecting it and saying so on stdout at import)."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def quiet(run_root: str) -> None:
+    """Console handlers keep only the pipeline's own lines, printed as they are (no logger prefix); every record
+    also goes to `<run_root>/pipeline.log`. Called again after a library (re)configures logging: idempotent."""
+    os.makedirs(run_root, exist_ok=True)
+    path = os.path.abspath(os.path.join(run_root, LOG_NAME))
+    root = logging.getLogger()
+    log_file = next((h for h in root.handlers if getattr(h, "baseFilename", None) == path), None)
+    if log_file is None:
+        log_file = logging.FileHandler(path)
+        log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(log_file)
+    logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger -> the file, not the console
+    from infra.tracking import log_to
+    log_to(log_file)  # MLflow's own loggers do not propagate to the root
+    consoles = [handler for logger in [root, *map(logging.getLogger, list(root.manager.loggerDict))]
+                for handler in getattr(logger, "handlers", [])
+                if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)]
+    if not any(handler in root.handlers for handler in consoles):
+        # (Prefect installs its console handler only on a root logger without handlers: ours stands in)
+        consoles.append(logging.StreamHandler(sys.stderr))
+        root.addHandler(consoles[-1])
+    for handler in consoles:
+        if not any(isinstance(existing, OwnLines) for existing in handler.filters):
+            handler.addFilter(OwnLines())
+            handler.setFormatter(logging.Formatter("%(message)s"))
