@@ -25,6 +25,8 @@ int fused(void) { return 1; }  /* 8-float vectors in ymm registers, multiply-add
 int fused(void) { return 0; }
 #endif
 int block_columns(void) { return NB * S; }
+/* Which kernel.c this library was built from (rloo.engine.binding.source_id, passed by the build) */
+unsigned long long source_id(void) { return RLOO_SOURCE_ID; }
 
 static int padded(int n) { return (n + NB * S - 1) / (NB * S) * (NB * S); }
 
@@ -529,6 +531,7 @@ typedef struct {
     float eps1, eps2, scale;
     const float *shared_keys, *shared_values;
 } layer;
+int layer_size(void) { return (int)sizeof(layer); }  /* checked against the binding's struct at load */
 
 /* A whole decode step of a Llama-family decoder in one parallel region, or a step of `tokens` prompt tokens per row:
    hidden [rows][tokens][width] (the tokens' embeddings; the step's residual stream afterwards) through every layer

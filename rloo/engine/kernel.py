@@ -1,37 +1,26 @@
-"""Kernels of our own for the written-out decode step (rloo.engine.decode), fp32 on the CPU, in kernel.c.
+"""Kernels of our own for the written-out decode step (rloo.engine.decode), fp32 on the CPU, in kernel.c; its
+binding is read from kernel.c itself (rloo.engine.binding).
 
 `linear` (PackedLinear): y = x W^T (+ bias) for a few rows. The weights (several side by side: a layer's q/k/v) are
-packed once per generation call, straight from where they are, into blocks of NB output columns x K (NB = one vector
-register's floats), read as three sequential streams at a time, each prefetched 2 KiB ahead; x's rows go in groups of
-8, every weight vector loaded once per group and used for all of its rows; the column blocks are shared out among
-torch's own OpenMP threads (the library links the libgomp torch loaded: one thread pool, not two competing for the
+packed once per generation call into blocks of NB output columns x K (NB = one vector register's floats), read as
+three sequential streams, each prefetched ahead; x's rows go in groups, every weight vector loaded once per group;
+the column blocks are shared out among torch's own OpenMP threads (one thread pool, not two competing for the
 cores). Each output is one sum over K in order: equal to F.linear up to float rounding.
 `attend`: a step's rotary embedding, key/value write and attention over the written positions (first those of the
-row's prompt in a copy its rows share, `Shared`, where given), one call per layer, parallel over rows x key/value
-heads, each key and value loaded once for its group of query heads and prefetched ahead, the softmax NB positions
-at a time with an exp of its own (Cephes' polynomial): equal to the model's attention up to float rounding.
-SmolLM2's 30 layers at 32 rows x 100 positions: 11.9 -> 7.5 ms a step. NB positions' scores reduced at once (one
-shuffle tree, no sums through memory), the weighted values' sums in registers, the values prefetched while the
-keys' products run and the next task's keys while the values' do: at 32 rows x 71 positions 3.8 -> 2.8 ms with the
-keys and values in the caches, 7.1-7.4 -> 6.5 ms from memory (Intel Xeon, 2 cores).
+row's prompt in a copy its rows share, `Shared`), one call per layer, parallel over rows x key/value heads, the
+softmax NB positions at a time with an exp of its own (Cephes' polynomial): equal to the model's attention up to
+float rounding.
 `decode_step` (Step): the whole step of a Llama-family decoder in one call and one parallel region (norms, the two
-above, SiLU x up, residual adds, LM head), where every part of the model is one it does. SiLU's exp NB lanes at a
-time (the same polynomial): 2.3 -> 0.4 ms of a 32-row step. The same call takes several prompt tokens per row
-(Step.prompt_tokens: the attention causal over them, the LM head on each row's last; rloo.engine.prompt_steps).
+above, SiLU x up, residual adds, LM head). The same call takes several prompt tokens per row
+(Step.prompt_tokens; rloo.engine.prompt_steps).
 `draw`: a token per row from softmax(logits) (some columns banned: min_new_tokens' EOS) by inverse CDF on the
-weights e^(s - max) in double, two levels as rloo.engine.lean.sample_from, without the probabilities or a
-processed copy in memory: 32 rows x 49152 entries 1.4 ms (softmax + sample_from) -> 0.46 ms.
+weights e^(s - max) in double, two levels as rloo.engine.lean.sample_from, without a processed copy in memory.
 
 Compiled once per machine and source by the system's gcc (-O3 -march=native, OpenMP) into the kernels folder of
-rloo.assets.cache_root (~/.cache/rloo or $RLOO_CACHE) and loaded with ctypes. The decode step takes it where the CPU has
-AVX-512 or AVX2 with FMA (`for_decoding`; $RLOO_KERNEL_MARCH, where set, is the -march instead of native: e.g.
-x86-64-v3, AVX2 and FMA, to measure on a CPU with AVX-512 what one without it does). With AVX-512, on 2 cores of an
-Intel Xeon, SmolLM2's 121 matmuls of a decode step took 18.7 ms at 8 rows against oneDNN's 28.9 (42.3 vs 48.4 at 32
-rows), the rest of the step 7.5 -> 3.5 ms module by module; the whole step in one call 29.7 -> 25.0 ms (8 rows) and 58.2
--> 52.5 ms (32 rows), with the prefetching and this attention 21.7 / 44.8 ms. With AVX2 (measured on that Xeon held to
-AVX2: built for x86-64-v3, oneDNN, MKL and torch's own kernels capped at AVX2), the step 51.9 -> 26.6 ms at 8 rows and
-84.4 -> 70.1 ms at 32. Without either, without gcc, or off Linux on x86-64, the step keeps oneDNN's GEMM and torch's
-attention."""
+rloo.assets.cache_root and loaded with ctypes. The decode step takes it where the CPU has AVX-512 or AVX2 with FMA
+(`for_decoding`; $RLOO_KERNEL_MARCH, where set, is the -march instead of native, e.g. x86-64-v3 to measure on a
+CPU with AVX-512 what one without it does). Without either, without gcc, or off Linux on x86-64, the step keeps
+oneDNN's GEMM and torch's attention, and says so once. What each part buys: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -49,6 +38,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from rloo.engine.binding import Library, source_id
+
 logger = logging.getLogger(__name__)
 
 MARCH = "RLOO_KERNEL_MARCH"  # gcc's -march for the library instead of native (for_decoding)
@@ -56,15 +47,20 @@ SOURCE = (resources.files("rloo.engine") / "kernel.c").read_text()
 
 
 @functools.cache
-def compiled(target: str = "native") -> ctypes.CDLL | None:
+def compiled(target: str = "native") -> Library | None:
     """The library for this machine (built on first use, then from the cache), or None where it cannot be built
     here: not Linux on x86-64, no gcc, or the build failed (logged). `target`: gcc's -march (the tests also build
     for x86-64-v3, AVX2 and FMA without AVX-512, on a CPU that has AVX-512)."""
     compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if platform.system() != "Linux" or platform.machine() != "x86_64" or compiler is None:
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return None
+    if compiler is None:
+        logger.warning("rloo engine: no C compiler (%s) found: the decode step runs on torch.",
+                       os.environ.get("CC", "gcc"))
         return None
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    flags = ["-O3", f"-march={target}", "-fopenmp", "-shared", "-fPIC", f"-Wl,-rpath,{torch_lib}", "-lm"]
+    flags = ["-O3", f"-march={target}", "-fopenmp", "-shared", "-fPIC", f"-Wl,-rpath,{torch_lib}", "-lm",
+             f"-DRLOO_SOURCE_ID={source_id(SOURCE)}ULL"]
     key = hashlib.sha256("\n".join([SOURCE, compiler, torch_lib, *flags]).encode()).hexdigest()[:16]
     cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:8]  # (-march=native: one build per CPU model)
     from rloo.assets import cache_root
@@ -82,23 +78,11 @@ def compiled(target: str = "native") -> ctypes.CDLL | None:
                 handle.write(SOURCE)
             done = subprocess.run([compiler, *flags, source, "-o", built], capture_output=True, text=True)
             if done.returncode != 0:
-                level = logging.INFO if target == "native" else logging.WARNING  # (asked for: for_decoding)
-                logger.log(level, "decode GEMM not built (%s -march=%s); the decode step uses oneDNN's: %s", compiler,
-                           target, done.stderr.strip()[-500:])
+                logger.warning("rloo engine: the decode kernel did not build (%s -march=%s): the decode step "
+                               "runs on torch. %s", compiler, target, done.stderr.strip()[-500:])
                 return None
             os.replace(built, path)  # (atomic: another process never loads half a file)
-    library = ctypes.CDLL(path)
-    pointer, number, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    library.pack.argtypes = [pointer, pointer, number, pointer] + [number] * 3
-    library.linear.argtypes = [pointer] * 4 + [number] * 4
-    library.attend.argtypes = [pointer] * 6 + [number] + [pointer] * 4 + [number] * 6 + [real, number]
-    library.draw.argtypes = [pointer, number, number, pointer, number, pointer, pointer, number]
-    library.draw.restype = None
-    library.decode_step.argtypes = [pointer, number, pointer, real] + [pointer] * 12 + [number] * 9 + \
-        [pointer, number, number, number, pointer]
-    library.fused.restype = library.vector_floats.restype = ctypes.c_int
-    library.pack.restype = library.linear.restype = library.attend.restype = library.decode_step.restype = None
-    return library
+    return Library(path, SOURCE)  # (the source it was built from and its struct checked: binding)
 
 
 @functools.cache
@@ -111,13 +95,13 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _needs(library: ctypes.CDLL) -> str | None:
+def _needs(library: Library) -> str | None:
     """The CPU flag the library's vectors need: avx512f (16 floats a vector) or fma (AVX2's 8 floats with fused
     multiply-adds); None where its build has neither, which the decode step does not take."""
     return "avx512f" if library.vector_floats() == 16 else "fma" if library.fused() else None
 
 
-def for_decoding() -> ctypes.CDLL | None:
+def for_decoding() -> Library | None:
     """The library where the decode step should use it: built, for AVX-512 or for AVX2 with FMA (`_needs`), for
     $RLOO_KERNEL_MARCH's -march where set (an error where that build fails, has neither, or needs what this CPU
     lacks), else for this CPU's."""
@@ -138,7 +122,7 @@ class PackedLinear:
     or several side by side: a layer's q/k/v) packed now by the library's `pack` straight from where they are, no
     concatenated copy (kept: `packed`, `bias`, `n`, `k`, for `Step`)."""
 
-    def __init__(self, library: ctypes.CDLL, weights: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None):
+    def __init__(self, library: Library, weights: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None):
         weights = [w.detach().contiguous() for w in ([weights] if isinstance(weights, torch.Tensor) else weights)]
         self.library = library
         self.n, self.k = sum(w.size(0) for w in weights), weights[0].size(1)
@@ -150,7 +134,8 @@ class PackedLinear:
         self.packed = torch.empty(padded * self.k, dtype=torch.float32)
         addresses = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
         sizes = (ctypes.c_int * len(weights))(*(w.size(0) for w in weights))
-        library.pack(addresses, sizes, len(weights), self.packed.data_ptr(), self.k, padded, torch.get_num_threads())
+        library.pack(ws=addresses, ns=sizes, count=len(weights), p=self.packed.data_ptr(), k=self.k, n_pad=padded,
+                     threads=torch.get_num_threads())
         self.bias = None if bias is None else bias.detach().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,12 +144,12 @@ class PackedLinear:
                              f"{tuple(x.shape)}")
         x = x.contiguous()
         out = x.new_empty(*x.shape[:-1], self.n)
-        self.library.linear(x.data_ptr(), self.packed.data_ptr(), _address(self.bias), out.data_ptr(),
-                            x.numel() // self.k, self.n, self.k, torch.get_num_threads())
+        self.library.linear(x=x.data_ptr(), p=self.packed.data_ptr(), bias=_address(self.bias), y=out.data_ptr(),
+                            m=x.numel() // self.k, n=self.n, k=self.k, threads=torch.get_num_threads())
         return out
 
 
-def packed_linear(library: ctypes.CDLL, weights: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None,
+def packed_linear(library: Library, weights: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None,
                   rows: int) -> PackedLinear:
     """decode._kernels' interface (`rows` is the other kernels': this one takes any number)."""
     return PackedLinear(library, weights, bias)
@@ -187,7 +172,7 @@ class Shared(NamedTuple):
     prompt: torch.Tensor
 
 
-def attention(library: ctypes.CDLL, heads: int, kv_heads: int, dim: int) -> Callable | None:
+def attention(library: Library, heads: int, kv_heads: int, dim: int) -> Callable | None:
     """(projected, cos, sin, keys, values, mask, at, scale, shared=None) -> attended (rows, 1, heads x dim): the
     decode step's rotary embedding, key/value write at position `at` and attention (the C `attend`) for fp32 tensors
     laid out as rloo.engine.decode.LeanDecoder keeps them: each row's own keys / values (rows, kv_heads, total,
@@ -203,9 +188,12 @@ def attention(library: ctypes.CDLL, heads: int, kv_heads: int, dim: int) -> Call
         _checked_position(at, keys.size(2))
         out = projected.new_empty(rows, 1, heads * dim)
         cos, sin = cos.contiguous(), sin.contiguous()
-        library.attend(projected.data_ptr(), cos.data_ptr(), sin.data_ptr(), *_shared_arguments(shared, rows),
-                       keys.data_ptr(), values.data_ptr(), mask.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim,
-                       keys.size(2), at, scale, torch.get_num_threads())
+        shared_keys, shared_values, prompt, positions = _shared_arguments(shared, rows)
+        library.attend(qkv=projected.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), shared_keys=shared_keys,
+                       shared_values=shared_values, prompt=prompt, shared=positions, keys=keys.data_ptr(),
+                       values=values.data_ptr(), mask=mask.data_ptr(), out=out.data_ptr(), rows=rows, heads=heads,
+                       kv_heads=kv_heads, dim=dim, total=keys.size(2), at=at, scale=scale,
+                       threads=torch.get_num_threads())
         return out
     return attend
 
@@ -225,20 +213,13 @@ def _shared_arguments(shared: Shared | None, rows: int) -> tuple:
     return shared.keys.data_ptr(), shared.values.data_ptr(), shared.prompt.data_ptr(), shared.keys.size(2)
 
 
-class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "qkv", "qkv_bias", "o", "o_bias", "norm2", "gate_up",
-                                                      "gate_up_bias", "down", "down_bias", "keys", "values")] + \
-        [(name, ctypes.c_float) for name in ("eps1", "eps2", "scale")] + \
-        [(name, ctypes.c_void_p) for name in ("shared_keys", "shared_values")]
-
-
 class Step:
     """A whole decode step in one C call (`decode_step`): every layer's norms, packed projections, attention,
     SiLU x up and residual adds, the final norm and the LM head, with no Python or torch dispatch between them.
     `layers`: one dict per layer with norm1 / norm2 ((weight, eps)), qkv / o_proj / gate_up / down_proj
     (PackedLinear) and scaling; `norm` the final (weight, eps), `head` the LM head's PackedLinear."""
 
-    def __init__(self, library: ctypes.CDLL, layers: list[dict], norm: tuple, head: PackedLinear, heads: int,
+    def __init__(self, library: Library, layers: list[dict], norm: tuple, head: PackedLinear, heads: int,
                  kv_heads: int, dim: int):
         self.library, self.layers, self.norm, self.head = library, layers, norm, head
         self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
@@ -257,7 +238,7 @@ class Step:
             _checked_buffers(k, v)
         self.shared = shared
         self.prompt, self.positions = _shared_arguments(shared[0] if shared else None, rows)[2:]
-        self.table = (_Layer * len(self.layers))()
+        self.table = (self.library.Layer * len(self.layers))()
         for number, (entry, layer, k, v) in enumerate(zip(self.table, self.layers, keys, values)):
             entry.shared_keys, entry.shared_values = _shared_arguments(shared[number] if shared else None, rows)[:2]
             (norm1, eps1), (norm2, eps2) = layer["norm1"], layer["norm2"]
@@ -306,16 +287,19 @@ class Step:
         cos, sin = cos.contiguous(), sin.contiguous()
         logits = hidden.new_empty(rows, self.head.n) if head else None
         weight, eps = self.norm
+        normed, qkv, attended, gate_up, act = (t.data_ptr() for t in scratch)
         self.library.decode_step(
-            ctypes.addressof(self.table), len(self.layers), weight.data_ptr(), eps, self.head.packed.data_ptr(),
-            _address(self.head.bias), hidden.data_ptr(), _address(logits), cos.data_ptr(), sin.data_ptr(),
-            mask.data_ptr(), *(t.data_ptr() for t in scratch), rows, self.width, self.heads, self.kv_heads,
-            self.dim, self.intermediate, self.head.n, self.total, at, self.prompt, self.positions,
-            torch.get_num_threads(), tokens, _address(row_of))
+            layers=ctypes.addressof(self.table), count=len(self.layers), final_norm=weight.data_ptr(),
+            final_eps=eps, head=self.head.packed.data_ptr(), head_bias=_address(self.head.bias),
+            hidden=hidden.data_ptr(), logits=_address(logits), cos=cos.data_ptr(), sin=sin.data_ptr(),
+            mask=mask.data_ptr(), normed=normed, qkv=qkv, attended=attended, gate_up=gate_up, act=act, rows=rows,
+            width=self.width, heads=self.heads, kv_heads=self.kv_heads, dim=self.dim,
+            intermediate=self.intermediate, vocab=self.head.n, total=self.total, at=at, prompt=self.prompt,
+            shared=self.positions, threads=torch.get_num_threads(), tokens=tokens, row_of=_address(row_of))
         return logits
 
 
-def draw(library: ctypes.CDLL, scores: torch.Tensor, banned: list[int], uniform: torch.Tensor) -> torch.Tensor:
+def draw(library: Library, scores: torch.Tensor, banned: list[int], uniform: torch.Tensor) -> torch.Tensor:
     """The C `draw`: one token per row of `scores` (rows, vocab; fp32 on the CPU) from softmax(scores) with the
     `banned` columns at -inf, by inverse CDF against `uniform` (rows, 1; float64 in [0, 1)); -1 for a row with a NaN,
     no finite largest score or no positive finite total (the caller's torch path for those)."""
@@ -328,6 +312,6 @@ def draw(library: ctypes.CDLL, scores: torch.Tensor, banned: list[int], uniform:
     uniform = uniform.contiguous()
     columns = (ctypes.c_int * max(1, len(banned)))(*banned)
     tokens = torch.empty(rows, dtype=torch.long)
-    library.draw(scores.data_ptr(), rows, vocab, columns, len(banned), uniform.data_ptr(), tokens.data_ptr(),
-                 torch.get_num_threads())
+    library.draw(scores=scores.data_ptr(), rows=rows, vocab=vocab, banned=columns, count=len(banned),
+                 uniform=uniform.data_ptr(), tokens=tokens.data_ptr(), threads=torch.get_num_threads())
     return tokens
