@@ -1,12 +1,13 @@
 """One rollout: prompts -> completions -> rewards -> advantages, the data both training and evaluation use.
 
 `build_rollout` tokenizes the prompts, generates through the caller's backend, pads, decodes, scores with the
-reward runner, folds the KL into the reward and computes leave-one-out advantages (rloo.algorithm); with
-`kl_from_loss` it leaves the KL's pi_old and so the advantages to `finish_rollout`, which the loss calls with its
-own forward's log-probs (on-policy, one micro-batch per generation: the same numbers, one forward less). Its
-collaborators are arguments (a generate function, the processing class, the reward runner, log-prob functions,
-the cross-process gather), so it knows nothing of the trainer: the trainer's `_prepare_inputs` and the pipeline's
-evaluation stage call this same function. `rollout_metrics` computes the spec's metrics from a Rollout.
+reward runner, folds the KL into the reward and computes leave-one-out advantages (rloo.algorithm). Where pi_old's
+log-probs come from is decided once per trainer (`pi_old_plan`, table in `PiOld`); in the one configuration where
+the loss's own forward is the KL's pi_old, the rollout is completed by `complete_rollout`, a named stage of the
+step that the loss runs right after that forward. Its collaborators are arguments (a generate function, the
+processing class, the reward runner, log-prob functions, the cross-process gather), so it knows nothing of the
+trainer: the trainer's `_prepare_inputs` and the pipeline's evaluation stage call this same function.
+`rollout_metrics` computes the spec's metrics from a Rollout.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,6 +33,36 @@ ROW_FIELDS = ("prompts", "completions", "completion_texts", "prompt_ids", "promp
               "completion_mask", "truncated", "advantages", "old_logps", "sampler_logps", "ref_logps", "row_index")
 
 
+class PiOld(NamedTuple):
+    """Where one step takes pi_old's log-probs from (`pi_old_plan`). The step runs one way: sample prompts ->
+    rollout (generate, score, log-probs, advantages) -> loss -> optimizer step; only in the second row does the loss
+    first complete the rollout (`complete_rollout`), from the very forward it computes the ratio with.
+
+    | configuration | ratio's pi_old | KL's pi_old (beta > 0) | kl |
+    |---|---|---|---|
+    | on-policy, beta 0 | the loss's forward, detached (ratio 1) | - | "" |
+    | on-policy, beta > 0, steps_per_generation 1, no dropout | the loss's forward, detached | the same forward, in `complete_rollout` | "loss" |
+    | on-policy, beta > 0, otherwise (and evaluation) | the loss's forward, detached | a no-grad forward in the rollout | "rollout" |
+    | on-policy, kl_logps_from_generation | the loss's forward, detached | the decode loop's own log-probs | "decoder" |
+    | off-policy: num_iterations > 1 or steps_per_generation > gradient_accumulation_steps | a no-grad forward in the rollout, kept per row (`kept`) | the same forward | "rollout" |
+
+    The reference's log-probs always come from a no-grad forward in the rollout."""
+    kept: bool  # the rollout keeps pi_old per row for the ratio (off-policy)
+    kl: str  # "", "loss", "rollout" or "decoder": the KL's pi_old, per the table
+
+
+def pi_old_plan(args: Any, dropout: bool) -> PiOld:
+    """The PiOld row for an RLOOConfig (`dropout`: the policy draws dropout masks, so two forwards differ)."""
+    kept = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+    if args.beta == 0.0:
+        return PiOld(kept, "")
+    if kept:
+        return PiOld(kept, "rollout")
+    if args.kl_logps_from_generation:
+        return PiOld(kept, "decoder")
+    return PiOld(kept, "loss" if args.steps_per_generation == 1 and not dropout else "rollout")
+
+
 @dataclass
 class RolloutSettings:
     """What shapes a rollout, besides the model: RLOOConfig's values (or evaluation's)."""
@@ -45,8 +76,7 @@ class RolloutSettings:
     mask_truncated_completions: bool = False
     pad_to_multiple_of: int | None = None
     chat_template_kwargs: dict | None = None
-    keep_old_logps: bool = False  # the loss needs pi_old (a generation outlives an optimizer step)
-    kl_from_loss: bool = False  # the KL's pi_old comes from the loss's forward (finish_rollout), not a forward here
+    pi_old: PiOld = PiOld(kept=False, kl="rollout")  # where pi_old's log-probs come from (the table in PiOld)
 
 
 @dataclass
@@ -74,8 +104,8 @@ class Rollout:
     kl: float | None = None  # mean per-token KL(pi_old || pi_ref) over all completion tokens
     reward_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # log_metric values, averaged
     extra_columns: dict[str, list] = dataclasses.field(default_factory=dict)  # log_extra columns, local rows
-    # Until finish_rollout (kl_from_loss): the settings and first global row to finish with, the reference's
-    # per-token log-probs and each row's index in this process's rollout (micro-batches are shuffled).
+    # Until complete_rollout (PiOld kl "loss"): the settings and first global row to complete with, the
+    # reference's per-token log-probs and each row's index in this process's rollout (micro-batches are shuffled).
     pending: tuple[RolloutSettings, int] | None = None
     ref_logps: torch.Tensor | None = None
     row_index: torch.Tensor | None = None
@@ -124,7 +154,7 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
 
     generate(prompt_id_lists) -> completion id lists (EOS included), or rloo.generation.base.Completions whose
     `policy_logprobs` then stand for pi_old in the KL; policy_logps / reference_logps(input_ids, attention_mask,
-    logits_to_keep) -> per-token log-probs (needed when beta != 0 or keep_old_logps);
+    logits_to_keep) -> per-token log-probs (as settings.pi_old says);
     gather(tensor) concatenates a tensor over processes; gather_object(list) does the same for Python lists;
     timer (rloo.timing) counts the generation, log-prob and reward sections."""
     prompts = [row["prompt"] for row in rows]
@@ -149,13 +179,13 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     logits_to_keep = completion_ids.size(1)
     old_per_token = ref_per_token = None
     decoded = getattr(completion_id_lists, "policy_logprobs", None)  # the decode loop's, for the KL's pi_old
-    defer = settings.kl_from_loss and settings.beta != 0.0 and decoded is None and not settings.keep_old_logps
+    kept, defer = settings.pi_old.kept, settings.pi_old.kl == "loss" and settings.beta != 0.0
     with torch.no_grad(), timer.section("logprobs"):
-        if decoded is not None and settings.beta != 0.0 and not settings.keep_old_logps:
+        if settings.pi_old.kl == "decoder" and decoded is not None and settings.beta != 0.0:
             old_per_token = torch.zeros(completion_ids.shape, dtype=decoded.dtype, device=device)
             width = min(decoded.size(1), completion_ids.size(1))  # (ZeRO-3 ranks in step decode past their ends)
             old_per_token[:, :width] = decoded[:, :width].to(device)
-        elif (settings.keep_old_logps or settings.beta != 0.0) and not defer:
+        elif (kept or settings.beta != 0.0) and not defer:
             old_per_token = policy_logps(input_ids, attention_mask, logits_to_keep)
         if settings.beta != 0.0:
             ref_per_token = reference_logps(input_ids, attention_mask, logits_to_keep)
@@ -183,7 +213,7 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
         prompts=prompts, completions=completions, completion_texts=texts, prompt_ids=prompt_ids,
         prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
         advantages=None if defer else advantages[start:start + len(rows)],
-        old_logps=(old_per_token * completion_mask).sum(dim=1) if settings.keep_old_logps else None,
+        old_logps=(old_per_token * completion_mask).sum(dim=1) if kept else None,
         sampler_logps=sampler_logps, rewards_per_func=rewards_per_func, shaped_rewards=shaped,
         all_advantages=advantages, all_lengths=all_lengths, all_truncated=all_truncated,
         num_generations=settings.num_generations, num_tokens=num_tokens, kl=kl_mean,
@@ -210,14 +240,14 @@ def _advantages(rewards_per_func: torch.Tensor, settings: RolloutSettings, old_p
     return shaped, advantages, kl_mean
 
 
-def finish_rollout(rollout: Rollout, policy_per_token: torch.Tensor, gather: Callable = _local) -> Rollout:
-    """A rollout left pending by kl_from_loss -> the finished one: the KL's pi_old is `policy_per_token`, the
-    loss's forward of these rows (all of this process's rows, in the micro-batch's shuffled order), the rest as
-    build_rollout does it. Every process calls it (the leave-one-out groups span them)."""
+def complete_rollout(rollout: Rollout, policy_per_token: torch.Tensor, gather: Callable = _local) -> Rollout:
+    """The step's stage for PiOld kl "loss": a rollout left pending -> the complete one: the KL's pi_old is
+    `policy_per_token`, the loss's forward of these rows (all of this process's rows, in the micro-batch's shuffled
+    order), the rest as build_rollout does it. Every process calls it (the leave-one-out groups span them)."""
     settings, start = rollout.pending
     order = rollout.row_index
     if order.numel() != order.max().item() + 1:
-        raise RuntimeError("finish_rollout needs all of this process's rows in one micro-batch")
+        raise RuntimeError("complete_rollout needs all of this process's rows in one micro-batch")
     unshuffle = torch.argsort(order)
     policy, reference = policy_per_token.detach()[unshuffle], rollout.ref_logps[unshuffle]
     shaped, advantages, kl_mean = _advantages(rollout.rewards_per_func, settings, policy, reference,

@@ -31,8 +31,8 @@ from rloo.models import (attach_adapter, disable_dropout, dropout_active, eos_to
                          reference_adapter, reference_for_zero3, resolve_router_aux_loss_coef, reward_tokenizers,
                          text_tokenizer_of)
 from rloo.rewards.runner import RewardRunner
-from rloo.rollout import (Rollout, RolloutSettings, build_rollout, finish_rollout, global_masked_mean,
-                          rollout_metrics)
+from rloo.rollout import (Rollout, RolloutSettings, build_rollout, complete_rollout, global_masked_mean,
+                          pi_old_plan, rollout_metrics)
 from rloo.sampling import RepeatSampler, repeat_iterable, shuffle_rows, split_rows
 from rloo.timing import StepTimingCallback, device_timer
 from rloo.zero import gathered_parameters, prepare_frozen, single_process_ddp, zero_stage
@@ -143,12 +143,7 @@ class RLOOTrainer(Trainer):
         self._last_eval_metrics: dict[str, float | None] = {}
         self._step = 0
         self._buffered_inputs: list[Rollout] | None = None
-        # Old log-probs differ from the live ones only when a generation batch outlives an optimiser step.
-        self._needs_old_logps = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
-        # Otherwise, with one micro-batch per generation, the loss's forward is pi_old: the KL takes it from there
-        # (rloo.rollout.finish_rollout) instead of a forward of its own. Dropout would draw different masks.
-        self._kl_from_loss = (args.beta != 0.0 and not self._needs_old_logps and args.steps_per_generation == 1
-                              and not args.kl_logps_from_generation and not dropout_active(self.model))
+        self._pi_old = pi_old_plan(args, dropout_active(self.model))  # where pi_old comes from (rloo.rollout.PiOld)
         set_seed(args.seed, device_specific=True)  # duplicated prompts on different ranks sample differently
 
     # ------------------------------------------------------------------ data
@@ -264,7 +259,7 @@ class RLOOTrainer(Trainer):
             reward_weights=self.reward_weights, beta=args.beta, reward_clip_range=args.reward_clip_range,
             normalize_advantages=args.normalize_advantages, mask_truncated_completions=args.mask_truncated_completions,
             pad_to_multiple_of=args.pad_to_multiple_of, chat_template_kwargs=args.chat_template_kwargs,
-            keep_old_logps=self._needs_old_logps, kl_from_loss=self._kl_from_loss and mode == "train")
+            pi_old=self._pi_old if mode == "train" or self._pi_old.kl != "loss" else self._pi_old._replace(kl="rollout"))
         rollout = build_rollout(
             rows, settings, generate=generate, processing_class=self.processing_class,
             reward_runner=self.reward_runner, trainer_state=self.state,
@@ -276,7 +271,7 @@ class RLOOTrainer(Trainer):
             self._metrics.add(mode, name, value)
         self.state.num_input_tokens_seen += rollout.num_tokens if mode == "train" else 0
         self._metrics.set(mode, "num_tokens", float(self.state.num_input_tokens_seen))
-        if rollout.pending is None:  # else once compute_loss has finished it
+        if rollout.pending is None:  # else once the loss has completed it (complete_rollout)
             self._record_rollout(rollout, mode)
         return rollout
 
@@ -291,7 +286,7 @@ class RLOOTrainer(Trainer):
 
     def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
         share = self._fast and kl_forwards_share_prompts(self.accelerator.unwrap_model(self.model), self.ref_model)
-        if self._kl_from_loss and self.model.training:  # as the loss's forward does (not through a wrapper)
+        if self._pi_old.kl == "loss" and self.model.training:  # as the loss's forward does (not a wrapper)
             share = share and self.accelerator.unwrap_model(self.model_wrapped) is self.model_wrapped
         return torch.cat([per_token_logps(model, input_ids[start:start + chunk], attention_mask[start:start + chunk],
                                           logits_to_keep, self.args.temperature, share_prompts=share).logps
@@ -315,8 +310,8 @@ class RLOOTrainer(Trainer):
             token_logps, entropy, aux_loss = per_token_logps(  # shared prompts: not through a DDP/DeepSpeed wrapper
                 model, input_ids, attention_mask, inputs.completion_ids.size(1), self.args.temperature,
                 with_entropy=True, share_prompts=self._fast and unwrapped is model)
-        if inputs.pending is not None:  # on-policy: this forward is the KL's pi_old (rloo.rollout.finish_rollout)
-            inputs = finish_rollout(inputs, token_logps, self.accelerator.gather)
+        if inputs.pending is not None:  # the step's stage where this forward is the KL's pi_old (PiOld "loss")
+            inputs = complete_rollout(inputs, token_logps, self.accelerator.gather)
             self._record_rollout(inputs, mode)
         old_logps = inputs.old_logps
         if old_logps is None:  # on-policy: pi_old is the current policy, ratio exactly 1

@@ -33,11 +33,11 @@ args = RLOOConfig(output_dir=os.path.join(out, "run"), bf16=False, use_cpu=True,
                   learning_rate=0.01, log_completions=True)
 trainer = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=reward, args=args, train_dataset=data,
                       processing_class=tokenizer)
-assert trainer._kl_from_loss
+assert trainer._pi_old.kl == "loss"
 flat = getattr(trainer.ref_model, "_rloo_mapping", None)  # rloo.engine.mapped: accelerate's placement did not copy it out
 if mapped.disk_directory(1 << 20) is not None:
     assert all(flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel() for p in trainer.ref_model.parameters())
-trainer._kl_from_loss = sys.argv[2:] != ["separate-old-forward"]  # the KL's pi_old from a forward of its own
+trainer._pi_old = trainer._pi_old._replace(kl="rollout" if sys.argv[2:] == ["separate-old-forward"] else "loss")  # the KL's pi_old from a forward of its own
 trainer.train()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"seen": seen, "log_history": trainer.state.log_history, "table": list(trainer._logs.prompt),

@@ -143,7 +143,9 @@ def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(tmp_path, tok
         trainer = RLOOTrainer(model=policy, reward_funcs=position_reward, args=args, train_dataset=conversational(),
                               processing_class=tokenizer)
         assert trainer.generator.policy_temperature == (0.8 if decoded else None)
-        trainer._kl_from_loss = False  # the default's pi_old from the loss's forward is tested on its own
+        assert trainer._pi_old.kl == ("decoder" if decoded else "loss")
+        if not decoded:  # a forward in the rollout (the loss's own pi_old is tested on its own)
+            trainer._pi_old = trainer._pi_old._replace(kl="rollout")
         forwards, chunked = [], trainer._chunked_logps
         trainer._chunked_logps = lambda *a: forwards.append(1) or chunked(*a)
         trainer.train()
@@ -186,8 +188,8 @@ def test_kl_takes_pi_old_from_the_loss_forward(tmp_path, tokenizer, model, engin
                          num_completions_to_print=0)
         trainer = RLOOTrainer(model=policy, reward_funcs=position_reward, args=args, train_dataset=conversational(),
                               processing_class=tokenizer)
-        assert trainer._kl_from_loss
-        trainer._kl_from_loss = deferred
+        assert trainer._pi_old.kl == "loss"
+        trainer._pi_old = trainer._pi_old._replace(kl="loss" if deferred else "rollout")
         forwards, chunked = [], trainer._chunked_logps
         trainer._chunked_logps = lambda *a: forwards.append(1) or chunked(*a)
         trainer.train()
@@ -210,7 +212,7 @@ def test_kl_takes_pi_old_from_the_loss_forward(tmp_path, tokenizer, model, engin
         trainer = RLOOTrainer(model=copy.deepcopy(model), reward_funcs=position_reward, processing_class=tokenizer,
                               args=make_args(tmp_path / "other", **{"beta": 0.1, **settings}),
                               train_dataset=conversational())
-        assert not trainer._kl_from_loss, settings
+        assert trainer._pi_old.kl != "loss", settings
 
 
 def test_no_kl_and_no_reference_model_when_beta_zero(tmp_path, tokenizer, model):
