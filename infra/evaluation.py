@@ -72,6 +72,12 @@ def score_policies(config: RunConfig, policy: str, tokenizer_name: str | None, r
     """Each labelled policy (`load_policy(policy, weights[label])`) on the same rows with the run's evaluation
     settings and reward functions: {label: {"metrics": ..., "texts": ...}}. Reward functions see a TrainerState
     at that policy's step, as in training."""
+    return score_sets(config, policy, tokenizer_name, {"held_out": rows}, weights, steps, max_steps)["held_out"]
+
+
+def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None, row_sets: dict[str, list[dict]],
+               weights: dict[str, str | None], steps: dict[str, int], max_steps: int) -> dict[str, dict]:
+    """score_policies for several sets of rows, each model loaded once: {set: {label: {...}}}."""
     import torch
     from transformers import GenerationConfig, TrainerState
 
@@ -94,10 +100,13 @@ def score_policies(config: RunConfig, policy: str, tokenizer_name: str | None, r
     generation_config = GenerationConfig(max_new_tokens=max_new, pad_token_id=tokenizer.pad_token_id,
                                          eos_token_id=eos, **sampling)
     generator = in_process_generator(generation_config, tokenizer.pad_token_id, eos, next(iter(models.values())))
-    torch.manual_seed(config.data.seed)
-    return {label: _score(config, model, tokenizer, rows, runner, generator,
-                          TrainerState(global_step=steps[label], max_steps=max_steps))
-            for label, model in models.items()}
+    scored = {}
+    for name, rows in row_sets.items():
+        torch.manual_seed(config.data.seed)
+        scored[name] = {label: _score(config, model, tokenizer, rows, runner, generator,
+                                      TrainerState(global_step=steps[label], max_steps=max_steps))
+                        for label, model in models.items()}
+    return scored
 
 
 def evaluation_fingerprint(config: RunConfig, rows: list[dict]) -> str:
@@ -118,28 +127,56 @@ def held_out_rows(dataset_result: dict) -> list[dict]:
     return rows
 
 
+def extra_set_rows(config: RunConfig, name: str, training_prompts: list) -> list[dict]:
+    """evaluation.extra_sets[name]'s rows, checked as training rows are, none of whose prompts is a training
+    prompt (a held-out set must be kept out of training)."""
+    from rloo.data import load_prompt_dataset, validate_prompt_rows
+    path = config.evaluation.extra_sets[name]
+    if not os.path.isfile(path):
+        raise ValueError(f"evaluation.extra_sets.{name}: {path!r}: no such file.")
+    dataset = load_prompt_dataset(path)
+    validate_prompt_rows(dataset, path)
+    rows = list(dataset)
+    seen = {json.dumps(prompt, sort_keys=True): index for index, prompt in enumerate(training_prompts)}
+    for index, row in enumerate(rows):
+        if (found := seen.get(json.dumps(row["prompt"], sort_keys=True))) is not None:
+            raise ValueError(f"evaluation.extra_sets.{name}: row {index}'s prompt is training prompt {found} of "
+                             f"data.source. Fix: keep the set's prompts out of the training data.")
+    return rows
+
+
 def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict) -> dict:
-    """Held-out prompts, base vs trained: mean reward per function, accuracy where a reward is 0/1, completion
-    lengths; a markdown report with a table, sample completions, the training reward curve and the step-time
-    breakdown."""
+    """Held-out prompts (and evaluation.extra_sets), base vs trained: mean reward per function, accuracy where a
+    reward is 0/1, completion lengths; a markdown report with a table per set, sample completions, the training
+    reward curve and the step-time breakdown."""
+    from datasets import load_from_disk
     stages.record_execution(config, "evaluate")
     rows = held_out_rows(dataset_result)
+    training = load_from_disk(dataset_result["train_path"])["prompt"] if config.evaluation.extra_sets else []
+    row_sets = {"held_out": rows, **{name: extra_set_rows(config, name, training)
+                                     for name in config.evaluation.extra_sets}}
     step = train_result["global_step"]
-    results = score_policies(config, model_result["policy"], model_result["tokenizer"], rows,
-                             {"base": None, "trained": train_result["output_dir"]}, {"base": 0, "trained": step}, step)
+    scored = score_sets(config, model_result["policy"], model_result["tokenizer"], row_sets,
+                        {"base": None, "trained": train_result["output_dir"]}, {"base": 0, "trained": step}, step)
+    results = scored["held_out"]
     base_metrics, trained_metrics = results["base"]["metrics"], results["trained"]["metrics"]
+    sets = {name: {"base": scored[name]["base"]["metrics"], "trained": scored[name]["trained"]["metrics"],
+                   "num_prompts": len(row_sets[name]), "path": config.evaluation.extra_sets[name]}
+            for name in config.evaluation.extra_sets}
     out = stages.stage_path(config, "eval")
     os.makedirs(out, exist_ok=True)
     plot = plot_reward_curve(train_result["metrics_path"], os.path.join(out, "reward_curve.png"))
     timing_plot = plot_step_timing(train_result["metrics_path"], os.path.join(out, "step_timing.png"))
-    report = render_report(config, dataset_result, base_metrics, trained_metrics, rows, results, plot, timing_plot)
+    report = render_report(config, dataset_result, base_metrics, trained_metrics, rows, results, plot, timing_plot,
+                           sets)
     with open(os.path.join(out, "report.md"), "w") as handle:
         handle.write(report)
     gain = None
     if base_metrics["reward"] is not None and trained_metrics["reward"] is not None:
         gain = trained_metrics["reward"] - base_metrics["reward"]
     result = {"base": base_metrics, "trained": trained_metrics, "reward_gain": gain, "num_prompts": len(rows),
-              "report_path": os.path.join(out, "report.md"), "plot_path": plot, "timing_plot_path": timing_plot}
+              "report_path": os.path.join(out, "report.md"), "plot_path": plot, "timing_plot_path": timing_plot,
+              "extra_sets": sets}
     stages.write_json(os.path.join(out, "metrics.json"), result)
     return stages.save_stage_result(config, "evaluate", result)
 
@@ -201,15 +238,26 @@ def format_number(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def render_report(config, dataset_result, base, trained, rows, results, plot, timing_plot=None) -> str:
-    lines = [f"# Evaluation of `{config.run_key}`", "",
-             f"{len(rows)} held-out prompts from `{dataset_result['source']}`, "
-             f"{'greedy decoding' if config.evaluation.temperature == 0 else f'temperature {config.evaluation.temperature}'}.",
-             "", "| metric | base | trained | change |", "| --- | --- | --- | --- |"]
+def _table(base: dict, trained: dict) -> list[str]:
+    lines = ["| metric | base | trained | change |", "| --- | --- | --- | --- |"]
     for key in base:
         change = None if base[key] is None or trained.get(key) is None else trained[key] - base[key]
         lines.append(f"| {key} | {format_number(base[key])} | {format_number(trained.get(key))} | "
                      f"{'-' if change is None else f'{change:+.3f}'} |")
+    return lines
+
+
+def render_report(config, dataset_result, base, trained, rows, results, plot, timing_plot=None,
+                  sets: dict | None = None) -> str:
+    temperature = config.evaluation.temperature
+    decoding = "greedy decoding" if temperature == 0 else f"temperature {temperature}"
+    lines = [f"# Evaluation of `{config.run_key}`", "",
+             f"{len(rows)} held-out prompts from `{dataset_result['source']}`, {decoding}.", "",
+             *_table(base, trained)]
+    for name, found in (sets or {}).items():
+        lines += ["", f"## Held-out set `{name}`", "",
+                  f"{found['num_prompts']} prompts from `{found['path']}`, kept out of training.", "",
+                  *_table(found["base"], found["trained"])]
     if plot:
         lines += ["", f"![training reward]({os.path.basename(plot)})"]
     if timing_plot:

@@ -91,6 +91,18 @@ class EvalSettings(Strict):
     max_completion_length: int | None = Field(None, ge=1, description="Default: training's max_completion_length.")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy decoding.")
     batch_size: int = Field(16, ge=1)
+    extra_sets: dict[str, str] = Field(default_factory=dict, description=(
+        "More held-out sets, name -> a JSON/JSONL/CSV/Parquet file of prompts kept out of training (e.g. phrased "
+        "unlike them): scored like the held-out prompts and reported beside them."))
+
+    @field_validator("extra_sets")
+    @classmethod
+    def _set_names(cls, sets: dict[str, str]) -> dict[str, str]:
+        for name in sets:
+            if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name == "held_out":
+                raise ValueError(f"extra set name {name!r}: use lowercase letters, digits and _ (not 'held_out', "
+                                 "the name of data.eval_size's prompts).")
+        return sets
 
 
 class TrackingSettings(Strict):

@@ -133,6 +133,9 @@ def check_config(config: RunConfig, read_rows: bool) -> bool:
     source = config.data.source
     if source.endswith((".json", ".jsonl", ".csv", ".parquet")) and not os.path.isfile(source):
         raise ConfigError(f"data.source {source!r}: no such file.")
+    for name, path in config.evaluation.extra_sets.items():
+        if not os.path.isfile(path):
+            raise ConfigError(f"evaluation.extra_sets.{name}: {path!r}: no such file.")
     if not (read_rows and os.path.exists(source)):
         return False
     import datasets
@@ -140,6 +143,9 @@ def check_config(config: RunConfig, read_rows: bool) -> bool:
     try:
         dataset, _ = load_checked_rows(config)
         check_enough_prompts(config, args, len(dataset) - config.data.eval_size)
+        from infra.evaluation import extra_set_rows
+        for name in config.evaluation.extra_sets:  # (against every source row: the split is not drawn yet)
+            extra_set_rows(config, name, dataset["prompt"])
     except ValueError as err:
         raise ConfigError(f"data: {err}") from None
     return True

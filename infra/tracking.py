@@ -218,6 +218,9 @@ def evaluation_record(result: dict, step: int) -> StageRecord:
                for key, value in result[label].items() if value is not None}
     if result["reward_gain"] is not None:
         metrics["reward_gain"] = result["reward_gain"]
+    for name, found in result.get("extra_sets", {}).items():  # evaluation.extra_sets, beside the held-out set's
+        metrics.update({f"{name}_{label}_{key}".replace("/", "_"): value for label in ("base", "trained")
+                        for key, value in found[label].items() if value is not None})
     plots = [result.get("plot_path"), result.get("timing_plot_path")]
     artifacts = [(result["report_path"], "evaluation")] + [(plot, "evaluation") for plot in plots if plot]
     return StageRecord(metrics=metrics, step=step, artifacts=artifacts, metrics_on_parent=True)

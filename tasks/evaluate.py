@@ -26,7 +26,10 @@ def evaluate_task(config: RunConfig, dataset_result: dict, model_result: dict, t
     create_table_artifact([{"metric": key, "base": result["base"][key], "trained": result["trained"].get(key)}
                            for key in result["base"]], key=f"{config.name}-evaluation-table")
     gain = result["reward_gain"]
+    extra = "".join(f"; {name} {evaluation.format_number(found['base']['reward'])} -> "
+                    f"{evaluation.format_number(found['trained']['reward'])}"
+                    for name, found in result.get("extra_sets", {}).items())
     say("evaluate", f"held-out reward {evaluation.format_number(result['base']['reward'])} (base) -> "
                     f"{evaluation.format_number(result['trained']['reward'])} (trained), gain "
-                    f"{'-' if gain is None else f'{gain:+.3f}'}; report: {result['report_path']}")
+                    f"{'-' if gain is None else f'{gain:+.3f}'}{extra}; report: {result['report_path']}")
     return result

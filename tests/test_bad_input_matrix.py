@@ -25,6 +25,7 @@ ROWS = {
     "mixed-kinds.jsonl": [{"prompt": "2+2?"}, {"prompt": [{"role": "user", "content": "3+3?"}]}],
     "two-rows.jsonl": [{"prompt": "2+2?"}, {"prompt": "3+3?"}],
     "nan-column.jsonl": [{"prompt": "2+2?", "answer": 4.0}, {"prompt": "3+3?", "answer": math.nan}],
+    "trained-on.jsonl": [{"prompt": [{'role': 'user', 'content': 'What is 15 + 10? Answer with just the number.'}], "solution": "25"}],
 }
 
 CASES = [  # (id, --set overrides or a config file's text, what the one-line error must say)
@@ -87,6 +88,12 @@ CASES = [  # (id, --set overrides or a config file's text, what the one-line err
     ("model-folder-without-weights", ["training.model_name_or_path={rows}/no-weights"], "no weights in"),
     ("reward-model-is-a-causal-lm", ["training.reward_funcs=[{rows}/causal-lm]", "training.reward_weights=null"],
      "is a LlamaForCausalLM, not a reward model"),
+    ("extra-set-missing", ["evaluation.extra_sets={rephrased: /nope/set.jsonl}"],
+     "evaluation.extra_sets.rephrased: '/nope/set.jsonl': no such file"),
+    ("extra-set-name", ["evaluation.extra_sets={Held Out: data/arithmetic_rephrased.jsonl}"],
+     "extra set name 'Held Out': use lowercase letters"),
+    ("extra-set-trained-on", ["evaluation.extra_sets={leaked: {rows}/trained-on.jsonl}"],
+     "evaluation.extra_sets.leaked: row 0's prompt is training prompt 0 of data.source"),
     ("reward-model-with-two-labels", ["training.reward_funcs=[{rows}/two-labels]", "training.reward_weights=null"],
      "classifies into 2 labels; a reward model has one"),
 ]
@@ -123,7 +130,7 @@ def test_bad_input_is_refused_in_one_line_and_writes_nothing(case, given, expect
     else:
         arguments = [TINY, "--set", f"run_root={run_root}", "--set", f"data.source={ROOT}/data/arithmetic.jsonl"]
         for assignment in given:
-            arguments += ["--set", assignment.format(rows=rows)]
+            arguments += ["--set", assignment.replace("{rows}", str(rows))]
     assert main(["validate", *arguments]) == 2
     error = capsys.readouterr().err
     assert error.startswith("rloo-pipeline validate: error: ") and expected in error, error
@@ -192,9 +199,9 @@ def test_the_model_stage_refuses_what_needs_the_tokenizer_before_any_weight_load
     assert loaded == [] and stages.load_stage_result(config, "model") is None
 
 
-def test_the_readme_shows_every_case():
-    with open(os.path.join(ROOT, "README.md")) as handle:
-        readme = handle.read()
+def test_the_error_page_shows_every_case():
+    with open(os.path.join(ROOT, "docs", "errors.md")) as handle:
+        page = handle.read()
     cases = [case[0] for case in CASES + FLAGS] + MODEL_STAGE
-    assert [case for case in cases if f"| {case} |" not in readme] == []
-    assert f"`tests/test_bad_input_matrix.py`, {len(cases)} cases" in readme.replace("\n", " ")
+    assert [case for case in cases if f"| {case} |" not in page] == []
+    assert f"`tests/test_bad_input_matrix.py` runs each of these {len(cases)} cases" in page.replace("\n", " ")
