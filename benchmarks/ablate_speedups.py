@@ -25,21 +25,21 @@ STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from 
 
 
 def _one_projection_each(modules, rows, scratch=None):
-    """rloo.engine.decode._side_by_side as before the "side by side" stage: a matmul per projection."""
+    """rloo.engine.packing.side_by_side as before the "side by side" stage: a matmul per projection."""
     import torch
     import torch.nn.functional as F
 
-    import rloo.engine.decode as decode
+    import rloo.engine.packing as packing
 
     def one(module):
         if type(module) is torch.nn.Linear:
-            return decode._packed_linear(module.weight, module.bias, rows) if decode._packable(module.weight) \
+            return packing.packed_linear(module.weight, module.bias, rows) if packing.packable(module.weight) \
                 else module
-        parts = decode._lora_parts(module)
+        parts = packing.lora_parts(module)
         if parts is None:
             return module
         base, a, b, scaling = parts
-        base_linear = decode._packed_linear(base.weight, base.bias, rows) if decode._packable(base.weight) else base
+        base_linear = packing.packed_linear(base.weight, base.bias, rows) if packing.packable(base.weight) else base
         return lambda x: base_linear(x) + F.linear(F.linear(x, a), b) * scaling
     linears = [one(module) for module in modules]
     return linears[0] if len(linears) == 1 else lambda x: torch.cat([linear(x) for linear in linears], dim=-1)
@@ -61,10 +61,10 @@ def child(stage: str, case: str) -> dict:
 
     import bench_vs_trl
     import rloo.engine.decode as decode
+    import rloo.engine.packing as packing
     import rloo.engine.lean as lean
     import rloo.engine.prefill as prefill
     import rloo.engine.shared_prompts as shared_prompts
-    import rloo.logps as logps
     import rloo.trainer as trainer
     level = STAGES.index(stage)
     if level < 1:
@@ -73,19 +73,19 @@ def child(stage: str, case: str) -> dict:
     if level < 2:
         lean.lean_decoder = lambda *args: None
     if level < 3:
-        decode._packed_linear = lambda weight, bias, rows: functools.partial(
+        packing.packed_linear = lambda weight, bias, rows: functools.partial(
             F.linear, weight=torch.cat(weight) if isinstance(weight, list) else weight, bias=bias)
     if level < 4:  # (the trainer takes pi_old from the loss only where no dropout is drawn)
         trainer.dropout_active = lambda model: True
     if level < 5:
-        decode._side_by_side = _one_projection_each
+        packing.side_by_side = _one_projection_each
         lean.sample_from = _one_cumulative_sum
     if level < 6:
         import rloo.engine.heap as heap
         heap.keep_freed_memory = lambda: heap.libc() is not None and heap.libc().mallopt(
             heap.M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD)
-    if level < 7 and "mkl" in decode._kernels():
-        decode._kernels = lambda: {"mkl": decode._mkl}
+    if level < 7 and "mkl" in packing.kernels():
+        packing.kernels = lambda: {"mkl": packing.mkl_linear}
         decode.LeanDecoder._attention = staticmethod(lambda q, k, v, mask, scaling: F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scaling))
     return bench_vs_trl.child("rloo", bench_vs_trl.cases()[case])

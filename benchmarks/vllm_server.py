@@ -145,7 +145,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rloo.assets import smollm2_path
-    from rloo.generation.vllm_server import VLLMServerClient
+    from rloo.generation.vllm_client import VLLMServerClient
     model_dir = smollm2_path()
     work = tempfile.mkdtemp(prefix="rloo-vllm-bench-")
     server = start_server(model_dir, os.path.join(work, "server.log"))

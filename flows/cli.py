@@ -20,8 +20,9 @@ def cmd_validate(options) -> int:
     from infra.stages import check_config
     config = _load(options.config, options.set)
     rows = check_config(config, read_rows=True)
-    print(f"valid: {options.config} -> run {config.run_key} in {config.run_dir}" + (
-        "" if rows else f" (the rows of {config.data.source} are checked when the dataset stage loads them)"))
+    print(f"valid: {options.config} -> run {config.run_key} in {config.run_dir}" +
+          ("" if rows else
+           f" (the rows of {config.data.source} are checked when the dataset stage loads them)"))
     return 0
 
 
@@ -31,23 +32,28 @@ def cmd_run(options, config_path: str | None = None, assignments: list[str] | No
     api = EphemeralApi()
     if (early_root := known_run_root(config_path, assignments)) is not None:
         api.start(early_root)
-    config = _load(config_path, assignments)  # when this fails, the API started early is stopped at exit, once up
+    # when this fails, the API started early is stopped at exit, once up
+    config = _load(config_path, assignments)
     if early_root is not None and os.path.abspath(config.run_root) != os.path.abspath(early_root):
-        raise RuntimeError(f"run root read early ({early_root}) differs from the config's ({config.run_root})")
+        raise RuntimeError(
+            f"run root read early ({early_root}) differs from the config's ({config.run_root})")
     return _run_checked(options, config, config_path, assignments, api)
 
 
-def _run_checked(options, config, config_path: str, assignments: list[str], api: EphemeralApi) -> int:
+def _run_checked(options, config, config_path: str, assignments: list[str],
+                 api: EphemeralApi) -> int:
     from flows import console
     from infra.stages import check_config
     from infra.tracking import check_reachable
-    console.quiet(config.run_root)  # before MLflow creates its tables: third-party lines go to pipeline.log
+    # before MLflow creates its tables: third-party lines go to pipeline.log
+    console.quiet(config.run_root)
     check_config(config, read_rows=False)  # the rows: in the dataset stage, which reads them anyway
     local_store = config.tracking_uri.startswith("sqlite:")
     if not local_store:
         check_reachable(config.tracking_uri)  # a server: fails fast, before anything starts
     from infra.writer import wait_until_free
-    wait_until_free(config.run_dir, options.if_running)  # the flow holds the lock; this fails (or waits) early
+    # the flow holds the lock; this fails (or waits) early
+    wait_until_free(config.run_dir, options.if_running)
     api.start(config.run_root)  # (already started when the run root was known early)
     if local_store:  # a new SQLite store creates its tables here (seconds), while the API starts
         check_reachable(config.tracking_uri)
@@ -56,36 +62,43 @@ def _run_checked(options, config, config_path: str, assignments: list[str], api:
     console.quiet(config.run_root)  # again: Prefect configured its logging since
     start = time.time()
     try:
-        summary = asyncio.run(rloo_pipeline(config_path, if_running=options.if_running, overrides=assignments))
+        summary = asyncio.run(
+            rloo_pipeline(config_path, if_running=options.if_running, overrides=assignments))
     except Exception as err:
         if not _prefect_unreachable(err):
             raise
         root = "" if config.run_root == DEFAULT_ROOT else f" --run-root {config.run_root}"
         api = os.environ.get("PREFECT_API_URL") or "the ephemeral one"
-        print(f"rloo-pipeline {options.command}: error: the Prefect API ({api}) went away ({type(err).__name__}: {str(err)[:120]}). A training job already started "
-              f"trains on; when the API is back, `rloo-pipeline resume {config.run_key}{root}` picks the run up.",
-              file=sys.stderr)
+        print(
+            f"rloo-pipeline {options.command}: error: the Prefect API ({api}) went away "
+            f"({type(err).__name__}: {str(err)[:120]}). A training job already started trains on; "
+            f"when the API is back, `rloo-pipeline resume {config.run_key}{root}` picks the run "
+            "up.",
+            file=sys.stderr)
         return 1
     evaluation = summary.get("evaluate") or {}
     print("")
     print(f"Done in {time.time() - start:.0f} s: {summary['run_dir']}")
     if evaluation:
         print(f"  held-out reward: base {evaluation['base']['reward']:.3f} -> trained "
-              f"{evaluation['trained']['reward']:.3f} ({evaluation['reward_gain']:+.3f}); "
-              f"report {evaluation['report_path']}")
+              f"{evaluation['trained']['reward']:.3f} ({evaluation['reward_gain']:+.3f}); report "
+              f"{evaluation['report_path']}")
     print(f"  MLflow run {summary['mlflow_run_id']} in {config.tracking_uri}")
-    print(f"  Browse both UIs: rloo-pipeline ui --run-root {config.run_root}   (Prefect :4200, MLflow :5000 -> "
-          f"{summary['mlflow_link']})")
+    print(
+        f"  Browse both UIs: rloo-pipeline ui --run-root {config.run_root}   (Prefect :4200, "
+        f"MLflow :5000 -> {summary['mlflow_link']})")
     root = "" if config.run_root == DEFAULT_ROOT else f" --run-root {config.run_root}"
-    print(f"  Next: rloo-pipeline promote {config.run_key}{root}   (registry, gate, Hub); rloo-pipeline serve{root}"
-          "   (start runs from the UI)")
+    print(
+        f"  Next: rloo-pipeline promote {config.run_key}{root}   (registry, gate, Hub); "
+        f"rloo-pipeline serve{root}   (start runs from the UI)")
     return 0
 
 
 def _prefect_unreachable(err: BaseException) -> bool:
     import httpx
     while err is not None:
-        if isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout)) or "Failed to reach API" in str(err):
+        unreachable = isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout))
+        if unreachable or "Failed to reach API" in str(err):
             return True
         err = err.__cause__ or err.__context__
     return False
@@ -94,13 +107,14 @@ def _prefect_unreachable(err: BaseException) -> bool:
 def _run_dirs(run_root: str) -> list[str]:
     if not os.path.isdir(run_root):
         return []
-    return sorted(d for d in os.listdir(run_root) if os.path.exists(os.path.join(run_root, d, "config.json")))
+    return sorted(d for d in os.listdir(run_root)
+                  if os.path.exists(os.path.join(run_root, d, "config.json")))
 
 
 def _stage_states(run_root: str, run: str) -> dict[str, str]:
-    """Per stage: 'done' when its persisted result matches the config and stage version (what a resume skips),
-    'stale' when it is from another version, '-' when absent; how often its body ran when more than once; a
-    running training job's state."""
+    """Per stage: 'done' when its persisted result matches the config and stage version (what a
+    resume skips), 'stale' when it is from another version, '-' when absent; how often its body ran
+    when more than once; a running training job's state."""
     from collections import Counter
 
     from infra import stages
@@ -112,8 +126,8 @@ def _stage_states(run_root: str, run: str) -> dict[str, str]:
     states = {}
     for stage in stages.STAGE_VERSIONS:
         done = stages.load_stage_result(config, stage) is not None
-        state = "done" if done else ("stale" if os.path.exists(os.path.join(run_dir, "stages", f"{stage}.json"))
-                                     else "-")
+        state = "done" if done else (
+            "stale" if os.path.exists(os.path.join(run_dir, "stages", f"{stage}.json")) else "-")
         states[stage] = state + (f" (ran {runs[stage]}x)" if runs[stage] > 1 else "")
     job = os.path.join(run_dir, "train", "job.json")
     if not states["train"].startswith("done") and os.path.exists(job):
@@ -158,7 +172,8 @@ def _run_config_file(run_root: str, run: str) -> str:
     import yaml
     path = os.path.join(run_root, run, "config.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no run {run!r} under {run_root} (rloo-pipeline status lists them).")
+        raise FileNotFoundError(
+            f"no run {run!r} under {run_root} (rloo-pipeline status lists them).")
     with open(path) as handle:
         config = json.load(handle)["config"]
     recipe = os.path.join(run_root, run, "config.yaml")
@@ -182,7 +197,8 @@ def cmd_compare(options) -> int:
         print(f"no runs under {options.run_root}")
         return 0
     configs = {run: load_run_config(_run_config_file(options.run_root, run)) for run in runs}
-    result = compare(configs, os.path.join(options.run_root, "comparisons", "-vs-".join(runs)[:200]))
+    result = compare(configs, os.path.join(options.run_root, "comparisons",
+                                           "-vs-".join(runs)[:200]))
     console = Console(width=max(120, 40 + 24 * len(runs)))
     table = Table(title="config differences")
     for column in ("key", *runs):
@@ -195,12 +211,18 @@ def cmd_compare(options) -> int:
         table.add_column(column)
     names = sorted({name for values in result["metrics"].values() for name in values})
     for name in names:
-        table.add_row(name, *[f"{result['metrics'][run][name]:.3f}" if name in result["metrics"][run] else "-"
-                              for run in runs])
+        table.add_row(
+            name, *[
+                f"{result['metrics'][run][name]:.3f}" if name in result["metrics"][run] else "-"
+                for run in runs
+            ])
     for tag in ("rloo.recipe", "rloo.model", "rloo.promoted"):
         table.add_row(tag, *[result["tags"][run].get(tag, "-") for run in runs])
     console.print(table)
-    print(f"reward curves: {result['plot'] or '(no training metrics)'} (also in MLflow run {result['comparison_run']})")
+    print(
+        f"reward curves: {result['plot'] or '(no training metrics)'} (also in MLflow run "
+        f"{result['comparison_run']})"
+    )
     print(f"MLflow comparison: {result['link']}")
     return 0
 
@@ -208,8 +230,8 @@ def cmd_compare(options) -> int:
 def _paused_promotion(name: str):
     """The promotion flow run of that name waiting for approval, or None."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterName, FlowRunFilterState,
-                                                FlowRunFilterStateType)
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterName,
+                                                FlowRunFilterState, FlowRunFilterStateType)
     from prefect.client.schemas.objects import StateType
 
     async def find():
@@ -232,24 +254,34 @@ def cmd_promote(options) -> int:
         waiting = _paused_promotion(name)
         if waiting is not None:
             from prefect.flow_runs import resume_flow_run
-            resume_flow_run(waiting.id, run_input={"approve": bool(options.approve), "comment": options.comment})
-            print(f"{'approved' if options.approve else 'rejected'}: flow run {waiting.name} ({waiting.id}) resumes")
+            resume_flow_run(
+                waiting.id,
+                run_input={"approve": bool(options.approve), "comment": options.comment})
+            print(
+                f"{'approved' if options.approve else 'rejected'}: flow run {waiting.name} "
+                f"({waiting.id}) resumes"
+            )
             return 0
         if options.reject:
-            raise FileNotFoundError(f"no promotion of {options.run} is waiting for approval (rloo-pipeline promote "
-                                    f"{options.run} starts one).")
+            raise FileNotFoundError(
+                f"no promotion of {options.run} is waiting for approval (rloo-pipeline promote "
+                f"{options.run} starts one).")
     try:
-        result = rloo_promote.with_options(flow_run_name=name)(config_path, options.checkpoint, bool(options.approve),
+        result = rloo_promote.with_options(flow_run_name=name)(config_path, options.checkpoint,
+                                                               bool(options.approve),
                                                                options.comment, options.set)
     except PromotionError as err:
         print(f"rloo-pipeline promote: error: {err}", file=sys.stderr)
         return 2
-    except Exception as err:  # e.g. the Hub unreachable or failing mid-upload: nothing moved, a rerun retries
-        print(f"rloo-pipeline promote: failed ({type(err).__name__}: {str(err)[:300]}); the champion alias is "
-              f"unchanged. Run the same command again to retry.", file=sys.stderr)
+    # e.g. the Hub unreachable or failing mid-upload: nothing moved, a rerun retries
+    except Exception as err:
+        print(
+            f"rloo-pipeline promote: failed ({type(err).__name__}: {str(err)[:300]}); the champion "
+            "alias is unchanged. Run the same command again to retry.", file=sys.stderr)
         return 1
-    print(f"{result['status']}: " + ", ".join(f"{key} {result[key]}" for key in ("version", "repo", "commit", "url",
-                                                                                 "report") if result.get(key)))
+    print(f"{result['status']}: " +
+          ", ".join(f"{key} {result[key]}"
+                    for key in ("version", "repo", "commit", "url", "report") if result.get(key)))
     return 1 if result["status"] == "gate failed" else 0
 
 
@@ -271,10 +303,14 @@ def cmd_sync(options) -> int:
 def cmd_ui(options) -> int:
     from flows import serve
     env = serve.service_environment(options.run_root, options.prefect_port)
-    processes = serve.start_servers(options.run_root, options.prefect_port, options.mlflow_port, env)
+    processes = serve.start_servers(options.run_root, options.prefect_port, options.mlflow_port,
+                                    env)
     with serve.running(processes):
-        print(f"Prefect UI: http://127.0.0.1:{options.prefect_port}   MLflow UI: http://127.0.0.1:{options.mlflow_port}"
-              f"   (logs in {os.path.abspath(options.run_root)}/.logs; Ctrl-C stops both)", flush=True)
+        print(
+            f"Prefect UI: http://127.0.0.1:{options.prefect_port}   MLflow UI: "
+            f"http://127.0.0.1:{options.mlflow_port}   (logs in "
+            f"{os.path.abspath(options.run_root)}/.logs; Ctrl-C stops both)",
+            flush=True)
         serve.wait_any(processes)
     return 0
 
@@ -282,7 +318,8 @@ def cmd_ui(options) -> int:
 def cmd_serve(options) -> int:
     from flows import serve
     env = serve.service_environment(options.run_root, options.prefect_port)
-    processes = serve.start_servers(options.run_root, options.prefect_port, options.mlflow_port, env)
+    processes = serve.start_servers(options.run_root, options.prefect_port, options.mlflow_port,
+                                    env)
     with serve.running(processes):
         from infra.jobs import wait_for_health
         wait_for_health(f"{env['PREFECT_API_URL']}/health", 180, "the Prefect server",
@@ -290,55 +327,67 @@ def cmd_serve(options) -> int:
         serve.deploy(env)
         processes.append(serve.start_worker(env))
         ui = f"http://127.0.0.1:{options.prefect_port}"
-        print(f"Prefect UI: {ui}   deployments: {ui}/v2/deployments   work pool '{serve.POOL}' with a worker "
-              f"(its flow runs below)\nMLflow UI: http://127.0.0.1:{options.mlflow_port}   runs in {env['RLOO_RUN_ROOT']}"
-              f"   server logs in {env['RLOO_RUN_ROOT']}/.logs   (Ctrl-C stops everything)", flush=True)
+        print(
+            f"Prefect UI: {ui}   deployments: {ui}/v2/deployments   work pool '{serve.POOL}' with "
+            f"a worker (its flow runs below)\nMLflow UI: http://127.0.0.1:{options.mlflow_port}   "
+            f"runs in {env['RLOO_RUN_ROOT']}   server logs in {env['RLOO_RUN_ROOT']}/.logs   "
+            "(Ctrl-C stops everything)",
+            flush=True)
         serve.wait_any(processes)
     return 0
 
 
 def _if_running_option(command) -> None:
-    command.add_argument("--if-running", choices=("refuse", "wait"), default="refuse",
-                         help="when another process is writing this run's directory (the same config): refuse "
-                              "(default) or wait for it to finish")
+    command.add_argument(
+        "--if-running", choices=("refuse", "wait"), default="refuse",
+        help="when another process is writing this run's directory (the same config): refuse "
+        "(default) or wait for it to finish")
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="rloo-pipeline", description="The RLOO pipeline (Prefect + MLflow).")
+    root = argparse.ArgumentParser(prog="rloo-pipeline",
+                                   description="The RLOO pipeline (Prefect + MLflow).")
     commands = root.add_subparsers(dest="command", required=True)
-    for name, helptext in (("run", "run the pipeline on a config"), ("validate", "check a config, no compute")):
+    for name, helptext in (("run", "run the pipeline on a config"), ("validate",
+                                                                     "check a config, no compute")):
         command = commands.add_parser(name, help=helptext)
         command.add_argument("config")
         command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                              help="override a config key, e.g. --set training.max_steps=20")
         if name == "run":
             _if_running_option(command)
-    for name, helptext in (("status", "stage states of the runs"), ("resume", "run a run's pipeline again "
-                                                                              "(finished stages are skipped)"),
+    for name, helptext in (("status",
+                            "stage states of the runs"), ("resume", "run a run's pipeline again "
+                                                          "(finished stages are skipped)"),
                            ("sync", "upload metrics kept while MLflow was unreachable")):
         command = commands.add_parser(name, help=helptext)
         command.add_argument("run", nargs="?" if name == "status" else None)
         command.add_argument("--run-root", default=DEFAULT_ROOT)
         if name == "resume":
             _if_running_option(command)
-    compare = commands.add_parser("compare", help="config differences, held-out metrics and reward curves of runs "
-                                                  "(from MLflow)")
+    compare = commands.add_parser(
+        "compare", help="config differences, held-out metrics and reward curves of runs "
+        "(from MLflow)")
     compare.add_argument("runs", nargs="*")
     compare.add_argument("--run-root", default=DEFAULT_ROOT)
-    promote = commands.add_parser("promote", help="register a run's policy, gate it against the champion, publish "
-                                                  "it to the Hub after approval")
+    promote = commands.add_parser(
+        "promote", help="register a run's policy, gate it against the champion, publish "
+        "it to the Hub after approval")
     promote.add_argument("run")
     promote.add_argument("--run-root", default=DEFAULT_ROOT)
-    promote.add_argument("--checkpoint", type=int, help="a checkpoint's step (default: the final model)")
+    promote.add_argument("--checkpoint", type=int,
+                         help="a checkpoint's step (default: the final model)")
     answer = promote.add_mutually_exclusive_group()
-    answer.add_argument("--approve", action="store_true", help="answer a waiting promotion (or approve up front)")
+    answer.add_argument("--approve", action="store_true",
+                        help="answer a waiting promotion (or approve up front)")
     answer.add_argument("--reject", action="store_true", help="reject a waiting promotion")
     promote.add_argument("--comment", default="", help="why (kept on the model version)")
     promote.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="a promotion setting, e.g. --set promotion.min_gain=0.05")
-    for name, helptext in (("ui", "start the Prefect and MLflow UIs on 127.0.0.1"),
-                           ("serve", "the UIs plus prefect.yaml's deployments and a worker: start and schedule runs "
-                                     "from the Prefect UI")):
+    for name, helptext in (("ui", "start the Prefect and MLflow UIs on 127.0.0.1"), (
+            "serve",
+            "the UIs plus prefect.yaml's deployments and a worker: start and schedule runs from "
+            "the Prefect UI")):
         ui = commands.add_parser(name, help=helptext)
         ui.add_argument("--run-root", default=DEFAULT_ROOT)
         ui.add_argument("--prefect-port", type=int, default=4200)
@@ -350,9 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     options = parser().parse_args(argv)
     from flows import console
     console.before_imports()
-    handlers = {"run": cmd_run, "validate": cmd_validate, "status": cmd_status, "resume": cmd_resume,
-                "compare": cmd_compare, "sync": cmd_sync, "ui": cmd_ui, "serve": cmd_serve,
-                "promote": cmd_promote}
+    handlers = {
+        "run": cmd_run, "validate": cmd_validate, "status": cmd_status, "resume": cmd_resume,
+        "compare": cmd_compare, "sync": cmd_sync, "ui": cmd_ui, "serve": cmd_serve,
+        "promote": cmd_promote
+    }
     from infra.runconfig import ConfigError
     from infra.tracking import TrackingUnavailable
     from infra.jobs import TrainingFailed
@@ -362,14 +413,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TrackingUnavailable, FileNotFoundError, RunDirBusy) as err:
         print(f"rloo-pipeline {options.command}: error: {err}", file=sys.stderr)
         return 2
-    except TrainingFailed as err:  # the job died (killed, OOM, a node lost): what it saved is resumable
-        print(f"rloo-pipeline {options.command}: error: {err}\n  `rloo-pipeline resume RUN` trains on from the last "
-              "complete checkpoint (`rloo-pipeline status` lists the runs).", file=sys.stderr)
+    # the job died (killed, OOM, a node lost): what it saved is resumable
+    except TrainingFailed as err:
+        print(
+            f"rloo-pipeline {options.command}: error: {err}\n  `rloo-pipeline resume RUN` trains "
+            "on from the last complete checkpoint (`rloo-pipeline status` lists the "
+            "runs).", file=sys.stderr)
         return 1
 
 
 def entry() -> None:
-    """The `rloo-pipeline` command: main(), then an exit that skips the native teardown (seconds after torch)."""
+    """The `rloo-pipeline` command: main(), then an exit that skips the native teardown (seconds
+    after torch)."""
     from rloo.cli import exit_without_native_teardown
     exit_without_native_teardown(main())
 

@@ -1,7 +1,7 @@
-"""The pipeline's console: its own lines only (the stage lines, training's progress, the summary, errors). What
-other libraries log below ERROR (MLflow creating its tables, Prefect's run states and server notices, DeepSpeed's
-accelerator notice, Python warnings) goes to the run root's `pipeline.log`; Prefect's database still keeps every
-flow run's log for its UI."""
+"""The pipeline's console: its own lines only (the stage lines, training's progress, the summary,
+errors). What other libraries log below ERROR (MLflow creating its tables, Prefect's run states and
+server notices, DeepSpeed's accelerator notice, Python warnings) goes to the run root's
+`pipeline.log`; Prefect's database still keeps every flow run's log for its UI."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ class OwnLines(logging.Filter):
 
 
 def before_imports() -> None:
-    """What must be set before the libraries load: without a GPU, DeepSpeed is told it runs on the CPU (instead
-    of detecting it and saying so on stdout at import)."""
+    """What must be set before the libraries load: without a GPU, DeepSpeed is told it runs on the
+    CPU (instead of detecting it and saying so on stdout at import)."""
     if "DS_ACCELERATOR" not in os.environ:
         import torch
         if not torch.cuda.is_available():
@@ -31,8 +31,9 @@ def before_imports() -> None:
 
 
 def quiet(run_root: str) -> None:
-    """Console handlers keep only the pipeline's own lines, printed as they are (no logger prefix); every record
-    also goes to `<run_root>/pipeline.log`. Called again after a library (re)configures logging: idempotent."""
+    """Console handlers keep only the pipeline's own lines, printed as they are (no logger prefix);
+    every record also goes to `<run_root>/pipeline.log`. Called again after a library (re)configures
+    logging: idempotent."""
     os.makedirs(run_root, exist_ok=True)
     path = os.path.abspath(os.path.join(run_root, LOG_NAME))
     root = logging.getLogger()
@@ -41,14 +42,18 @@ def quiet(run_root: str) -> None:
         log_file = logging.FileHandler(path)
         log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(log_file)
-    logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger -> the file, not the console
+    # warnings.warn -> the "py.warnings" logger -> the file, not the console
+    logging.captureWarnings(True)
     from infra.tracking import log_to
     log_to(log_file)  # MLflow's own loggers do not propagate to the root
-    consoles = [handler for logger in [root, *map(logging.getLogger, list(root.manager.loggerDict))]
-                for handler in getattr(logger, "handlers", [])
-                if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)]
+    consoles = [
+        handler for logger in [root, *map(logging.getLogger, list(root.manager.loggerDict))]
+        for handler in getattr(logger, "handlers", []) if
+        isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+    ]
     if not any(handler in root.handlers for handler in consoles):
-        # (Prefect installs its console handler only on a root logger without handlers: ours stands in)
+        # (Prefect installs its console handler only on a root logger without handlers: ours stands
+        # in)
         consoles.append(logging.StreamHandler(sys.stderr))
         root.addHandler(consoles[-1])
     for handler in consoles:

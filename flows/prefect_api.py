@@ -1,6 +1,7 @@
-"""The embedded default's Prefect API for `rloo-pipeline`: its environment (the database under the run root), the
-ephemeral API started in the background while the CLI validates, a new run root's database copied from a template
-(migrating a new one takes seconds), and reading the run root early from the YAML."""
+"""The embedded default's Prefect API for `rloo-pipeline`: its environment (the database under the
+run root), the ephemeral API started in the background while the CLI validates, a new run root's
+database copied from a template (migrating a new one takes seconds), and reading the run root early
+from the YAML."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ DEFAULT_ROOT = "runs"
 
 
 def prefect_environment(run_root: str) -> None:
-    """Embedded default: an ephemeral Prefect API whose database lives under the run root (so `rloo-pipeline ui`
-    shows the same runs). Set before prefect is imported; an explicit PREFECT_API_URL wins."""
+    """Embedded default: an ephemeral Prefect API whose database lives under the run root (so
+    `rloo-pipeline ui` shows the same runs). Set before prefect is imported; an explicit
+    PREFECT_API_URL wins."""
     os.environ.setdefault("PREFECT_HOME", os.path.abspath(os.path.join(run_root, ".prefect")))
     os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -25,15 +27,17 @@ def prefect_environment(run_root: str) -> None:
 
 
 class EphemeralApi:
-    """The embedded default's ephemeral Prefect API, started in the background while the CLI finishes its checks and
-    imports (the start takes 4-5 s, 10 s migrating a new database, 6 s on a copy of the template); the flow finds it
-    running: Prefect keeps one per process. Nothing is started when PREFECT_API_URL names a server. The starting
-    thread is not a daemon: when a check fails after it began, the interpreter waits for it at exit (its start may be
-    migrating the database, which must not be cut short) before Prefect's own exit handler stops the server."""
+    """The embedded default's ephemeral Prefect API, started in the background while the CLI
+    finishes its checks and imports (the start takes 4-5 s, 10 s migrating a new database, 6 s on a
+    copy of the template); the flow finds it running: Prefect keeps one per process. Nothing is
+    started when PREFECT_API_URL names a server. The starting thread is not a daemon: when a check
+    fails after it began, the interpreter waits for it at exit (its start may be migrating the
+    database, which must not be cut short) before Prefect's own exit handler stops the server."""
 
     def __init__(self):
         self.thread: threading.Thread | None = None
-        self.fresh = False  # this start migrates a new database (no template yet): it becomes the template
+        # this start migrates a new database (no template yet): it becomes the template
+        self.fresh = False
         self.started = False
 
     def start(self, run_root: str) -> None:
@@ -46,13 +50,15 @@ class EphemeralApi:
             return
         from prefect.server.api.server import SubprocessASGIServer
         database = local_database()
-        self.fresh = database is not None and not os.path.exists(database) and not seed_database(database)
+        self.fresh = database is not None and not os.path.exists(database) and not seed_database(
+            database)
 
         def start() -> None:
             try:
                 SubprocessASGIServer().start()
                 self.started = True
-            except Exception:  # noqa: BLE001 - the flow's own start raises it again, in the usual place
+            # (the flow's own start raises it again, in the usual place)
+            except Exception:  # noqa: BLE001
                 pass
         self.thread = threading.Thread(target=start, name="prefect-ephemeral-start")
         self.thread.start()
@@ -67,42 +73,48 @@ class EphemeralApi:
 
 
 def local_database() -> str | None:
-    """The SQLite file of the Prefect database the ephemeral API uses (None: another database is configured)."""
+    """The SQLite file of the Prefect database the ephemeral API uses (None: another database is
+    configured)."""
     from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
     url = PREFECT_API_DATABASE_CONNECTION_URL.value() or ""
     prefix = "sqlite+aiosqlite:///"
-    return url[len(prefix):] if url.startswith(prefix) and url[len(prefix):] not in ("", ":memory:") else None
+    return url[len(prefix):] if url.startswith(prefix) and url[len(prefix):] not in (
+        "", ":memory:") else None
 
 
 def template_path() -> str:
-    """Where a just-started, still empty Prefect database of this Prefect version is kept for new run roots."""
+    """Where a just-started, still empty Prefect database of this Prefect version is kept for new
+    run roots."""
     import prefect
 
     from rloo.assets import cache_root
     return os.path.join(cache_root(), "prefect-db", f"prefect-{prefect.__version__}.db")
 
 
-# What the API's start writes into a new database (its migrations' version and the block types it registers); a
-# database holding anything else (a run, a deployment) is never made the template.
+# What the API's start writes into a new database (its migrations' version and the block types it
+# registers); a database holding anything else (a run, a deployment) is never made the template.
 TEMPLATE_TABLES = {"alembic_version", "block_type", "block_schema", "block_schema_reference"}
 
 
 def seed_database(database: str) -> bool:
-    """A new run root's Prefect database as a copy of the template (False: none yet). The API still checks it as it
-    starts (its migrations, its block types: both find nothing to do)."""
+    """A new run root's Prefect database as a copy of the template (False: none yet). The API still
+    checks it as it starts (its migrations, its block types: both find nothing to do)."""
     template = template_path()
     if not os.path.exists(template):
         return False
     os.makedirs(os.path.dirname(database), exist_ok=True)
-    with closing(sqlite3.connect(template)) as source, closing(sqlite3.connect(database + ".seeding")) as target:
-        source.backup(target)  # a consistent copy, written beside the database then renamed into place
+    with closing(sqlite3.connect(template)) as source, closing(
+            sqlite3.connect(database + ".seeding")) as target:
+        # a consistent copy, written beside the database then renamed into place
+        source.backup(target)
     os.replace(database + ".seeding", database)
     return True
 
 
 def save_template(database: str | None) -> None:
-    """Keep a database the API has just migrated and started on, before any flow ran, as the template: a consistent
-    snapshot, checked to hold nothing but what the start writes, then renamed into place."""
+    """Keep a database the API has just migrated and started on, before any flow ran, as the
+    template: a consistent snapshot, checked to hold nothing but what the start writes, then renamed
+    into place."""
     template = template_path()
     if database is None or not os.path.exists(database) or os.path.exists(template):
         return
@@ -112,7 +124,11 @@ def save_template(database: str | None) -> None:
         with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as source:
             source.execute("vacuum into ?", (staging,))
         with closing(sqlite3.connect(staging)) as snapshot:
-            tables = [name for (name,) in snapshot.execute("select name from sqlite_master where type = 'table'")]
+            tables = [
+                name
+                for (name,) in snapshot.execute(
+                    "select name from sqlite_master where type = 'table'")
+            ]
             if any(snapshot.execute(f'select exists (select 1 from "{name}")').fetchone()[0]
                    for name in tables if name not in TEMPLATE_TABLES):
                 return
@@ -125,9 +141,10 @@ def save_template(database: str | None) -> None:
 
 
 def known_run_root(config_path: str, assignments: list[str]) -> str | None:
-    """The run root a config names (its `run_root`, a `--set run_root=...`, RLOO_RUN_ROOT or the default) when that
-    root's Prefect database exists already, read from the YAML alone: no validation, no heavy import. Then the API
-    can start while the config is validated; on a first run nothing is created before the config is valid."""
+    """The run root a config names (its `run_root`, a `--set run_root=...`, RLOO_RUN_ROOT or the
+    default) when that root's Prefect database exists already, read from the YAML alone: no
+    validation, no heavy import. Then the API can start while the config is validated; on a first
+    run nothing is created before the config is valid."""
     import yaml
     try:
         with open(config_path) as handle:

@@ -1,8 +1,8 @@
-"""The services behind `rloo-pipeline ui` and `rloo-pipeline serve`, on 127.0.0.1: a Prefect server whose UI calls
-its own API on whatever port it was given, an MLflow UI on the run root's store, and for `serve` a `process` work
-pool, the deployments of prefect.yaml (`prefect deploy --all`, exactly what a team runs against its own server) and
-a worker that runs what the UI's Run button or a schedule creates. Each process in its own group, so stopping the
-group stops what it spawned."""
+"""The services behind `rloo-pipeline ui` and `rloo-pipeline serve`, on 127.0.0.1: a Prefect server
+whose UI calls its own API on whatever port it was given, an MLflow UI on the run root's store, and
+for `serve` a `process` work pool, the deployments of prefect.yaml (`prefect deploy --all`, exactly
+what a team runs against its own server) and a worker that runs what the UI's Run button or a
+schedule creates. Each process in its own group, so stopping the group stops what it spawned."""
 
 from __future__ import annotations
 
@@ -23,22 +23,35 @@ def service_environment(run_root: str, prefect_port: int) -> dict[str, str]:
     api = f"http://127.0.0.1:{prefect_port}/api"
     env = dict(os.environ)
     env.setdefault("PREFECT_HOME", os.path.join(root, ".prefect"))
-    env.update({"PREFECT_API_URL": api,
-                "PREFECT_UI_API_URL": api,  # without it the UI's pages call :4200 whatever the port
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RLOO_RUN_ROOT": root, "RLOO_HOME": REPOSITORY})
+    env.update({
+        "PREFECT_API_URL": api,
+        "PREFECT_UI_API_URL": api,  # without it the UI's pages call :4200 whatever the port
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "RLOO_RUN_ROOT": root,
+        "RLOO_HOME": REPOSITORY
+    })
     env.setdefault("PREFECT_WORKER_QUERY_SECONDS", "5")
     os.makedirs(env["PREFECT_HOME"], exist_ok=True)
     return env
 
 
-def start_servers(run_root: str, prefect_port: int, mlflow_port: int, env: dict[str, str]) -> list[subprocess.Popen]:
-    """The Prefect server and the MLflow UI, their output in `<run root>/.logs/` (the console stays readable)."""
+def start_servers(run_root: str, prefect_port: int, mlflow_port: int,
+                  env: dict[str, str]) -> list[subprocess.Popen]:
+    """The Prefect server and the MLflow UI, their output in `<run root>/.logs/` (the console stays
+    readable)."""
     root = os.path.abspath(run_root)
     logs = os.path.join(root, ".logs")
     os.makedirs(logs, exist_ok=True)
-    commands = {"prefect-server": ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
-                "mlflow-ui": ["mlflow", "ui", "--backend-store-uri", f"sqlite:///{os.path.join(root, 'mlflow.db')}",
-                              "--host", "127.0.0.1", "--port", str(mlflow_port)]}
+    commands = {
+        "prefect-server": [
+            "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+            str(prefect_port)
+        ], "mlflow-ui": [
+            "mlflow", "ui", "--backend-store-uri", f"sqlite:///{os.path.join(root, 'mlflow.db')}",
+            "--host", "127.0.0.1", "--port",
+            str(mlflow_port)
+        ]
+    }
     processes = []
     for name, command in commands.items():
         with open(os.path.join(logs, f"{name}.log"), "a") as log:
@@ -50,27 +63,32 @@ def start_servers(run_root: str, prefect_port: int, mlflow_port: int, env: dict[
 def deploy(env: dict[str, str]) -> None:
     """The work pool and prefect.yaml's deployments on the server of `env` (both idempotent)."""
     prefect = [sys.executable, "-m", "prefect", "--no-prompt"]
-    for command in (["work-pool", "create", POOL, "--type", "process", "--overwrite"], ["deploy", "--all"]):
-        done = subprocess.run(prefect + command, env=env, cwd=REPOSITORY, capture_output=True, text=True)
+    for command in (["work-pool", "create", POOL, "--type", "process",
+                     "--overwrite"], ["deploy", "--all"]):
+        done = subprocess.run(prefect + command, env=env, cwd=REPOSITORY, capture_output=True,
+                              text=True)
         if done.returncode:
-            raise RuntimeError(f"prefect {' '.join(command)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+            raise RuntimeError(
+                f"prefect {' '.join(command)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
 
 
 def start_worker(env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL], env=env,
-                            cwd=REPOSITORY, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL],
+                            env=env, cwd=REPOSITORY, start_new_session=True)
 
 
 @contextlib.contextmanager
 def running(processes: list[subprocess.Popen]):
-    """Stops every process (and what it spawned) on leaving: Ctrl-C, `kill`, an error, or one of them exiting."""
+    """Stops every process (and what it spawned) on leaving: Ctrl-C, `kill`, an error, or one of
+    them exiting."""
     import signal
 
     def stop(signum, frame):
         raise KeyboardInterrupt
 
-    # Ctrl-C and `kill` both stop the servers, also when started from a background job of a non-interactive shell,
-    # which starts it with SIGINT ignored (Python then never raises KeyboardInterrupt).
+    # Ctrl-C and `kill` both stop the servers, also when started from a background job of a
+    # non-interactive shell, which starts it with SIGINT ignored (Python then never raises
+    # KeyboardInterrupt).
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:

@@ -1,2 +1,3 @@
-"""What talks to a cluster and to the tracking server: the run config (runconfig), the stages as plain functions
-(stages), local and SLURM launch (jobs, launch, slurm, cluster/), MLflow (tracking)."""
+"""What talks to a cluster and to the tracking server: the run config (runconfig), the stages as
+plain functions (stages), local and SLURM launch (jobs, launch, slurm, cluster/), MLflow
+(tracking)."""

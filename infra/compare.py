@@ -1,5 +1,6 @@
-"""`rloo-pipeline compare`: what differs between runs' configs, their held-out metrics side by side, an overlay
-of their training reward curves (a PNG, also logged to MLflow), and the link to MLflow's own comparison view."""
+"""`rloo-pipeline compare`: what differs between runs' configs, their held-out metrics side by side,
+an overlay of their training reward curves (a PNG, also logged to MLflow), and the link to MLflow's
+own comparison view."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], target: str) -> str 
     plt, fig, axis = figure((7, 4))
     for run, points in curves.items():
         if points:
-            axis.plot([step for step, _ in points], [value for _, value in points], marker="o", label=run)
+            axis.plot([step for step, _ in points], [value for _, value in points], marker="o",
+                      label=run)
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("mean reward (training batch)")
     axis.set_title("Training reward")
@@ -43,11 +45,15 @@ def compare(configs: dict[str, RunConfig], out_dir: str) -> dict:
                    for run, config in configs.items()}
     missing = [run for run, found in mlflow_runs.items() if "pipeline" not in found]
     if missing:
-        raise FileNotFoundError(f"no MLflow run for {', '.join(missing)} in {uri} (experiment {experiment!r}).")
+        raise FileNotFoundError(
+            f"no MLflow run for {', '.join(missing)} in {uri} (experiment {experiment!r}).")
     metrics = {run: dict(found["evaluate"].data.metrics) if "evaluate" in found else {}
                for run, found in mlflow_runs.items()}
-    curves = {run: tracking.metric_history(uri, found["train"].info.run_id, "reward") if "train" in found else []
-              for run, found in mlflow_runs.items()}
+    curves = {
+        run: tracking.metric_history(uri, found["train"].info.run_id, "reward")
+        if "train" in found else []
+        for run, found in mlflow_runs.items()
+    }
     os.makedirs(out_dir, exist_ok=True)
     plot = plot_curves(curves, os.path.join(out_dir, "reward_curves.png"))
     comparison = tracking.log_comparison(uri, experiment, list(configs), [plot] if plot else [])

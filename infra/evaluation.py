@@ -1,4 +1,5 @@
-"""The evaluate stage: held-out prompts, base vs trained policy, scored by one rloo.rollout each; the report."""
+"""The evaluate stage: held-out prompts, base vs trained policy, scored by one rloo.rollout each;
+the report."""
 
 from __future__ import annotations
 
@@ -10,26 +11,30 @@ from infra.runconfig import RunConfig
 
 
 def load_policy(policy: str, weights: str | None, trust: bool):
-    """A policy for evaluation: the base model (`weights` None), the base plus the adapter saved in `weights`, or
-    the full model saved there."""
+    """A policy for evaluation: the base model (`weights` None), the base plus the adapter saved in
+    `weights`, or the full model saved there."""
     import warnings
 
     from transformers.utils import logging as transformers_logging
 
     from rloo.models import load_causal_lm
-    transformers_logging.disable_progress_bar()  # one summary line per stage, not a bar per weight file
+    # one summary line per stage, not a bar per weight file
+    transformers_logging.disable_progress_bar()
     if weights is None:
         return load_causal_lm(policy, {}, trust).eval()
     if os.path.exists(os.path.join(weights, "adapter_config.json")):
         from peft import PeftModel
-        with warnings.catch_warnings():  # peft 0.21 calls transformers' deprecated is_gradient_checkpointing
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        # peft 0.21 calls transformers' deprecated is_gradient_checkpointing
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                    category=FutureWarning)
             return PeftModel.from_pretrained(load_causal_lm(policy, {}, trust), weights).eval()
     return load_causal_lm(weights, {}, trust).eval()
 
 
 def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) -> dict:
-    """One rollout of the held-out prompts (rloo.rollout, the function training uses) -> the report's metrics."""
+    """One rollout of the held-out prompts (rloo.rollout, the function training uses) -> the
+    report's metrics."""
     import math
 
     import torch
@@ -41,15 +46,17 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
         completions = []
         with generator.reusing_weights():  # one policy's weights for every batch
             for start in range(0, len(prompt_ids), batch):
-                completions += generator.generate(model, prompt_ids[start:start + batch], 1, state.global_step)
+                completions += generator.generate(model, prompt_ids[start:start + batch], 1,
+                                                  state.global_step)
         return completions
 
-    weights = torch.tensor(config.recipe_value("reward_weights") or [1.0] * len(runner.names), dtype=torch.float32)
+    weights = torch.tensor(
+        config.recipe_value("reward_weights") or [1.0] * len(runner.names), dtype=torch.float32)
     settings = RolloutSettings(num_generations=1, pad_token_id=generator.pad_token_id,
                                eos_token_ids=generator.eos_ids, reward_weights=weights,
                                chat_template_kwargs=config.recipe_value("chat_template_kwargs"))
-    rollout = build_rollout(rows, settings, generate=generate, processing_class=tokenizer, reward_runner=runner,
-                            trainer_state=state)
+    rollout = build_rollout(rows, settings, generate=generate, processing_class=tokenizer,
+                            reward_runner=runner, trainer_state=state)
     measured = rollout_metrics(rollout, runner.names, weights)
 
     def number(value: float) -> float | None:
@@ -60,7 +67,8 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
         metrics[f"reward/{name}"] = number(measured[f"rewards/{name}/mean"])
         scored = {v for v in rollout.rewards_per_func[:, index].tolist() if not math.isnan(v)}
         if scored and scored <= {0.0, 1.0}:
-            metrics[f"accuracy/{name}"] = metrics[f"reward/{name}"]  # a 0/1 reward's mean is its accuracy
+            # a 0/1 reward's mean is its accuracy
+            metrics[f"accuracy/{name}"] = metrics[f"reward/{name}"]
     metrics["reward"] = number(measured["reward"])
     metrics["completion_length"] = measured["completions/mean_length"]
     metrics["truncated_ratio"] = measured["completions/clipped_ratio"]
@@ -68,38 +76,48 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
 
 
 def score_policies(config: RunConfig, policy: str, tokenizer_name: str | None, rows: list[dict],
-                   weights: dict[str, str | None], steps: dict[str, int], max_steps: int) -> dict[str, dict]:
-    """Each labelled policy (`load_policy(policy, weights[label])`) on the same rows with the run's evaluation
-    settings and reward functions: {label: {"metrics": ..., "texts": ...}}. Reward functions see a TrainerState
-    at that policy's step, as in training."""
-    return score_sets(config, policy, tokenizer_name, {"held_out": rows}, weights, steps, max_steps)["held_out"]
+                   weights: dict[str, str | None], steps: dict[str, int],
+                   max_steps: int) -> dict[str, dict]:
+    """Each labelled policy (`load_policy(policy, weights[label])`) on the same rows with the run's
+    evaluation settings and reward functions: {label: {"metrics": ..., "texts": ...}}. Reward
+    functions see a TrainerState at that policy's step, as in training."""
+    return score_sets(config, policy, tokenizer_name, {"held_out": rows}, weights, steps,
+                      max_steps)["held_out"]
 
 
-def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None, row_sets: dict[str, list[dict]],
-               weights: dict[str, str | None], steps: dict[str, int], max_steps: int) -> dict[str, dict]:
+def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None,
+               row_sets: dict[str, list[dict]], weights: dict[str, str | None],
+               steps: dict[str, int], max_steps: int) -> dict[str, dict]:
     """score_policies for several sets of rows, each model loaded once: {set: {label: {...}}}."""
     import torch
     from transformers import GenerationConfig, TrainerState
 
     from rloo.cli import resolve_reward
     from rloo.generation import in_process_generator
-    from rloo.models import eos_token_ids, load_reward_model, load_tokenizer, prepare_tokenizer, reward_tokenizers
+    from rloo.models import (eos_token_ids, load_reward_model, load_tokenizer, prepare_tokenizer,
+                             reward_tokenizers)
     from rloo.rewards import RewardRunner
     trust = bool(config.recipe_value("trust_remote_code"))
     reward_funcs = [resolve_reward(entry) for entry in config.training["reward_funcs"]]
-    reward_funcs = [load_reward_model(f, {}, trust) if isinstance(f, str) else f for f in reward_funcs]
+    reward_funcs = [
+        load_reward_model(f, {}, trust) if isinstance(f, str) else f for f in reward_funcs
+    ]
     runner = RewardRunner(reward_funcs, reward_tokenizers(reward_funcs, None, trust),
-                          config.recipe_value("chat_template_kwargs"), config.recipe_value("reward_timeout"),
+                          config.recipe_value("chat_template_kwargs"),
+                          config.recipe_value("reward_timeout"),
                           config.recipe_value("nonfinite_rewards"))
     tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_name or policy, trust))
     models = {label: load_policy(policy, path, trust) for label, path in weights.items()}
     eos = eos_token_ids(tokenizer, next(iter(models.values())))
-    max_new = config.evaluation.max_completion_length or config.recipe_value("max_completion_length")
+    max_new = config.evaluation.max_completion_length or config.recipe_value(
+        "max_completion_length")
     sampling = dict(do_sample=False) if config.evaluation.temperature == 0 else dict(
         do_sample=True, temperature=config.evaluation.temperature)
-    generation_config = GenerationConfig(max_new_tokens=max_new, pad_token_id=tokenizer.pad_token_id,
-                                         eos_token_id=eos, **sampling)
-    generator = in_process_generator(generation_config, tokenizer.pad_token_id, eos, next(iter(models.values())))
+    generation_config = GenerationConfig(max_new_tokens=max_new,
+                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                                         **sampling)
+    generator = in_process_generator(generation_config, tokenizer.pad_token_id, eos,
+                                     next(iter(models.values())))
     scored = {}
     for name, rows in row_sets.items():
         torch.manual_seed(config.data.seed)
@@ -110,26 +128,32 @@ def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None, row_s
 
 
 def evaluation_fingerprint(config: RunConfig, rows: list[dict]) -> str:
-    """What makes two evaluations comparable: the same prompts, decoding settings and reward functions."""
+    """What makes two evaluations comparable: the same prompts, decoding settings and reward
+    functions."""
     import hashlib
-    payload = {"prompts": [row["prompt"] for row in rows], "evaluation": config.evaluation.model_dump(),
-               "max_completion_length": config.recipe_value("max_completion_length"),
-               "reward_funcs": config.training["reward_funcs"], "reward_weights": config.recipe_value("reward_weights"),
-               "chat_template_kwargs": config.recipe_value("chat_template_kwargs")}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    payload = {
+        "prompts": [row["prompt"] for row in rows], "evaluation": config.evaluation.model_dump(),
+        "max_completion_length": config.recipe_value("max_completion_length"),
+        "reward_funcs": config.training["reward_funcs"],
+        "reward_weights": config.recipe_value("reward_weights"),
+        "chat_template_kwargs": config.recipe_value("chat_template_kwargs")
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True,
+                                     default=str).encode()).hexdigest()[:16]
 
 
 def held_out_rows(dataset_result: dict) -> list[dict]:
     from datasets import load_from_disk
     rows = list(load_from_disk(dataset_result["eval_path"]))
     if not rows:
-        raise ValueError("no held-out prompts to evaluate (data.eval_size is 0); set evaluation.enabled: false.")
+        raise ValueError(
+            "no held-out prompts to evaluate (data.eval_size is 0); set evaluation.enabled: false.")
     return rows
 
 
 def extra_set_rows(config: RunConfig, name: str, training_prompts: list) -> list[dict]:
-    """evaluation.extra_sets[name]'s rows, checked as training rows are, none of whose prompts is a training
-    prompt (a held-out set must be kept out of training)."""
+    """evaluation.extra_sets[name]'s rows, checked as training rows are, none of whose prompts is a
+    training prompt (a held-out set must be kept out of training)."""
     from rloo.data import load_prompt_dataset, validate_prompt_rows
     path = config.evaluation.extra_sets[name]
     if not os.path.isfile(path):
@@ -137,46 +161,60 @@ def extra_set_rows(config: RunConfig, name: str, training_prompts: list) -> list
     dataset = load_prompt_dataset(path)
     validate_prompt_rows(dataset, path)
     rows = list(dataset)
-    seen = {json.dumps(prompt, sort_keys=True): index for index, prompt in enumerate(training_prompts)}
+    seen = {
+        json.dumps(prompt, sort_keys=True): index
+        for index, prompt in enumerate(training_prompts)
+    }
     for index, row in enumerate(rows):
         if (found := seen.get(json.dumps(row["prompt"], sort_keys=True))) is not None:
-            raise ValueError(f"evaluation.extra_sets.{name}: row {index}'s prompt is training prompt {found} of "
-                             f"data.source. Fix: keep the set's prompts out of the training data.")
+            raise ValueError(
+                f"evaluation.extra_sets.{name}: row {index}'s prompt is training prompt {found} of "
+                "data.source. Fix: keep the set's prompts out of the training data.")
     return rows
 
 
-def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict) -> dict:
-    """Held-out prompts (and evaluation.extra_sets), base vs trained: mean reward per function, accuracy where a
-    reward is 0/1, completion lengths; a markdown report with a table per set, sample completions, the training
-    reward curve and the step-time breakdown."""
+def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
+                    train_result: dict) -> dict:
+    """Held-out prompts (and evaluation.extra_sets), base vs trained: mean reward per function,
+    accuracy where a reward is 0/1, completion lengths; a markdown report with a table per set,
+    sample completions, the training reward curve and the step-time breakdown."""
     from datasets import load_from_disk
     stages.record_execution(config, "evaluate")
     rows = held_out_rows(dataset_result)
-    training = load_from_disk(dataset_result["train_path"])["prompt"] if config.evaluation.extra_sets else []
+    training = load_from_disk(
+        dataset_result["train_path"])["prompt"] if config.evaluation.extra_sets else []
     row_sets = {"held_out": rows, **{name: extra_set_rows(config, name, training)
                                      for name in config.evaluation.extra_sets}}
     step = train_result["global_step"]
     scored = score_sets(config, model_result["policy"], model_result["tokenizer"], row_sets,
-                        {"base": None, "trained": train_result["output_dir"]}, {"base": 0, "trained": step}, step)
+                        {"base": None, "trained": train_result["output_dir"]},
+                        {"base": 0, "trained": step}, step)
     results = scored["held_out"]
     base_metrics, trained_metrics = results["base"]["metrics"], results["trained"]["metrics"]
-    sets = {name: {"base": scored[name]["base"]["metrics"], "trained": scored[name]["trained"]["metrics"],
-                   "num_prompts": len(row_sets[name]), "path": config.evaluation.extra_sets[name]}
-            for name in config.evaluation.extra_sets}
+    sets = {
+        name: {
+            "base": scored[name]["base"]["metrics"], "trained": scored[name]["trained"]["metrics"],
+            "num_prompts": len(row_sets[name]), "path": config.evaluation.extra_sets[name]
+        }
+        for name in config.evaluation.extra_sets
+    }
     out = stages.stage_path(config, "eval")
     os.makedirs(out, exist_ok=True)
     plot = plot_reward_curve(train_result["metrics_path"], os.path.join(out, "reward_curve.png"))
-    timing_plot = plot_step_timing(train_result["metrics_path"], os.path.join(out, "step_timing.png"))
-    report = render_report(config, dataset_result, base_metrics, trained_metrics, rows, results, plot, timing_plot,
-                           sets)
+    timing_plot = plot_step_timing(train_result["metrics_path"],
+                                   os.path.join(out, "step_timing.png"))
+    report = render_report(config, dataset_result, base_metrics, trained_metrics, rows, results,
+                           plot, timing_plot, sets)
     with open(os.path.join(out, "report.md"), "w") as handle:
         handle.write(report)
     gain = None
     if base_metrics["reward"] is not None and trained_metrics["reward"] is not None:
         gain = trained_metrics["reward"] - base_metrics["reward"]
-    result = {"base": base_metrics, "trained": trained_metrics, "reward_gain": gain, "num_prompts": len(rows),
-              "report_path": os.path.join(out, "report.md"), "plot_path": plot, "timing_plot_path": timing_plot,
-              "extra_sets": sets}
+    result = {
+        "base": base_metrics, "trained": trained_metrics, "reward_gain": gain,
+        "num_prompts": len(rows), "report_path": os.path.join(out, "report.md"), "plot_path": plot,
+        "timing_plot_path": timing_plot, "extra_sets": sets
+    }
     stages.write_json(os.path.join(out, "metrics.json"), result)
     return stages.save_stage_result(config, "evaluate", result)
 
@@ -214,9 +252,12 @@ def plot_reward_curve(metrics_path: str, target: str) -> str | None:
 
 
 def plot_step_timing(metrics_path: str, target: str) -> str | None:
-    """A stacked bar per logged step: seconds in each timing/* section (rloo.timing), the step's wall time on top."""
+    """A stacked bar per logged step: seconds in each timing/* section (rloo.timing), the step's
+    wall time on top."""
     from rloo.timing import SECTIONS
-    records = [r for r in _training_records(metrics_path) if "step_time" in r and "timing/train" in r]
+    records = [
+        r for r in _training_records(metrics_path) if "step_time" in r and "timing/train" in r
+    ]
     if not records:
         return None
     plt, fig, axis = figure()
@@ -255,9 +296,11 @@ def render_report(config, dataset_result, base, trained, rows, results, plot, ti
              f"{len(rows)} held-out prompts from `{dataset_result['source']}`, {decoding}.", "",
              *_table(base, trained)]
     for name, found in (sets or {}).items():
-        lines += ["", f"## Held-out set `{name}`", "",
-                  f"{found['num_prompts']} prompts from `{found['path']}`, kept out of training.", "",
-                  *_table(found["base"], found["trained"])]
+        lines += [
+            "", f"## Held-out set `{name}`", "",
+            f"{found['num_prompts']} prompts from `{found['path']}`, kept out of training.", "",
+            *_table(found["base"], found["trained"])
+        ]
     if plot:
         lines += ["", f"![training reward]({os.path.basename(plot)})"]
     if timing_plot:
@@ -265,6 +308,11 @@ def render_report(config, dataset_result, base, trained, rows, results, plot, ti
     lines += ["", "## Samples", "", "| prompt | base | trained |", "| --- | --- | --- |"]
     from rloo.completion_log import as_text
     for index in range(min(5, len(rows))):
-        cells = [as_text(rows[index]["prompt"]), results["base"]["texts"][index], results["trained"]["texts"][index]]
-        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ")[:160] for c in cells) + " |")
+        cells = [
+            as_text(rows[index]["prompt"]), results["base"]["texts"][index],
+            results["trained"]["texts"][index]
+        ]
+        lines.append("| " +
+                     " | ".join(c.replace("|", "\\|").replace("\n", " ")[:160]
+                                for c in cells) + " |")
     return "\n".join(lines) + "\n"

@@ -1,12 +1,14 @@
-"""The training job's side of tracking: on global rank 0, `RunDirTrackingCallback` keeps every log line in the run
-directory first (`train/metrics.jsonl`) and sends it to the train stage's MLflow run when it can; whatever MLflow
-refuses (an outage, a restart, a server paused past the client timeout) is queued in `mlflow-pending.jsonl` and sent
-in order later (`flush_pending`: at the next log line, when the stage ends, `rloo-pipeline sync RUN`). Metrics carry
-the time they were logged, so a resend of one that had in fact arrived adds nothing.
+"""The training job's side of tracking: on global rank 0, `RunDirTrackingCallback` keeps every log
+line in the run directory first (`train/metrics.jsonl`) and sends it to the train stage's MLflow run
+when it can; whatever MLflow refuses (an outage, a restart, a server paused past the client timeout)
+is queued in `mlflow-pending.jsonl` and sent in order later (`flush_pending`: at the next log line,
+when the stage ends, `rloo-pipeline sync RUN`). Metrics carry the time they were logged, so a resend
+of one that had in fact arrived adds nothing.
 
-Sending is off the training step: every item is appended to that queue first (durable: a killed job leaves it for
-the stage to send), and a `Sender` thread empties the queue into MLflow while training goes on (a metrics line
-costs ~0.3 s and a completions table ~0.7 s of HTTP and serialisation on 2 cores, at every logging step)."""
+Sending is off the training step: every item is appended to that queue first (durable: a killed job
+leaves it for the stage to send), and a `Sender` thread empties the queue into MLflow while training
+goes on (a metrics line costs ~0.3 s and a completions table ~0.7 s of HTTP and serialisation on 2
+cores, at every logging step)."""
 
 from __future__ import annotations
 
@@ -29,23 +31,26 @@ PENDING = "mlflow-pending.jsonl"
 
 
 def tracking_environment(tracking_uri: str, run_id: str, train_dir: str) -> dict[str, str]:
-    """What the training job needs to log into the train stage's run (rank 0 only), failing fast on outages."""
+    """What the training job needs to log into the train stage's run (rank 0 only), failing fast on
+    outages."""
     return {"MLFLOW_TRACKING_URI": tracking_uri, ENV_RUN_ID: run_id, ENV_TRAIN_DIR: train_dir,
             "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 class RunDirTrackingCallback(TrainerCallback):
-    """On global rank 0: every log line goes to `<train_dir>/metrics.jsonl`, then to the MLflow run named by
-    RLOO_MLFLOW_RUN_ID; completion tables to `<train_dir>/completions/` then MLflow; each checkpoint is recorded
-    as a small artifact (its location). Whatever MLflow refuses is queued in `mlflow-pending.jsonl`. A resumed
-    attempt replays the steps after its checkpoint: a log line an earlier attempt already wrote (same step, same
-    keys) is not written or sent again, so every step is in metrics.jsonl and MLflow once."""
+    """On global rank 0: every log line goes to `<train_dir>/metrics.jsonl`, then to the MLflow run
+    named by RLOO_MLFLOW_RUN_ID; completion tables to `<train_dir>/completions/` then MLflow; each
+    checkpoint is recorded as a small artifact (its location). Whatever MLflow refuses is queued in
+    `mlflow-pending.jsonl`. A resumed attempt replays the steps after its checkpoint: a log line an
+    earlier attempt already wrote (same step, same keys) is not written or sent again, so every step
+    is in metrics.jsonl and MLflow once."""
 
     def __init__(self):
         self.train_dir = os.environ.get(ENV_TRAIN_DIR)
         self.run_id = os.environ.get(ENV_RUN_ID)
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
-        self.logged = {_line_key(record) for record in read_metrics(self.train_dir)} if self.train_dir else set()
+        self.logged = {_line_key(record)
+                       for record in read_metrics(self.train_dir)} if self.train_dir else set()
         self.sender: Sender | None = None  # started at the first item to send
 
     def _active(self, state) -> bool:
@@ -59,12 +64,14 @@ class RunDirTrackingCallback(TrainerCallback):
         self.sender.put(item)
 
     def wait_sent(self, timeout: float | None = None) -> bool:
-        """One more attempt at everything queued, waited for (False: still sending after `timeout` seconds)."""
+        """One more attempt at everything queued, waited for (False: still sending after `timeout`
+        seconds)."""
         return self.sender.wait_sent(timeout) if self.sender is not None else True
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._active(state):
-            self.wait_sent(timeout=60)  # what is left (MLflow down, slow) stays queued for the stage to send
+            # what is left (MLflow down, slow) stays queued for the stage to send
+            self.wait_sent(timeout=60)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self._active(state) or not logs:
@@ -85,20 +92,25 @@ class RunDirTrackingCallback(TrainerCallback):
         columns = {key: [row[key] for row in rows] for key in rows[0]}
         with open(path, "w") as handle:
             json.dump(columns, handle, default=str)
-        self._send({"kind": "table", "path": path, "artifact_file": f"completions/{os.path.basename(path)}"})
+        self._send({
+            "kind": "table", "path": path, "artifact_file": f"completions/{os.path.basename(path)}"
+        })
 
     def on_save(self, args, state, control, **kwargs):
         if not self._active(state):
             return
         checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        self._send({"kind": "dict", "artifact_file": f"checkpoints/checkpoint-{state.global_step}.json",
-                    "payload": {"path": checkpoint, "global_step": state.global_step, "time": time.time()}})
+        self._send({
+            "kind": "dict", "artifact_file": f"checkpoints/checkpoint-{state.global_step}.json",
+            "payload": {"path": checkpoint, "global_step": state.global_step, "time": time.time()}
+        })
 
 
 class Sender:
-    """A daemon thread that sends the run directory's queue to MLflow whenever items are added, so the training
-    step never waits on the tracking server. `put` appends to the queue (the only write the step does); an
-    unreachable server leaves the queue as it is until the next `put` or `wait_sent`."""
+    """A daemon thread that sends the run directory's queue to MLflow whenever items are added, so
+    the training step never waits on the tracking server. `put` appends to the queue (the only write
+    the step does); an unreachable server leaves the queue as it is until the next `put` or
+    `wait_sent`."""
 
     def __init__(self, train_dir: str, tracking_uri: str, run_id: str):
         self.train_dir, self.tracking_uri, self.run_id = train_dir, tracking_uri, run_id
@@ -126,7 +138,8 @@ class Sender:
                 target = self.requested
             try:
                 flush_pending(self.train_dir, self.tracking_uri, self.run_id, lock=self.condition)
-            except Exception as err:  # a damaged queue line: the stage's flush reports it; training goes on
+            # a damaged queue line: the stage's flush reports it; training goes on
+            except Exception as err:
                 logger.warning("rloo: sending the MLflow queue %s failed: %s", self.train_dir, err)
             with self.condition:
                 self.attempted = target
@@ -147,8 +160,8 @@ def _line_key(record: dict) -> tuple:
 
 
 def metrics_item(record: dict) -> dict:
-    """What is sent (or queued) for one metrics.jsonl record, stamped with the time it was logged: a resend of an
-    item that had in fact arrived (its answer lost) adds nothing."""
+    """What is sent (or queued) for one metrics.jsonl record, stamped with the time it was logged: a
+    resend of an item that had in fact arrived (its answer lost) adds nothing."""
     logs = {key: value for key, value in record.items() if key not in ("step", "time")}
     return {"kind": "metrics", "step": record["step"], "metrics": numeric_metrics(logs),
             "time_ms": int(record["time"] * 1000)}
@@ -171,7 +184,8 @@ def _upload(item: dict, tracking_uri: str, run_id: str) -> bool:
             log_metrics(tracking_uri, run_id, item["metrics"], item["step"], item.get("time_ms"))
         elif item["kind"] == "table":
             with open(item["path"]) as handle:
-                mlflow_client.log_table(run_id, data=json.load(handle), artifact_file=item["artifact_file"])
+                mlflow_client.log_table(run_id, data=json.load(handle),
+                                        artifact_file=item["artifact_file"])
         elif item["kind"] == "dict":
             mlflow_client.log_dict(run_id, item["payload"], item["artifact_file"])
         return True
@@ -187,8 +201,9 @@ def _read_queue(path: str) -> list[str]:
 
 
 def flush_pending(train_dir: str, tracking_uri: str, run_id: str, lock=None) -> bool:
-    """Upload queued items in order, stopping at the first refused; True when every item read was sent. `lock`
-    guards the queue file against a concurrent `enqueue` (held for reads and the rewrite, not the uploads)."""
+    """Upload queued items in order, stopping at the first refused; True when every item read was
+    sent. `lock` guards the queue file against a concurrent `enqueue` (held for reads and the
+    rewrite, not the uploads)."""
     lock = lock if lock is not None else contextlib.nullcontext()
     path = os.path.join(train_dir, PENDING)
     with lock:

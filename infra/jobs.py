@@ -1,5 +1,6 @@
-"""The job types both launchers share (local submitit in infra.launch, SLURM in infra.slurm): the handle written to
-the run directory, the failure, the job's environment, a log's tail; waiting for a server's health URL."""
+"""The job types both launchers share (local submitit in infra.launch, SLURM in infra.slurm): the
+handle written to the run directory, the failure, the job's environment, a log's tail; waiting for a
+server's health URL."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ class JobHandle:
 
 
 def tail(path: str, lines: int = 40) -> str:
-    """The last lines of a log, after `rloo train`'s own one-line errors from above them (torchrun's report of a
-    failed worker would otherwise push the cause out of view)."""
+    """The last lines of a log, after `rloo train`'s own one-line errors from above them (torchrun's
+    report of a failed worker would otherwise push the cause out of view)."""
     if not os.path.exists(path):
         return "(no log)"
     with open(path, errors="replace") as handle:
@@ -39,7 +40,8 @@ def tail(path: str, lines: int = 40) -> str:
 
 
 def job_environment(extra: dict[str, str], workdir: str) -> dict[str, str]:
-    """The environment a training or serving process gets: ours, the recipe's extras, the project on PYTHONPATH."""
+    """The environment a training or serving process gets: ours, the recipe's extras, the project on
+    PYTHONPATH."""
     env = dict(os.environ, **extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [workdir, env.get("PYTHONPATH", "")] if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -48,7 +50,8 @@ def job_environment(extra: dict[str, str], workdir: str) -> dict[str, str]:
 
 def wait_for_health(url: str, timeout_s: float, what: str = "the server", alive=lambda: True,
                     error: type[Exception] = TimeoutError) -> None:
-    """Until `url` answers 200; `error` when `alive()` turns false or after `timeout_s`, naming `what` and the URL."""
+    """Until `url` answers 200; `error` when `alive()` turns false or after `timeout_s`, naming
+    `what` and the URL."""
     import time
     import urllib.request
     deadline = time.time() + timeout_s

@@ -1,8 +1,8 @@
 """Launching the training job with submitit and following it without holding anything but a file.
 
-The job is `torchrun ... -m rloo train --config <recipe>` wrapped in a picklable callable. Its handle (executor,
-job id, folder) is written to the run directory, so a retried stage — even from a new orchestrator process —
-reattaches to a job that is still running instead of starting another."""
+The job is `torchrun ... -m rloo train --config <recipe>` wrapped in a picklable callable. Its
+handle (executor, job id, folder) is written to the run directory, so a retried stage — even from a
+new orchestrator process — reattaches to a job that is still running instead of starting another."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ import time
 
 from infra.jobs import JobHandle, TrainingFailed, job_environment, tail
 
-__all__ = ["JobHandle", "TrainJob", "TrainingFailed", "cancel", "job_environment", "job_state", "submit_local",
-           "stop_process_groups", "tail"]
+__all__ = [
+    "JobHandle", "TrainJob", "TrainingFailed", "cancel", "job_environment", "job_state",
+    "submit_local", "stop_process_groups", "tail"
+]
 
 
 class TrainJob:
-    """What submitit runs: torchrun on this node, output to a log file; raises with the log's tail on failure."""
+    """What submitit runs: torchrun on this node, output to a log file; raises with the log's tail
+    on failure."""
 
     def __init__(self, recipe_path: str, nproc_per_node: int, env: dict[str, str], log_path: str,
                  workdir: str):
@@ -39,10 +42,12 @@ class TrainJob:
         with open(self.log_path, "a") as log:
             log.write(f"$ {' '.join(self.command())}\n")
             log.flush()
-            code = subprocess.call(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
+            code = subprocess.call(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   cwd=self.workdir)
         if code != 0:
-            raise TrainingFailed(f"training exited with code {code}; last lines of {self.log_path}:\n"
-                                 f"{tail(self.log_path)}")
+            raise TrainingFailed(
+                f"training exited with code {code}; last lines of "
+                f"{self.log_path}:\n{tail(self.log_path)}")
         return {"seconds": time.time() - start}
 
 
@@ -68,7 +73,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def job_state(handle: JobHandle) -> tuple[str, str | None]:
-    """('RUNNING' | 'COMPLETED' | 'FAILED' | 'LOST', error text). LOST = gone without a result (killed)."""
+    """('RUNNING' | 'COMPLETED' | 'FAILED' | 'LOST', error text). LOST = gone without a result
+    (killed)."""
     from submitit.core.utils import JobPaths, pickle_load
     if handle.executor == "slurm":
         from infra.slurm import slurm_job_state
@@ -81,8 +87,8 @@ def job_state(handle: JobHandle) -> tuple[str, str | None]:
         return "FAILED", str(value)
     if handle.executor == "local" and _pid_alive(int(handle.job_id)):
         return "RUNNING", None
-    return "LOST", f"the job (pid {handle.job_id}) ended without a result; last lines of {handle.log_path}:\n" \
-                   f"{tail(handle.log_path)}"
+    return "LOST", (f"the job (pid {handle.job_id}) ended without a result; last lines of "
+                    f"{handle.log_path}:\n{tail(handle.log_path)}")
 
 
 def descendants(pid: int) -> list[int]:
@@ -119,8 +125,9 @@ def cancel(handle: JobHandle) -> None:
 
 
 def stop_process_groups(processes: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
-    """Stop processes started with start_new_session=True and everything they spawned: SIGTERM to each group, a
-    wait, then SIGKILL to whatever of the groups is left (servers whose workers outlive their parent's SIGTERM)."""
+    """Stop processes started with start_new_session=True and everything they spawned: SIGTERM to
+    each group, a wait, then SIGKILL to whatever of the groups is left (servers whose workers
+    outlive their parent's SIGTERM)."""
     import signal
 
     def signal_group(process, signum):

@@ -1,8 +1,9 @@
-"""Promotion of a run's trained policy (`rloo-pipeline promote`, flows/promote.py): checks that need nothing
-registered (`prepare`), registration as an MLflow model version with the alias `candidate` (`register`), the
-evidence gate against the current `champion` on the same held-out prompts (`gate`, `judge`, the promotion.md
-report), and publication to the Hub followed by the move of `champion` (`publish`). Each step can be retried:
-an upload that went through is found again (the Hub tag, the run directory's record) and never repeated."""
+"""Promotion of a run's trained policy (`rloo-pipeline promote`, flows/promote.py): checks that need
+nothing registered (`prepare`), registration as an MLflow model version with the alias `candidate`
+(`register`), the evidence gate against the current `champion` on the same held-out prompts (`gate`,
+`judge`, the promotion.md report), and publication to the Hub followed by the move of `champion`
+(`publish`). Each step can be retried: an upload that went through is found again (the Hub tag, the
+run directory's record) and never repeated."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import os
 from infra import evaluation, stages, tracking
 from infra.runconfig import ConfigError, RunConfig, load_run_config
 
-HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # model aliases with a public counterpart
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+# model aliases with a public counterpart
+HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
+                   "added_tokens.json")
 
 
 class PromotionError(ValueError):
@@ -56,8 +59,9 @@ def load_config(config_path: str, overrides: list[str]) -> RunConfig:
     """A finished run's config with promotion.* overrides (anything else would name another run)."""
     for assignment in overrides:
         if not assignment.startswith("promotion."):
-            raise ConfigError(f"--set {assignment!r}: only promotion.* settings can change at promotion (the rest "
-                              "is the run's identity).")
+            raise ConfigError(
+                f"--set {assignment!r}: only promotion.* settings can change at promotion (the "
+                "rest is the run's identity).")
     return load_run_config(config_path, overrides)
 
 
@@ -67,13 +71,18 @@ def _uses_hub() -> bool:
 
 
 def prepare(config: RunConfig, checkpoint: int | None) -> Candidate:
-    """Everything knowable before registering: a finished evaluation, the checkpoint, the Hub repo and token."""
-    result = {stage: stages.load_stage_result(config, stage) for stage in ("dataset", "model", "train", "evaluate")}
+    """Everything knowable before registering: a finished evaluation, the checkpoint, the Hub repo
+    and token."""
+    result = {
+        stage: stages.load_stage_result(config, stage)
+        for stage in ("dataset", "model", "train", "evaluate")
+    }
     if result["evaluate"] is None:
         missing = [stage for stage, value in result.items() if value is None]
-        raise PromotionError(f"run {config.run_key} has no finished evaluation (stages not done: {', '.join(missing)})"
-                             f". Fix: rloo-pipeline resume {config.run_key} --run-root {config.run_root}, with "
-                             "evaluation.enabled: true.")
+        raise PromotionError(
+            f"run {config.run_key} has no finished evaluation (stages not done: "
+            f"{', '.join(missing)}). Fix: rloo-pipeline resume {config.run_key} --run-root "
+            f"{config.run_root}, with evaluation.enabled: true.")
     train = result["train"]
     weights, name, step = train["output_dir"], "final", int(train["global_step"])
     if checkpoint is not None:
@@ -81,25 +90,30 @@ def prepare(config: RunConfig, checkpoint: int | None) -> Candidate:
         weights, name, step = os.path.join(train["output_dir"], f"checkpoint-{checkpoint}"), \
             f"checkpoint-{checkpoint}", checkpoint
         if not is_complete(weights):
-            found = sorted((d for d in os.listdir(train["output_dir"]) if d.startswith("checkpoint-")),
-                           key=lambda d: int(d.rsplit("-", 1)[1]))
-            raise PromotionError(f"--checkpoint {checkpoint}: run {config.run_key} has no complete checkpoint-"
-                                 f"{checkpoint} (it has: {', '.join(found) or 'none'}; latest complete: "
-                                 f"{os.path.basename(latest_checkpoint(train['output_dir']) or '-')}).")
+            found = sorted(
+                (d for d in os.listdir(train["output_dir"]) if d.startswith("checkpoint-")),
+                key=lambda d: int(d.rsplit("-", 1)[1]))
+            raise PromotionError(
+                f"--checkpoint {checkpoint}: run {config.run_key} has no complete "
+                f"checkpoint-{checkpoint} (it has: {', '.join(found) or 'none'}; latest complete: "
+                f"{os.path.basename(latest_checkpoint(train['output_dir']) or '-')}).")
     settings = config.promotion
     if _uses_hub():
         if not settings.hub_repo:
-            raise PromotionError("promotion.hub_repo is not set: where should the model go? Fix: --set "
-                                 "promotion.hub_repo=<user or org>/<name> (or RLOO_HUB_PUBLISHER=local:/dir).")
+            raise PromotionError(
+                "promotion.hub_repo is not set: where should the model go? Fix: --set "
+                "promotion.hub_repo=<user or org>/<name> (or RLOO_HUB_PUBLISHER=local:/dir).")
         from huggingface_hub import get_token
         if not get_token():
-            raise PromotionError("no Hugging Face token: publishing to the Hub needs one. Fix: export HF_TOKEN=... "
-                                 "(a write token) or `hf auth login`; RLOO_HUB_PUBLISHER=local:/dir publishes to "
-                                 "a directory instead.")
+            raise PromotionError(
+                "no Hugging Face token: publishing to the Hub needs one. Fix: export HF_TOKEN=... "
+                "(a write token) or `hf auth login`; RLOO_HUB_PUBLISHER=local:/dir publishes to a "
+                "directory instead.")
     summary = stages.read_json(stages.stage_path(config, "summary.json")) or {}
     if not summary.get("mlflow_run_id"):
-        raise PromotionError(f"run {config.run_key} has no MLflow run recorded in summary.json (did the pipeline "
-                             "finish?). Fix: rloo-pipeline resume it.")
+        raise PromotionError(
+            f"run {config.run_key} has no MLflow run recorded in summary.json (did the pipeline "
+            "finish?). Fix: rloo-pipeline resume it.")
     rows = evaluation.held_out_rows(result["dataset"])
     return Candidate(config=config, weights=weights, step=step, checkpoint=name,
                      adapter=os.path.exists(os.path.join(weights, "adapter_config.json")),
@@ -110,65 +124,83 @@ def prepare(config: RunConfig, checkpoint: int | None) -> Candidate:
 
 
 def candidate_metrics(candidate: Candidate) -> dict:
-    """The final model's held-out metrics from the evaluate stage; a checkpoint's measured now, the same way."""
+    """The final model's held-out metrics from the evaluate stage; a checkpoint's measured now, the
+    same way."""
     if candidate.checkpoint == "final":
         return candidate.evaluation["trained"]
-    scored = evaluation.score_policies(candidate.config, candidate.policy, candidate.tokenizer, candidate.rows,
-                                       {"candidate": candidate.weights}, {"candidate": candidate.step},
-                                       candidate.step)
+    scored = evaluation.score_policies(candidate.config, candidate.policy, candidate.tokenizer,
+                                       candidate.rows, {"candidate": candidate.weights},
+                                       {"candidate": candidate.step}, candidate.step)
     return scored["candidate"]["metrics"]
 
 
 def metric_tags(metrics: dict) -> dict[str, str]:
-    return {f"eval.{key}": repr(float(value)) for key, value in metrics.items() if value is not None}
+    return {
+        f"eval.{key}": repr(float(value))
+        for key, value in metrics.items() if value is not None
+    }
 
 
 def tagged_metrics(tags: dict[str, str]) -> dict:
-    return {key[len("eval."):]: float(value) for key, value in tags.items() if key.startswith("eval.")}
+    return {
+        key[len("eval."):]: float(value)
+        for key, value in tags.items() if key.startswith("eval.")
+    }
 
 
 def find_registered(candidate: Candidate):
-    versions = tracking.find_versions(candidate.config.tracking_uri, candidate.config.registered_model,
-                                      candidate.identity)
+    versions = tracking.find_versions(candidate.config.tracking_uri,
+                                      candidate.config.registered_model, candidate.identity)
     return versions[0] if versions else None
 
 
 def register(candidate: Candidate, metrics: dict) -> str:
-    """The candidate as a model version (reused when this run's checkpoint was registered before), alias
-    `candidate` on it. Its tags: run key, config fingerprint, dataset digest, evaluation fingerprint, where the
-    weights lie, the held-out metrics."""
+    """The candidate as a model version (reused when this run's checkpoint was registered before),
+    alias `candidate` on it. Its tags: run key, config fingerprint, dataset digest, evaluation
+    fingerprint, where the weights lie, the held-out metrics."""
     config = candidate.config
     existing = find_registered(candidate)
     if existing is not None:
         version = str(existing.version)
     else:
         dataset = stages.load_stage_result(config, "dataset")
-        tags = {**candidate.identity, "rloo.fingerprint": config.fingerprint(), "rloo.dataset_digest":
-                dataset["digest"], "rloo.eval_fingerprint": candidate.eval_fingerprint, "rloo.step": str(candidate.step),
-                "rloo.weights_path": candidate.weights, "rloo.base_model": candidate.policy,
-                "rloo.tokenizer": candidate.tokenizer or "", "rloo.adapter": str(candidate.adapter).lower(),
-                "rloo.num_prompts": str(len(candidate.rows)), **metric_tags(metrics)}
-        version = tracking.register_version(config.tracking_uri, config.tracking.experiment, config.registered_model,
-                                            candidate.parent_run_id, tags, f"RLOO policy of run {config.run_key}")
+        tags = {
+            **candidate.identity, "rloo.fingerprint": config.fingerprint(),
+            "rloo.dataset_digest": dataset["digest"],
+            "rloo.eval_fingerprint": candidate.eval_fingerprint, "rloo.step": str(candidate.step),
+            "rloo.weights_path": candidate.weights, "rloo.base_model": candidate.policy,
+            "rloo.tokenizer": candidate.tokenizer or "",
+            "rloo.adapter": str(candidate.adapter).lower(),
+            "rloo.num_prompts": str(len(candidate.rows)), **metric_tags(metrics)
+        }
+        version = tracking.register_version(config.tracking_uri, config.tracking.experiment,
+                                            config.registered_model, candidate.parent_run_id, tags,
+                                            f"RLOO policy of run {config.run_key}")
     tracking.set_alias(config.tracking_uri, config.registered_model, "candidate", version)
     return version
 
 
 def reference_metrics(candidate: Candidate, champion) -> tuple[str, dict]:
-    """What the candidate must beat: the champion's metrics on the same prompts and settings (measured again
-    when its stored evaluation used others), or the base model's when there is no champion yet."""
+    """What the candidate must beat: the champion's metrics on the same prompts and settings
+    (measured again when its stored evaluation used others), or the base model's when there is no
+    champion yet."""
     if champion is None:
         return "base model (no champion yet)", candidate.evaluation["base"]
-    label = f"champion v{champion.version} ({champion.tags.get('rloo.run_key')}, {champion.tags.get('rloo.checkpoint')})"
+    tags = champion.tags
+    label = (f"champion v{champion.version} ({tags.get('rloo.run_key')}, "
+             f"{tags.get('rloo.checkpoint')})")
     if champion.tags.get("rloo.eval_fingerprint") == candidate.eval_fingerprint:
         return label, tagged_metrics(champion.tags)
     weights = champion.tags.get("rloo.weights_path", "")
     if not os.path.isdir(weights):
-        raise PromotionError(f"the champion v{champion.version}'s weights are gone ({weights!r}) and its stored "
-                             "evaluation used other prompts or settings, so it cannot be compared fairly.")
-    scored = evaluation.score_policies(candidate.config, champion.tags["rloo.base_model"], champion.tags.get(
-        "rloo.tokenizer") or None, candidate.rows, {"champion": weights},
-        {"champion": int(champion.tags.get("rloo.step", 0))}, int(champion.tags.get("rloo.step", 0)))
+        raise PromotionError(
+            f"the champion v{champion.version}'s weights are gone ({weights!r}) and its stored "
+            "evaluation used other prompts or settings, so it cannot be compared fairly.")
+    scored = evaluation.score_policies(candidate.config, champion.tags["rloo.base_model"],
+                                       champion.tags.get("rloo.tokenizer") or None, candidate.rows,
+                                       {"champion": weights},
+                                       {"champion": int(champion.tags.get("rloo.step", 0))},
+                                       int(champion.tags.get("rloo.step", 0)))
     return label + ", re-evaluated on this run's held-out prompts", scored["champion"]["metrics"]
 
 
@@ -179,42 +211,59 @@ def gate(candidate: dict, reference: dict, settings, num_prompts: int) -> Verdic
     for name, allowed in [(settings.metric, None), *settings.max_regression.items()]:
         ours, theirs = candidate.get(name), reference.get(name)
         if ours is None or theirs is None:
-            checks.append((f"metric {name}", False, f"{name} is missing (candidate {ours}, reference {theirs})"))
+            checks.append((f"metric {name}", False,
+                           f"{name} is missing (candidate {ours}, reference {theirs})"))
         elif allowed is None:
-            checks.append(("min_gain", ours - theirs >= settings.min_gain,
-                           f"{name} {theirs:.4f} -> {ours:.4f}: change {ours - theirs:+.4f}, at least "
-                           f"{settings.min_gain:+.4f} required"))
+            checks.append(
+                ("min_gain", ours - theirs >= settings.min_gain,
+                 f"{name} {theirs:.4f} -> {ours:.4f}: change {ours - theirs:+.4f}, at least "
+                 f"{settings.min_gain:+.4f} required"))
         else:
-            checks.append((f"max_regression.{name}", theirs - ours <= allowed,
-                           f"{name} {theirs:.4f} -> {ours:.4f}: drop {theirs - ours:+.4f}, at most {allowed:.4f} "
-                           "allowed"))
+            checks.append((
+                f"max_regression.{name}", theirs - ours <= allowed,
+                f"{name} {theirs:.4f} -> {ours:.4f}: drop {theirs - ours:+.4f}, at most "
+                f"{allowed:.4f} allowed"))
     failed = [check for check in checks if not check[1]]
-    return Verdict(passed=not failed, decided_by=(failed[0] if failed else checks[-1])[0], checks=checks)
+    return Verdict(passed=not failed, decided_by=(failed[0] if failed else checks[-1])[0],
+                   checks=checks)
 
 
-def render_report(candidate: Candidate, version: str, reference_label: str, reference: dict, metrics: dict,
-                  verdict: Verdict) -> str:
+def render_report(candidate: Candidate, version: str, reference_label: str, reference: dict,
+                  metrics: dict, verdict: Verdict) -> str:
     config = candidate.config
-    lines = [f"# Promotion of `{config.run_key}` ({candidate.checkpoint}, step {candidate.step})", "",
-             f"Candidate: `{config.registered_model}` version {version}. Reference: {reference_label}.", "",
-             f"**Verdict: {'PASSED' if verdict.passed else 'FAILED'}**, decided by `{verdict.decided_by}`.", "",
-             f"{len(candidate.rows)} held-out prompts (evaluation fingerprint `{candidate.eval_fingerprint}`).", "",
-             "| metric | reference | candidate | change |", "| --- | --- | --- | --- |"]
+    lines = [
+        f"# Promotion of `{config.run_key}` ({candidate.checkpoint}, step {candidate.step})", "",
+        f"Candidate: `{config.registered_model}` version {version}. Reference: {reference_label}.",
+        "",
+        f"**Verdict: {'PASSED' if verdict.passed else 'FAILED'}**, decided by "
+        f"`{verdict.decided_by}`.",
+        "",
+        f"{len(candidate.rows)} held-out prompts (evaluation fingerprint "
+        f"`{candidate.eval_fingerprint}`).",
+        "", "| metric | reference | candidate | change |", "| --- | --- | --- | --- |"
+    ]
     for key in sorted(set(metrics) | set(reference)):
         ours, theirs = metrics.get(key), reference.get(key)
         change = "-" if ours is None or theirs is None else f"{ours - theirs:+.4f}"
-        lines.append(f"| {key} | {evaluation.format_number(theirs)} | {evaluation.format_number(ours)} | {change} |")
+        lines.append(
+            f"| {key} | {evaluation.format_number(theirs)} | {evaluation.format_number(ours)} | "
+            f"{change} |"
+        )
     lines += ["", "| rule | result | detail |", "| --- | --- | --- |"]
-    lines += [f"| {rule} | {'pass' if ok else 'FAIL'} | {detail} |" for rule, ok, detail in verdict.checks]
+    lines += [
+        f"| {rule} | {'pass' if ok else 'FAIL'} | {detail} |" for rule, ok, detail in verdict.checks
+    ]
     return "\n".join(lines) + "\n"
 
 
 def promotion_dir(candidate: Candidate, version: str) -> str:
-    return stages.stage_path(candidate.config, "promotion", f"{candidate.config.registered_model}-v{version}")
+    return stages.stage_path(candidate.config, "promotion",
+                             f"{candidate.config.registered_model}-v{version}")
 
 
 def judge(candidate: Candidate, version: str, metrics: dict) -> tuple[Verdict, str]:
-    """Gate the candidate against the champion; the report goes to the run directory and to MLflow."""
+    """Gate the candidate against the champion; the report goes to the run directory and to
+    MLflow."""
     config = candidate.config
     champion = tracking.version_by_alias(config.tracking_uri, config.registered_model, "champion")
     label, reference = reference_metrics(candidate, champion)
@@ -226,21 +275,24 @@ def judge(candidate: Candidate, version: str, metrics: dict) -> tuple[Verdict, s
         handle.write(report)
     tracking.log_text(config.tracking_uri, candidate.parent_run_id, report,
                       f"promotion/{config.registered_model}-v{version}/promotion.md")
-    tracking.tag_version(config.tracking_uri, config.registered_model, version,
-                         {"rloo.gate": "passed" if verdict.passed else f"failed: {verdict.decided_by}"})
+    tracking.tag_version(
+        config.tracking_uri, config.registered_model, version,
+        {"rloo.gate": "passed" if verdict.passed else f"failed: {verdict.decided_by}"})
     return verdict, report
 
 
 def record_decision(candidate: Candidate, version: str, decision: str, comment: str = "") -> None:
-    tracking.tag_version(candidate.config.tracking_uri, candidate.config.registered_model, version,
-                         {"rloo.decision": decision, **({"rloo.decision_comment": comment} if comment else {})})
+    tracking.tag_version(
+        candidate.config.tracking_uri, candidate.config.registered_model, version,
+        {"rloo.decision": decision, **({"rloo.decision_comment": comment} if comment else {})})
 
 
 def already_promoted(candidate: Candidate):
-    """The champion version when it is this candidate, already published (a second promotion does nothing)."""
+    """The champion version when it is this candidate, already published (a second promotion does
+    nothing)."""
     config = candidate.config
     champion = tracking.version_by_alias(config.tracking_uri, config.registered_model, "champion")
-    if champion is not None and all(champion.tags.get(k) == v for k, v in candidate.identity.items()) and \
-            champion.tags.get("hub.commit"):
+    if champion is not None and champion.tags.get("hub.commit") and all(
+            champion.tags.get(k) == v for k, v in candidate.identity.items()):
         return champion
     return None

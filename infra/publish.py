@@ -1,7 +1,8 @@
-"""Publishing a promoted policy: the folder that goes to the Hub (the adapter or merged weights, the tokenizer, a
-model card built with huggingface_hub's ModelCard / ModelCardData), its upload through rloo.hub's publisher with a
-tag named after the run, and only then the move of the `champion` alias. An upload that went through is never
-repeated: its commit is recorded in the run directory at once and found again through the Hub tag."""
+"""Publishing a promoted policy: the folder that goes to the Hub (the adapter or merged weights, the
+tokenizer, a model card built with huggingface_hub's ModelCard / ModelCardData), its upload through
+rloo.hub's publisher with a tag named after the run, and only then the move of the `champion` alias.
+An upload that went through is never repeated: its commit is recorded in the run directory at once
+and found again through the Hub tag."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from infra.promotion import HUB_IDS, TOKENIZER_FILES, Candidate, promotion_dir
 CARD = """
 # {{ model_name }}
 
-An RLOO-trained {{ 'LoRA adapter for' if adapter else 'fine-tune of' }} {{ base_label }}, from pipeline run
-`{{ run_key }}` ({{ checkpoint }}, {{ step }} optimizer steps), registered as `{{ registered }}` version
-{{ version }}.
+An RLOO-trained {{ 'LoRA adapter for' if adapter else 'fine-tune of' }} {{ base_label }}, from
+pipeline run `{{ run_key }}` ({{ checkpoint }}, {{ step }} optimizer steps), registered as
+`{{ registered }}` version {{ version }}.
 
 ## Evaluation
 
@@ -42,7 +43,8 @@ An RLOO-trained {{ 'LoRA adapter for' if adapter else 'fine-tune of' }} {{ base_
 
 
 def base_model_id(config) -> str | None:
-    """The base model as Hub readers know it (an alias's public id; a Hub id as given), or None for a local path."""
+    """The base model as Hub readers know it (an alias's public id; a Hub id as given), or None for
+    a local path."""
     name = config.training["model_name_or_path"]
     if name in HUB_IDS:
         return HUB_IDS[name]
@@ -50,7 +52,8 @@ def base_model_id(config) -> str | None:
 
 
 def upload_folder(candidate: Candidate, version: str, metrics: dict) -> str:
-    """`<run>/promotion/v<N>/upload`: what the Hub repository receives (built again at each attempt)."""
+    """`<run>/promotion/v<N>/upload`: what the Hub repository receives (built again at each
+    attempt)."""
     config = candidate.config
     target = os.path.join(promotion_dir(candidate, version), "upload")
     if os.path.exists(target):
@@ -59,22 +62,26 @@ def upload_folder(candidate: Candidate, version: str, metrics: dict) -> str:
     merged = candidate.adapter and config.promotion.publish == "merged"
     if merged:
         from infra.evaluation import load_policy
-        model = load_policy(candidate.policy, candidate.weights, bool(config.recipe_value("trust_remote_code")))
+        model = load_policy(candidate.policy, candidate.weights,
+                            bool(config.recipe_value("trust_remote_code")))
         model.merge_and_unload().save_pretrained(target)
     else:
-        keep = ("adapter_",) if candidate.adapter else ("model", "config.json", "generation_config.json")
+        keep = ("adapter_", ) if candidate.adapter else ("model", "config.json",
+                                                         "generation_config.json")
         for name in os.listdir(candidate.weights):
             if name.startswith(keep) and os.path.isfile(os.path.join(candidate.weights, name)):
                 shutil.copy2(os.path.join(candidate.weights, name), target)
-        if candidate.adapter and base_model_id(config):  # the adapter points at the public base, not a local path
+        # the adapter points at the public base, not a local path
+        if candidate.adapter and base_model_id(config):
             path = os.path.join(target, "adapter_config.json")
             with open(path) as handle:
                 adapter = json.load(handle)
             adapter["base_model_name_or_path"] = base_model_id(config)
             with open(path, "w") as handle:
                 json.dump(adapter, handle, indent=2)
-    tokenizer_dir = candidate.weights if os.path.exists(os.path.join(candidate.weights, "tokenizer_config.json")) \
-        else (candidate.tokenizer or candidate.policy)
+    own_tokenizer = os.path.exists(os.path.join(candidate.weights, "tokenizer_config.json"))
+    tokenizer_dir = (candidate.weights if own_tokenizer
+                     else (candidate.tokenizer or candidate.policy))
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(tokenizer_dir, name)):
             shutil.copy2(os.path.join(tokenizer_dir, name), target)
@@ -92,42 +99,52 @@ def model_card(candidate: Candidate, version: str, merged: bool, metrics: dict):
     base_id = base_model_id(config)
     source = config.data.source
     dataset_id = source if "/" in source and not os.path.exists(source) else None
-    trained, base = metrics, candidate.evaluation["base"]  # the candidate's held-out metrics (a checkpoint's too)
+    # the candidate's held-out metrics (a checkpoint's too)
+    trained, base = metrics, candidate.evaluation["base"]
 
     def result(key: str, value: float, label: str) -> EvalResult:
-        return EvalResult(task_type="text-generation", dataset_type=dataset_id or "local", dataset_name=
-                          os.path.basename(source), dataset_split=f"held-out ({len(candidate.rows)} prompts)",
+        return EvalResult(task_type="text-generation", dataset_type=dataset_id or "local",
+                          dataset_name=os.path.basename(source),
+                          dataset_split=f"held-out ({len(candidate.rows)} prompts)",
                           metric_type=label + key, metric_name=label + key, metric_value=value)
-    # This model's results, then the base model's on the same prompts (metric names prefixed "base/").
+    # This model's results, then the base model's on the same prompts (metric names prefixed
+    # "base/").
     results = [result(key, value, "") for key, value in trained.items() if value is not None] + [
         result(key, value, "base/") for key, value in base.items() if value is not None]
     adapter = candidate.adapter and not merged
-    data = ModelCardData(model_name=repo.split("/")[-1], base_model=base_id, datasets=[dataset_id] if dataset_id
-                         else None, library_name="peft" if adapter else "transformers",
-                         pipeline_tag="text-generation", tags=["rloo", "reinforce", "rl"], eval_results=results)
+    data = ModelCardData(model_name=repo.split("/")[-1], base_model=base_id,
+                         datasets=[dataset_id] if dataset_id else None,
+                         library_name="peft" if adapter else "transformers",
+                         pipeline_tag="text-generation", tags=["rloo", "reinforce", "rl"],
+                         eval_results=results)
     recipe = public_config(config.training)
-    if adapter:
-        snippet = (f"from peft import AutoPeftModelForCausalLM\nmodel = AutoPeftModelForCausalLM.from_pretrained("
-                   f"\"{repo}\")") if base_id else (
-            "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM\nbase = AutoModelForCausalLM."
-            f"from_pretrained(\"<the base model>\")\nmodel = PeftModel.from_pretrained(base, \"{repo}\")")
+    if adapter and base_id:
+        snippet = ("from peft import AutoPeftModelForCausalLM\n"
+                   f"model = AutoPeftModelForCausalLM.from_pretrained(\"{repo}\")")
+    elif adapter:
+        snippet = ("from peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n"
+                   "base = AutoModelForCausalLM.from_pretrained(\"<the base model>\")\nmodel = "
+                   f"PeftModel.from_pretrained(base, \"{repo}\")")
     else:
-        snippet = f"from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(\"{repo}\")"
+        snippet = ("from transformers import AutoModelForCausalLM\n"
+                   f"model = AutoModelForCausalLM.from_pretrained(\"{repo}\")")
     decoding = "greedy decoding" if config.evaluation.temperature == 0 else \
         f"temperature {config.evaluation.temperature}"
     return ModelCard.from_template(
-        data, template_str="---\n{{ card_data }}\n---\n" + CARD, model_name=data.model_name, adapter=adapter,
-        base_label=f"`{base_id}`" if base_id else "a local base model", run_key=config.run_key,
-        checkpoint=candidate.checkpoint, step=candidate.step, registered=config.registered_model, version=version,
-        num_prompts=len(candidate.rows), source=source, decoding=decoding,
-        table=[(key, format_number(base.get(key)), format_number(trained.get(key))) for key in base],
-        training=[(key, recipe[key]) for key in ("model_name_or_path", "reward_funcs", *CARD_FIELDS) if key in recipe],
-        load_snippet=snippet)
+        data, template_str="---\n{{ card_data }}\n---\n" + CARD, model_name=data.model_name,
+        adapter=adapter, base_label=f"`{base_id}`" if base_id else "a local base model",
+        run_key=config.run_key, checkpoint=candidate.checkpoint, step=candidate.step,
+        registered=config.registered_model, version=version, num_prompts=len(candidate.rows),
+        source=source, decoding=decoding, table=[
+            (key, format_number(base.get(key)), format_number(trained.get(key))) for key in base
+        ], training=[(key, recipe[key])
+                     for key in ("model_name_or_path", "reward_funcs", *CARD_FIELDS)
+                     if key in recipe], load_snippet=snippet)
 
 
 def publish(candidate: Candidate, version: str, metrics: dict) -> dict:
-    """Upload (unless this candidate's upload already went through), tag it with the run key, record the repo,
-    commit and URL on the model version, and only then move `champion` to it."""
+    """Upload (unless this candidate's upload already went through), tag it with the run key, record
+    the repo, commit and URL on the model version, and only then move `champion` to it."""
     from rloo.hub import get_publisher
     config = candidate.config
     publisher = get_publisher()
@@ -140,20 +157,24 @@ def publish(candidate: Candidate, version: str, metrics: dict) -> dict:
     uploaded = commit is None
     if uploaded:
         folder = upload_folder(candidate, version, metrics)
-        # The repository holds exactly this model afterwards (a merged model beside an earlier adapter's
-        # adapter_config.json would load as that adapter).
-        commit = publisher.upload_folder(repo, folder, f"RLOO {config.run_key} ({candidate.checkpoint}, step "
-                                         f"{candidate.step}), {config.registered_model} v{version}", token=None,
-                                         delete_patterns=["*"])
+        # The repository holds exactly this model afterwards (a merged model beside an earlier
+        # adapter's adapter_config.json would load as that adapter).
+        commit = publisher.upload_folder(
+            repo, folder, f"RLOO {config.run_key} ({candidate.checkpoint}, step "
+            f"{candidate.step}), {config.registered_model} v{version}", token=None,
+            delete_patterns=["*"])
         stages.write_json(record_path, {"repo": repo, "commit": commit})
     if candidate.hub_tag not in publisher.tags(repo, token=None):
-        publisher.create_tag(repo, candidate.hub_tag, commit, token=None, message=f"RLOO run {config.run_key}")
+        publisher.create_tag(repo, candidate.hub_tag, commit, token=None,
+                             message=f"RLOO run {config.run_key}")
     url = publisher.url(repo, commit)
     uri, name = config.tracking_uri, config.registered_model
-    tracking.tag_version(uri, name, version, {"hub.repo": repo, "hub.commit": commit, "hub.url": url,
-                                              "hub.tag": candidate.hub_tag})
+    tracking.tag_version(
+        uri, name, version,
+        {"hub.repo": repo, "hub.commit": commit, "hub.url": url, "hub.tag": candidate.hub_tag})
     previous = tracking.version_by_alias(uri, name, "champion")
-    tracking.set_alias(uri, name, "champion", version)  # after the upload is confirmed, never before
+    # after the upload is confirmed, never before
+    tracking.set_alias(uri, name, "champion", version)
     tracking.tag_run(uri, candidate.parent_run_id, {"rloo.promoted": "true", "rloo.hub_url": url})
     return {"status": "published", "version": version, "repo": repo, "commit": commit, "url": url,
             "tag": candidate.hub_tag, "uploaded": uploaded,

@@ -1,5 +1,6 @@
-"""The pipeline's run configuration: a YAML recipe validated by pydantic, `--set key=value` overrides, and a
-fingerprint of the resolved config that names the run directory `runs/<run_key>/`."""
+"""The pipeline's run configuration: a YAML recipe validated by pydantic, `--set key=value`
+overrides, and a fingerprint of the resolved config that names the run directory
+`runs/<run_key>/`."""
 
 from __future__ import annotations
 
@@ -13,20 +14,29 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rloo.cli import FIELD_NAMES, PIPELINE_SECTIONS, check_recipe_combinations, recipe_value, unknown_field
+from rloo.cli import (FIELD_NAMES, PIPELINE_SECTIONS, check_recipe_combinations, recipe_value,
+                      unknown_field)
 
-# What the pipeline sets in the recipe it hands to the job (the user sets everything else in `training:`).
-SET_BY_PIPELINE = {"dataset_name": "the prepared train split of data.source", "output_dir": "the run directory",
-                   "report_to": "the pipeline's own tracking (MLflow)", "resume_from_checkpoint": "the train stage",
-                   "dataset_config": "data.config", "dataset_train_split": "data.split",
-                   "dataset_test_split": "the held-out split (evaluation)", "dataset_streaming": "the dataset stage"}
+# What the pipeline sets in the recipe it hands to the job (the user sets everything else in
+# `training:`).
+SET_BY_PIPELINE = {
+    "dataset_name": "the prepared train split of data.source", "output_dir": "the run directory",
+    "report_to": "the pipeline's own tracking (MLflow)",
+    "resume_from_checkpoint": "the train stage", "dataset_config": "data.config",
+    "dataset_train_split": "data.split", "dataset_test_split": "the held-out split (evaluation)",
+    "dataset_streaming": "the dataset stage"
+}
 # Keys of the earlier pipeline shape and where they live now.
-MOVED = {"model.name_or_path": "training.model_name_or_path", "model.tokenizer": "training.tokenizer_name_or_path",
-         "model.peft.enabled": "training.use_peft", "model.peft.r": "training.lora_r",
-         "model.peft.alpha": "training.lora_alpha", "model.peft.dropout": "training.lora_dropout",
-         "model.peft.target_modules": "training.lora_target_modules (a list; omit it for all linear layers)",
-         "model.peft.load_in_4bit": "training.load_in_4bit", "rewards": "training.reward_funcs",
-         "reward_weights": "training.reward_weights"}
+MOVED = {
+    "model.name_or_path": "training.model_name_or_path",
+    "model.tokenizer": "training.tokenizer_name_or_path", "model.peft.enabled": "training.use_peft",
+    "model.peft.r": "training.lora_r", "model.peft.alpha": "training.lora_alpha",
+    "model.peft.dropout": "training.lora_dropout",
+    "model.peft.target_modules": "training.lora_target_modules (a list; omit it for all linear "
+                                 "layers)",
+    "model.peft.load_in_4bit": "training.load_in_4bit", "rewards": "training.reward_funcs",
+    "reward_weights": "training.reward_weights"
+}
 
 
 class Strict(BaseModel):
@@ -34,21 +44,25 @@ class Strict(BaseModel):
 
 
 class DataSettings(Strict):
-    """Prompts: a Hub id, a save_to_disk folder, or a JSON/JSONL/CSV/Parquet file with a 'prompt' column."""
+    """Prompts: a Hub id, a save_to_disk folder, or a JSON/JSONL/CSV/Parquet file with a 'prompt'
+    column."""
     source: str
     config: str | None = None
     split: str = "train"
-    eval_size: int = Field(40, ge=0, description="Held-out prompts for evaluation (taken before training).")
+    eval_size: int = Field(40, ge=0,
+                           description="Held-out prompts for evaluation (taken before training).")
     max_train_samples: int | None = Field(None, ge=1)
     seed: int = 0
 
 
-# The spec's server line, with the weight-transfer backend the trainer speaks (gloo: rloo_vllm.engine, found on
-# the job's PYTHONPATH) instead of NCCL.
-DEFAULT_GENERATION_COMMAND = ["env", "VLLM_SERVER_DEV_MODE=1", "vllm", "serve", "{model}", "--port", "{port}",
-                              "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
-                              "rloo_vllm.engine.WorkerExtension", "--logprobs-mode", "processed_logprobs",
-                              "--max-logprobs", "-1"]
+# The spec's server line, with the weight-transfer backend the trainer speaks (gloo:
+# rloo_vllm.engine, found on the job's PYTHONPATH) instead of NCCL.
+DEFAULT_GENERATION_COMMAND = [
+    "env", "VLLM_SERVER_DEV_MODE=1", "vllm", "serve", "{model}", "--port", "{port}",
+    "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
+    "rloo_vllm.engine.WorkerExtension", "--logprobs-mode", "processed_logprobs", "--max-logprobs",
+    "-1"
+]
 
 
 class SlurmSettings(Strict):
@@ -61,19 +75,26 @@ class SlurmSettings(Strict):
     generation_nodes: int = Field(1, ge=0, le=1)
     gpus_per_node: int = Field(0, ge=0)
     cpus_per_task: int | None = Field(None, ge=1)
-    constraint: str | None = Field(None, description="Default with features: [trainer*N&generation*1].")
-    use_node_features: bool = Field(True, description="Place roles with the Features 'trainer' / 'generation'.")
+    constraint: str | None = Field(None,
+                                   description="Default with features: [trainer*N&generation*1].")
+    use_node_features: bool = Field(
+        True, description="Place roles with the Features 'trainer' / 'generation'.")
     extra_sbatch: dict[str, str] = Field(default_factory=dict, description="Forced #SBATCH flags.")
-    setup: list[str] = Field(default_factory=list, description="Shell lines before the job (modules, venv).")
-    signal_delay_s: int = Field(90, ge=1, description="Pre-termination signal this long before the time limit.")
+    setup: list[str] = Field(default_factory=list,
+                             description="Shell lines before the job (modules, venv).")
+    signal_delay_s: int = Field(
+        90, ge=1, description="Pre-termination signal this long before the time limit.")
     max_num_timeout: int = Field(3, ge=0, description="Requeues after a time-out.")
     rendezvous_port: int = Field(29500, ge=1024, le=65535)
     generation_port: int = Field(8000, ge=1024, le=65535)
-    generation_command: list[str] = Field(default_factory=lambda: list(DEFAULT_GENERATION_COMMAND), description=
-                                          "Command of the generation role ({model}, {port}, {host} substituted).")
+    generation_command: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_GENERATION_COMMAND),
+        description="Command of the generation role ({model}, {port}, {host} substituted).")
     generation_health_path: str = "/health"
-    generation_timeout_s: float = Field(240.0, gt=0, description="Wait for the server's health (vllm_server_timeout).")
-    collective_timeout_s: int = Field(600, ge=10, description="A crashed rank fails the job after this at most.")
+    generation_timeout_s: float = Field(
+        240.0, gt=0, description="Wait for the server's health (vllm_server_timeout).")
+    collective_timeout_s: int = Field(
+        600, ge=10, description="A crashed rank fails the job after this at most.")
 
 
 class LaunchSettings(Strict):
@@ -88,20 +109,24 @@ class LaunchSettings(Strict):
 class EvalSettings(Strict):
     """Held-out evaluation of the trained policy against the base model."""
     enabled: bool = True
-    max_completion_length: int | None = Field(None, ge=1, description="Default: training's max_completion_length.")
+    max_completion_length: int | None = Field(
+        None, ge=1, description="Default: training's max_completion_length.")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy decoding.")
     batch_size: int = Field(16, ge=1)
-    extra_sets: dict[str, str] = Field(default_factory=dict, description=(
-        "More held-out sets, name -> a JSON/JSONL/CSV/Parquet file of prompts kept out of training (e.g. phrased "
-        "unlike them): scored like the held-out prompts and reported beside them."))
+    extra_sets: dict[str, str] = Field(
+        default_factory=dict, description=
+        ("More held-out sets, name -> a JSON/JSONL/CSV/Parquet file of prompts kept out of "
+         "training (e.g. phrased unlike them): scored like the held-out prompts and reported "
+         "beside them."))
 
     @field_validator("extra_sets")
     @classmethod
     def _set_names(cls, sets: dict[str, str]) -> dict[str, str]:
         for name in sets:
             if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name == "held_out":
-                raise ValueError(f"extra set name {name!r}: use lowercase letters, digits and _ (not 'held_out', "
-                                 "the name of data.eval_size's prompts).")
+                raise ValueError(
+                    f"extra set name {name!r}: use lowercase letters, digits and _ (not "
+                    "'held_out', the name of data.eval_size's prompts).")
         return sets
 
 
@@ -112,51 +137,67 @@ class TrackingSettings(Strict):
 
 
 class PromotionSettings(Strict):
-    """`rloo-pipeline promote`: register the trained policy in MLflow, gate it on held-out evidence against the
-    current champion, ask for approval, publish it to the Hub. Not part of the run's identity (fingerprint)."""
-    model_name: str | None = Field(None, description="MLflow registered model (letters, digits, '.', '_', '-'); "
-                                   "default rloo-<name>.")
+    """`rloo-pipeline promote`: register the trained policy in MLflow, gate it on held-out evidence
+    against the current champion, ask for approval, publish it to the Hub. Not part of the run's
+    identity (fingerprint)."""
+    model_name: str | None = Field(
+        None, description="MLflow registered model (letters, digits, '.', '_', '-'); "
+        "default rloo-<name>.")
     metric: str = Field("reward", description="The held-out metric the gain is measured on.")
-    min_gain: float = Field(0.0, description="Candidate minus reference on `metric` must be at least this.")
-    max_regression: dict[str, float] = Field(default_factory=dict, description=
-                                             "metric -> the largest drop allowed versus the reference.")
+    min_gain: float = Field(
+        0.0, description="Candidate minus reference on `metric` must be at least this.")
+    max_regression: dict[str, float] = Field(
+        default_factory=dict,
+        description="metric -> the largest drop allowed versus the reference.")
     min_prompts: int = Field(20, ge=1, description="Fewest held-out prompts a verdict may rest on.")
-    require_approval: bool | None = Field(None, description="Pause for a person's approval before publishing. "
-                                          "Default: yes with a Prefect server (PREFECT_API_URL), no embedded.")
-    approval_timeout_s: int = Field(7 * 24 * 3600, ge=60, description="How long the flow waits for the answer.")
-    hub_repo: str | None = Field(None, description="<user or org>/<name> on the Hub; required to publish.")
+    require_approval: bool | None = Field(
+        None, description="Pause for a person's approval before publishing. "
+        "Default: yes with a Prefect server (PREFECT_API_URL), no embedded.")
+    approval_timeout_s: int = Field(7 * 24 * 3600, ge=60,
+                                    description="How long the flow waits for the answer.")
+    hub_repo: str | None = Field(
+        None, description="<user or org>/<name> on the Hub; required to publish.")
     private: bool = Field(True, description="Create the Hub repository private.")
-    publish: Literal["adapter", "merged"] = Field("adapter", description="A LoRA run: its adapter, or the base "
-                                                  "model with the adapter merged in.")
+    publish: Literal["adapter", "merged"] = Field(
+        "adapter", description="A LoRA run: its adapter, or the base "
+        "model with the adapter merged in.")
 
     @field_validator("model_name")
     @classmethod
     def _model_name(cls, value: str | None) -> str | None:
         if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}", value):
-            raise ValueError(f"{value!r} is not a valid MLflow registered-model name: use letters, digits, '.', '_' "
-                             "and '-' (no '/', ':' or spaces), e.g. rloo-arithmetic.")
+            raise ValueError(
+                f"{value!r} is not a valid MLflow registered-model name: use letters, digits, '.', "
+                "'_' and '-' (no '/', ':' or spaces), e.g. rloo-arithmetic.")
         return value
 
     @field_validator("hub_repo")
     @classmethod
     def _hub_repo(cls, value: str | None) -> str | None:
         if value is not None and not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", value):
-            raise ValueError(f"{value!r} is not a Hub repository id: use <user or org>/<name>, e.g. acme/rloo-tiny.")
+            raise ValueError(
+                f"{value!r} is not a Hub repository id: use <user or org>/<name>, e.g. "
+                "acme/rloo-tiny."
+            )
         return value
 
     def approval_required(self) -> bool:
-        return bool(os.environ.get("PREFECT_API_URL")) if self.require_approval is None else self.require_approval
+        return bool(os.environ.get(
+            "PREFECT_API_URL")) if self.require_approval is None else self.require_approval
 
 
 class RunConfig(Strict):
-    """A pipeline config. `training:` is exactly an `rloo train` recipe (RLOOConfig fields plus ScriptArguments'
-    model / reward / LoRA keys), validated by rloo.cli.parse_recipe; the other sections are the pipeline's own."""
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$", description="Lowercase letters, digits and dashes.")
-    run_root: str = Field(default_factory=lambda: os.environ.get("RLOO_RUN_ROOT", "runs"), description=
-                          "Where runs live; default $RLOO_RUN_ROOT or ./runs.")
+    """A pipeline config. `training:` is exactly an `rloo train` recipe (RLOOConfig fields plus
+    ScriptArguments' model / reward / LoRA keys), validated by rloo.cli.parse_recipe; the other
+    sections are the pipeline's own."""
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$",
+                      description="Lowercase letters, digits and dashes.")
+    run_root: str = Field(default_factory=lambda: os.environ.get("RLOO_RUN_ROOT", "runs"),
+                          description="Where runs live; default $RLOO_RUN_ROOT or ./runs.")
     data: DataSettings
-    training: dict[str, Any] = Field(description="An `rloo train` recipe: model_name_or_path ('smollm2', 'tiny', a "
-                                                 "path or a Hub id), reward_funcs, LoRA keys, RLOOConfig fields.")
+    training: dict[str, Any] = Field(
+        description="An `rloo train` recipe: model_name_or_path ('smollm2', 'tiny', a "
+        "path or a Hub id), reward_funcs, LoRA keys, RLOOConfig fields.")
     launch: LaunchSettings = LaunchSettings()
     evaluation: EvalSettings = EvalSettings()
     tracking: TrackingSettings = TrackingSettings()
@@ -167,25 +208,30 @@ class RunConfig(Strict):
     def _recipe_keys(cls, training: dict) -> dict:
         for key in training:
             if key in SET_BY_PIPELINE:
-                raise ValueError(f"training.{key} is set by the pipeline ({SET_BY_PIPELINE[key]}); remove it.")
+                raise ValueError(
+                    f"training.{key} is set by the pipeline ({SET_BY_PIPELINE[key]}); remove it.")
             if key not in FIELD_NAMES:
                 raise ValueError(f"training.{key}: {unknown_field(key)}")
         for key in ("model_name_or_path", "reward_funcs"):
             if not training.get(key):
-                raise ValueError(f"training.{key} is required (the recipe's policy and reward functions).")
+                raise ValueError(
+                    f"training.{key} is required (the recipe's policy and reward functions).")
         return training
 
     @model_validator(mode="after")
     def _combinations(self) -> "RunConfig":
-        # What depends on the launch (the world size) is checked here; the rest by the recipe's own validation
-        # (rloo.cli.parse_recipe, in the model stage and `rloo-pipeline validate`), plus what is cheap to see now.
+        # What depends on the launch (the world size) is checked here; the rest by the recipe's own
+        # validation (rloo.cli.parse_recipe, in the model stage and `rloo-pipeline validate`), plus
+        # what is cheap to see now.
         check_recipe_combinations(self.training, "training.")
         generations = self.recipe_value("num_generations")
         nodes = self.launch.slurm.trainer_nodes if self.launch.executor == "slurm" else 1
-        batch = self.recipe_value("per_device_train_batch_size") * self.launch.nproc_per_node * nodes
+        batch = self.recipe_value(
+            "per_device_train_batch_size") * self.launch.nproc_per_node * nodes
         if batch % generations:
-            raise ValueError(f"training.per_device_train_batch_size x launch.nproc_per_node x trainer nodes = {batch} "
-                             f"is not divisible by training.num_generations = {generations}.")
+            raise ValueError(
+                "training.per_device_train_batch_size x launch.nproc_per_node x trainer nodes = "
+                f"{batch} is not divisible by training.num_generations = {generations}.")
         return self
 
     @property
@@ -212,56 +258,71 @@ class RunConfig(Strict):
 
     @property
     def tracking_uri(self) -> str:
-        return self.tracking.tracking_uri or f"sqlite:///{os.path.abspath(os.path.join(self.run_root, 'mlflow.db'))}"
+        store = os.path.abspath(os.path.join(self.run_root, "mlflow.db"))
+        return self.tracking.tracking_uri or f"sqlite:///{store}"
 
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def shipped_recipes() -> list[str]:
-    """The pipeline configs in configs/ (what a deployment's form offers), as paths from the repository root."""
+    """The pipeline configs in configs/ (what a deployment's form offers), as paths from the
+    repository root."""
     folder = os.path.join(REPOSITORY, "configs")
     return sorted(f"configs/{name}" for name in os.listdir(folder) if name.endswith(".yaml"))
 
 
 # The form's fields and the config keys they set.
-SETTING_KEYS = {"model": "training.model_name_or_path", "max_steps": "training.max_steps",
-                "learning_rate": "training.learning_rate", "num_generations": "training.num_generations",
-                "max_completion_length": "training.max_completion_length", "beta": "training.beta",
-                "lora_r": "training.lora_r", "executor": "launch.executor", "nproc_per_node": "launch.nproc_per_node",
-                "trainer_nodes": "launch.slurm.trainer_nodes", "generation_nodes": "launch.slurm.generation_nodes"}
+SETTING_KEYS = {
+    "model": "training.model_name_or_path", "max_steps": "training.max_steps",
+    "learning_rate": "training.learning_rate", "num_generations": "training.num_generations",
+    "max_completion_length": "training.max_completion_length", "beta": "training.beta",
+    "lora_r": "training.lora_r", "executor": "launch.executor",
+    "nproc_per_node": "launch.nproc_per_node", "trainer_nodes": "launch.slurm.trainer_nodes",
+    "generation_nodes": "launch.slurm.generation_nodes"
+}
 
 
 
 class RunSettings(BaseModel):
     """What people change between runs. Empty: the recipe's value."""
     model_config = ConfigDict(extra="forbid")
-    model: str | None = Field(None, title="Model", description="training.model_name_or_path: 'smollm2', 'tiny', a "
-                              "local path or a Hub id.", json_schema_extra={"position": 0})
-    max_steps: int | None = Field(None, ge=1, le=1_000_000, description="training.max_steps: optimizer steps.",
+    model: str | None = Field(
+        None, title="Model", description="training.model_name_or_path: 'smollm2', 'tiny', a "
+        "local path or a Hub id.", json_schema_extra={"position": 0})
+    max_steps: int | None = Field(None, ge=1, le=1_000_000,
+                                  description="training.max_steps: optimizer steps.",
                                   json_schema_extra={"position": 1})
     learning_rate: float | None = Field(None, gt=0, le=1, description="training.learning_rate.",
                                         json_schema_extra={"position": 2})
-    num_generations: int | None = Field(None, ge=2, le=256, description="training.num_generations: completions "
-                                        "per prompt (the leave-one-out group).", json_schema_extra={"position": 3})
-    max_completion_length: int | None = Field(None, ge=1, le=131_072, description="training.max_completion_length "
-                                              "(tokens).", json_schema_extra={"position": 4})
-    beta: float | None = Field(None, ge=0, le=10, description="training.beta: KL coefficient (0: no reference "
-                               "model).", json_schema_extra={"position": 5})
-    lora_r: int | None = Field(None, ge=1, le=1024, description="training.lora_r: LoRA rank (with use_peft).",
+    num_generations: int | None = Field(
+        None, ge=2, le=256, description="training.num_generations: completions "
+        "per prompt (the leave-one-out group).", json_schema_extra={"position": 3})
+    max_completion_length: int | None = Field(
+        None, ge=1, le=131_072, description="training.max_completion_length "
+        "(tokens).", json_schema_extra={"position": 4})
+    beta: float | None = Field(
+        None, ge=0, le=10, description="training.beta: KL coefficient (0: no reference "
+        "model).", json_schema_extra={"position": 5})
+    lora_r: int | None = Field(None, ge=1, le=1024,
+                               description="training.lora_r: LoRA rank (with use_peft).",
                                json_schema_extra={"position": 6})
-    executor: Literal["local", "slurm"] | None = Field(None, description="launch.executor: this machine or SLURM.",
-                                                       json_schema_extra={"position": 7})
-    nproc_per_node: int | None = Field(None, ge=1, le=64, description="launch.nproc_per_node: trainer processes "
-                                       "per node.", json_schema_extra={"position": 8})
-    trainer_nodes: int | None = Field(None, ge=1, le=1024, description="launch.slurm.trainer_nodes.",
+    executor: Literal["local", "slurm"] | None = Field(
+        None, description="launch.executor: this machine or SLURM.",
+        json_schema_extra={"position": 7})
+    nproc_per_node: int | None = Field(
+        None, ge=1, le=64, description="launch.nproc_per_node: trainer processes "
+        "per node.", json_schema_extra={"position": 8})
+    trainer_nodes: int | None = Field(None, ge=1, le=1024,
+                                      description="launch.slurm.trainer_nodes.",
                                       json_schema_extra={"position": 9})
-    generation_nodes: int | None = Field(None, ge=0, le=1, description="launch.slurm.generation_nodes (a vLLM "
-                                         "server node).", json_schema_extra={"position": 10})
+    generation_nodes: int | None = Field(
+        None, ge=0, le=1, description="launch.slurm.generation_nodes (a vLLM "
+        "server node).", json_schema_extra={"position": 10})
 
     def assignments(self, current: "RunConfig") -> list[str]:
-        """The fields set to something other than `current`'s value, as `key=value` overrides (a form prefilled
-        with the recipe's values changes nothing, not even the run's fingerprint)."""
+        """The fields set to something other than `current`'s value, as `key=value` overrides (a
+        form prefilled with the recipe's values changes nothing, not even the run's fingerprint)."""
         found = []
         for name, value in self.model_dump().items():
             section, _, rest = SETTING_KEYS[name].partition(".")
@@ -281,7 +342,8 @@ class ConfigError(ValueError):
 
 
 def apply_override(data: dict, assignment: str) -> None:
-    """'training.learning_rate=1e-5' -> data['training']['learning_rate'] = 1e-5 (value parsed as YAML)."""
+    """'training.learning_rate=1e-5' -> data['training']['learning_rate'] = 1e-5 (value parsed as
+    YAML)."""
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. training.max_steps=10.")
     key, _, raw = assignment.partition("=")
@@ -311,9 +373,11 @@ def load_run_config(source: str | dict, overrides: list[str] | None = None) -> R
         origin = source
         if isinstance(data, dict) and "name" not in data and set(data) & FIELD_NAMES and not \
                 set(data) & set(PIPELINE_SECTIONS[1:]):
-            raise ConfigError(f"{source} is a flat `rloo train` recipe (RLOOConfig/ScriptArguments fields), not a "
-                              f"pipeline config. Fix: run it with `rloo train --config {source}`; `rloo-pipeline` "
-                              "takes a config with name/model/data/rewards/training sections (configs/*.yaml).")
+            raise ConfigError(
+                f"{source} is a flat `rloo train` recipe (RLOOConfig/ScriptArguments fields), not "
+                f"a pipeline config. Fix: run it with `rloo train --config {source}`; "
+                "`rloo-pipeline` takes a config with name/model/data/rewards/training sections "
+                "(configs/*.yaml).")
     for assignment in overrides or []:
         apply_override(data, assignment)
     check_moved_keys(data, origin)
@@ -326,8 +390,9 @@ def load_run_config(source: str | dict, overrides: list[str] | None = None) -> R
             message = problem["msg"]
             if problem["type"] == "extra_forbidden":
                 message = "unknown key"
-            lines.append(f"  {where}: {message}" + (f" (got {problem['input']!r})" if problem["type"] not in (
-                "extra_forbidden", "missing", "value_error") else ""))
+            lines.append(f"  {where}: {message}" +
+                         (f" (got {problem['input']!r})" if problem["type"] not in
+                          ("extra_forbidden", "missing", "value_error") else ""))
         raise ConfigError(f"{origin}: invalid run config\n" + "\n".join(lines)) from None
 
 
@@ -343,10 +408,15 @@ def check_moved_keys(data: dict, origin: str) -> None:
         if node is not None or (old in ("rewards", "reward_weights") and old in data):
             found.append(f"  {old}: moved to {new}")
     if isinstance(data.get("model"), dict) and not found:
-        found.append("  model: moved into training (model_name_or_path, tokenizer_name_or_path, use_peft, lora_*)")
+        found.append(
+            "  model: moved into training (model_name_or_path, tokenizer_name_or_path, use_peft, "
+            "lora_*)"
+        )
     if found:
-        raise ConfigError(f"{origin}: the model, LoRA and reward settings now live in `training:`, which is an `rloo "
-                          "train` recipe:\n" + "\n".join(found))
+        raise ConfigError(
+            f"{origin}: the model, LoRA and reward settings now live in `training:`, which is an "
+            "`rloo "
+            "train` recipe:\n" + "\n".join(found))
 
 
 def resolved_dict(config: RunConfig) -> dict:

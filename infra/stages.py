@@ -1,8 +1,8 @@
-"""The pipeline's stages as plain functions (Prefect tasks in `tasks/` wrap them; tests call them directly): dataset,
-model and train here, evaluate in infra.evaluation.
+"""The pipeline's stages as plain functions (Prefect tasks in `tasks/` wrap them; tests call them
+directly): dataset, model and train here, evaluate in infra.evaluation.
 
-Each stage writes into the run directory and returns a small JSON-able dict; `stages/<stage>.json` keeps it, so a
-retried or re-run pipeline (same config fingerprint) finds the finished stages."""
+Each stage writes into the run directory and returns a small JSON-able dict; `stages/<stage>.json`
+keeps it, so a retried or re-run pipeline (same config fingerprint) finds the finished stages."""
 
 from __future__ import annotations
 
@@ -11,18 +11,21 @@ import os
 import shutil
 import time
 
+from infra.model_checks import check_lora_targets, check_tokenizer_fits, resolve_model_source
 from infra.runconfig import RunConfig
 
 STAGE_VERSIONS = {"dataset": 1, "model": 1, "train": 1, "evaluate": 1}
 
 
-# ---------------------------------------------------------------------------------------------- run directory
+# ---------------------------------------------------------------------------------------------- run
+# directory
 def stage_path(config: RunConfig, *parts: str) -> str:
     return os.path.join(config.run_dir, *parts)
 
 
 def record_execution(config: RunConfig, stage: str) -> None:
-    """One line per execution of a stage's body: what really ran (`rloo-pipeline status` shows re-runs)."""
+    """One line per execution of a stage's body: what really ran (`rloo-pipeline status` shows
+    re-runs)."""
     os.makedirs(stage_path(config, "stages"), exist_ok=True)
     with open(stage_path(config, "stages", "executions.log"), "a") as handle:
         handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {stage} v{STAGE_VERSIONS[stage]}\n")
@@ -51,15 +54,18 @@ def read_json(path: str) -> dict | None:
 
 
 def save_stage_result(config: RunConfig, stage: str, result: dict) -> dict:
-    write_json(stage_path(config, "stages", f"{stage}.json"),
-               {"version": STAGE_VERSIONS[stage], "fingerprint": config.fingerprint(), "result": result})
+    write_json(
+        stage_path(config, "stages", f"{stage}.json"),
+        {"version": STAGE_VERSIONS[stage], "fingerprint": config.fingerprint(), "result": result})
     return result
 
 
 def load_stage_result(config: RunConfig, stage: str) -> dict | None:
-    """The stage's persisted result when it belongs to this config and stage version (else None: it would run)."""
+    """The stage's persisted result when it belongs to this config and stage version (else None: it
+    would run)."""
     record = read_json(stage_path(config, "stages", f"{stage}.json"))
-    if record and record["version"] == STAGE_VERSIONS[stage] and record["fingerprint"] == config.fingerprint():
+    if record and record["version"] == STAGE_VERSIONS[stage] and record[
+            "fingerprint"] == config.fingerprint():
         return record["result"]
     return None
 
@@ -67,7 +73,10 @@ def load_stage_result(config: RunConfig, stage: str) -> dict | None:
 def write_config(config: RunConfig) -> str:
     from infra.runconfig import resolved_dict
     path = stage_path(config, "config.json")
-    write_json(path, {"run_key": config.run_key, "fingerprint": config.fingerprint(), "config": resolved_dict(config)})
+    write_json(path, {
+        "run_key": config.run_key, "fingerprint": config.fingerprint(),
+        "config": resolved_dict(config)
+    })
     return path
 
 
@@ -77,9 +86,11 @@ def _replace_dir(staging: str, target: str) -> None:
     os.replace(staging, target)
 
 
-# ---------------------------------------------------------------------------------------------- dataset
+# ----------------------------------------------------------------------------------------------
+# dataset
 def prepare_dataset(config: RunConfig) -> dict:
-    """Load, validate every row, hold out `eval_size` prompts, save both splits to the run directory."""
+    """Load, validate every row, hold out `eval_size` prompts, save both splits to the run
+    directory."""
     import datasets
 
     datasets.disable_progress_bars()  # one summary line per stage, not a bar per split
@@ -100,28 +111,33 @@ def prepare_dataset(config: RunConfig) -> dict:
         split.flatten_indices().save_to_disk(staging)
         paths[name] = os.path.join(root, name)
         _replace_dir(staging, paths[name])
-    result = {"train_path": paths["train"], "eval_path": paths["eval"], "num_train": len(train_split),
-              "num_eval": len(eval_split), "format": prompt_format, "columns": dataset.column_names,
-              "source": data.source, "digest": dataset_digest(train_split, eval_split)}
+    result = {
+        "train_path": paths["train"], "eval_path": paths["eval"], "num_train": len(train_split),
+        "num_eval": len(eval_split), "format": prompt_format, "columns": dataset.column_names,
+        "source": data.source, "digest": dataset_digest(train_split, eval_split)
+    }
     return save_stage_result(config, "dataset", result)
 
 
 def load_checked_rows(config: RunConfig):
-    """data.source loaded and every row checked (rloo.data), enough rows for data.eval_size: (dataset, format)."""
+    """data.source loaded and every row checked (rloo.data), enough rows for data.eval_size:
+    (dataset, format)."""
     from rloo.data import load_prompt_dataset, validate_prompt_rows
     data = config.data
     dataset = load_prompt_dataset(data.source, data.config, data.split)
     prompt_format = validate_prompt_rows(dataset, data.source)
     if data.eval_size >= len(dataset):
-        raise ValueError(f"data.eval_size={data.eval_size} leaves no training prompts ({len(dataset)} rows in "
-                         f"{data.source}). Fix: a smaller data.eval_size.")
+        raise ValueError(
+            f"data.eval_size={data.eval_size} leaves no training prompts ({len(dataset)} rows in "
+            f"{data.source}). Fix: a smaller data.eval_size.")
     return dataset, prompt_format
 
 
 def check_config(config: RunConfig, read_rows: bool) -> bool:
-    """What needs no model and writes nothing, as one-line ConfigErrors: every recipe value (rloo.cli's checks),
-    the reward imports, data.source, and with `read_rows` every row of a local source (`rloo-pipeline validate`;
-    a Hub dataset's rows are checked by the dataset stage, nothing is downloaded here). True when rows were read."""
+    """What needs no model and writes nothing, as one-line ConfigErrors: every recipe value
+    (rloo.cli's checks), the reward imports, data.source, and with `read_rows` every row of a local
+    source (`rloo-pipeline validate`; a Hub dataset's rows are checked by the dataset stage, nothing
+    is downloaded here). True when rows were read."""
     from infra.runconfig import ConfigError
     from rloo.cli import resolve_reward
     try:
@@ -144,7 +160,8 @@ def check_config(config: RunConfig, read_rows: bool) -> bool:
         dataset, _ = load_checked_rows(config)
         check_enough_prompts(config, args, len(dataset) - config.data.eval_size)
         from infra.evaluation import extra_set_rows
-        for name in config.evaluation.extra_sets:  # (against every source row: the split is not drawn yet)
+        # (against every source row: the split is not drawn yet)
+        for name in config.evaluation.extra_sets:
             extra_set_rows(config, name, dataset["prompt"])
     except ValueError as err:
         raise ConfigError(f"data: {err}") from None
@@ -152,18 +169,21 @@ def check_config(config: RunConfig, read_rows: bool) -> bool:
 
 
 def check_enough_prompts(config: RunConfig, args, num_train: int) -> None:
-    """One generation batch of the whole launch (every process) takes generation_batch_size / num_generations
-    distinct prompts: fewer training prompts than that and no step could be drawn."""
+    """One generation batch of the whole launch (every process) takes generation_batch_size /
+    num_generations distinct prompts: fewer training prompts than that and no step could be
+    drawn."""
     if config.data.max_train_samples is not None:
         num_train = min(num_train, config.data.max_train_samples)
     needed = args.generation_batch_size // args.num_generations
     if num_train < needed:
         world = config.launch.nproc_per_node * (config.launch.slurm.trainer_nodes
                                                 if config.launch.executor == "slurm" else 1)
-        raise ValueError(f"{num_train} training prompts, but one generation batch of this launch ({world} "
-                         f"process(es) x training.per_device_train_batch_size / num_generations x steps per "
-                         f"generation) takes {needed} distinct prompts. Fix: more prompts (data.max_train_samples, "
-                         "a smaller data.eval_size), fewer processes, or a smaller per_device_train_batch_size.")
+        raise ValueError(
+            f"{num_train} training prompts, but one generation batch of this launch ({world} "
+            "process(es) x training.per_device_train_batch_size / num_generations x steps per "
+            f"generation) takes {needed} distinct prompts. Fix: more prompts "
+            "(data.max_train_samples, a smaller data.eval_size), fewer processes, or a smaller "
+            "per_device_train_batch_size.")
 
 
 def dataset_digest(*splits) -> str:
@@ -175,76 +195,23 @@ def dataset_digest(*splits) -> str:
     return digest.hexdigest()[:16]
 
 
-# ---------------------------------------------------------------------------------------------- model
-def resolve_model_source(config: RunConfig) -> tuple[str, str | None]:
-    """(policy path or id, tokenizer path or None) for training.model_name_or_path, aliases resolved
-    (rloo.assets.resolve_model_alias; 'tiny' is built under the run root), training.tokenizer_name_or_path first."""
-    from rloo.assets import resolve_model_alias
-    policy, tokenizer = resolve_model_alias(config.training["model_name_or_path"],
-                                            os.path.join(config.run_root, ".assets"))
-    return policy, config.training.get("tokenizer_name_or_path") or tokenizer
-
-
-def check_lora_targets(model_source: str, targets, trust_remote_code: bool) -> int:
-    """Build the architecture on the meta device (no weights) and check that LoRA's targets exist;
-    returns the parameter count."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from rloo.models import linear_module_names
-    model_config = AutoConfig.from_pretrained(model_source, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
-    available = linear_module_names(skeleton)
-    if targets != "all-linear":
-        missing = [t for t in targets if t not in available]
-        if missing:
-            raise ValueError(f"training.lora_target_modules {missing} match no layer of {type(skeleton).__name__}; "
-                             f"its Linear layers are: {', '.join(available)}.")
-    return sum(p.numel() for p in skeleton.parameters())
-
-
-def check_tokenizer_fits(policy: str, tokenizer, args, dataset_result: dict) -> None:
-    """From the model's config (no weights): every token id of the tokenizer has an embedding row, and every
-    training prompt plus max_completion_length fits the model's context (prompts are never truncated)."""
-    import datasets
-    from transformers import AutoConfig
-    model_config = AutoConfig.from_pretrained(policy, trust_remote_code=args.trust_remote_code)
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    vocab, context = getattr(text_config, "vocab_size", None), getattr(text_config, "max_position_embeddings", None)
-    if vocab and len(tokenizer) > vocab:
-        raise ValueError(f"the tokenizer ({tokenizer.name_or_path}) has {len(tokenizer)} tokens but the model "
-                         f"{policy} embeds only {vocab}: ids from {vocab} on would index past its embedding. Fix: "
-                         "the model's own tokenizer (training.tokenizer_name_or_path), or a model resized to it.")
-    if not context:
-        return
-    for index, prompt in enumerate(datasets.load_from_disk(dataset_result["train_path"])["prompt"]):
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                             **(args.chat_template_kwargs or {})) if isinstance(prompt, list) else prompt
-        length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if length + args.max_completion_length > context:
-            raise ValueError(f"data: training prompt {index} ({str(text)[:50]!r}...) is {length} tokens; with "
-                             f"training.max_completion_length={args.max_completion_length} it exceeds the context of "
-                             f"{policy} ({context} tokens, max_position_embeddings). Fix: drop or shorten the long "
-                             "prompts, or a smaller max_completion_length.")
-
-
 def job_recipe(config: RunConfig, model_result: dict, dataset_path: str) -> dict:
-    """The `rloo train` recipe the job runs: `training:` unchanged, plus what the pipeline sets (the resolved model
-    alias, the prepared dataset, output_dir, report_to, its tracking callback)."""
+    """The `rloo train` recipe the job runs: `training:` unchanged, plus what the pipeline sets (the
+    resolved model alias, the prepared dataset, output_dir, report_to, its tracking callback)."""
     recipe = dict(config.training)
-    recipe.update(model_name_or_path=model_result["policy"], dataset_name=dataset_path,
-                  output_dir=stage_path(config, "train", "output"), report_to="none",
-                  callbacks=[*(recipe.get("callbacks") or []), "infra.job_tracking:RunDirTrackingCallback"])
+    recipe.update(
+        model_name_or_path=model_result["policy"], dataset_name=dataset_path,
+        output_dir=stage_path(config, "train", "output"), report_to="none",
+        callbacks=[*(recipe.get("callbacks") or []), "infra.job_tracking:RunDirTrackingCallback"])
     if model_result.get("tokenizer"):
         recipe["tokenizer_name_or_path"] = model_result["tokenizer"]
     return recipe
 
 
 def build_training_args(config: RunConfig, recipe: dict):
-    """(ScriptArguments, RLOOConfig) of the job's recipe, validated here in one process by rloo.cli.parse_recipe
-    (what `rloo train` runs). The batch arithmetic is done for the launch's world size (trainer nodes x processes
-    per node) by scaling the per-device batch sizes."""
+    """(ScriptArguments, RLOOConfig) of the job's recipe, validated here in one process by
+    rloo.cli.parse_recipe (what `rloo train` runs). The batch arithmetic is done for the launch's
+    world size (trainer nodes x processes per node) by scaling the per-device batch sizes."""
     from rloo.cli import parse_recipe, recipe_value
     settings = dict(recipe)
     world = config.launch.nproc_per_node * (config.launch.slurm.trainer_nodes
@@ -252,7 +219,8 @@ def build_training_args(config: RunConfig, recipe: dict):
     for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
         settings[key] = recipe_value(recipe, key) * world
     if config.launch.executor == "slurm" and config.launch.slurm.gpus_per_node:
-        # The cluster's GPUs, not this machine's, decide bf16 and DeepSpeed: check the files, not the hardware.
+        # The cluster's GPUs, not this machine's, decide bf16 and DeepSpeed: check the files, not
+        # the hardware.
         settings["use_cpu"] = True
         deepspeed = settings.pop("deepspeed", None)
         if isinstance(deepspeed, str):
@@ -260,61 +228,77 @@ def build_training_args(config: RunConfig, recipe: dict):
                 raise FileNotFoundError(f"training.deepspeed={deepspeed!r}: no such file.")
             with open(deepspeed) as handle:
                 if "zero_optimization" not in json.load(handle):
-                    raise ValueError(f"training.deepspeed={deepspeed!r} has no zero_optimization section.")
+                    raise ValueError(
+                        f"training.deepspeed={deepspeed!r} has no zero_optimization section.")
     script_args, args = parse_recipe(settings)
     if args.deepspeed:
-        # RLOOConfig switched transformers' process-wide ZeRO-3 flag on; models this (orchestration) process
-        # loads later must not be built under zero.Init.
+        # RLOOConfig switched transformers' process-wide ZeRO-3 flag on; models this (orchestration)
+        # process loads later must not be built under zero.Init.
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
         unset_hf_deepspeed_config()
     return script_args, args
 
 
 def validate_recipe(config: RunConfig):
-    """The job's recipe checked before any stage runs (`rloo-pipeline validate`, and the flow's first step): the
-    model alias left unresolved (nothing converted or built), data.source standing in for the prepared split."""
+    """The job's recipe checked before any stage runs (`rloo-pipeline validate`, and the flow's
+    first step): the model alias left unresolved (nothing converted or built), data.source standing
+    in for the prepared split."""
     model = {"policy": config.training["model_name_or_path"], "tokenizer": None}
     return build_training_args(config, job_recipe(config, model, config.data.source))
 
 
 def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
-    """Everything about the model that can fail, checked before training: paths, tokenizer, chat template,
-    LoRA targets, quantization support, the training arguments, the reward imports."""
+    """Everything about the model that can fail, checked before training: paths, tokenizer, chat
+    template, LoRA targets, quantization support, the training arguments, the reward imports."""
     from transformers.utils import logging as transformers_logging
 
     from rloo.cli import resolve_reward
-    from rloo.models import check_quantization_supported, load_tokenizer, prepare_tokenizer
+    from rloo.adapters import check_quantization_supported
+    from rloo.models import load_tokenizer, prepare_tokenizer
     transformers_logging.disable_progress_bar()  # building the 'tiny' alias: no bar per weight file
     record_execution(config, "model")
     policy, tokenizer_source = resolve_model_source(config)
-    script, args = build_training_args(config, job_recipe(config, {"policy": policy, "tokenizer": tokenizer_source},
-                                                          dataset_result["train_path"]))
+    script, args = build_training_args(
+        config,
+        job_recipe(config, {"policy": policy, "tokenizer": tokenizer_source},
+                   dataset_result["train_path"]))
     check_enough_prompts(config, args, dataset_result["num_train"])
     if script.load_in_4bit:
         check_quantization_supported(type("Q", (), {"quant_method": "bitsandbytes"})())
     rewards = [resolve_reward(entry) for entry in script.reward_funcs]
-    tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_source or policy, args.trust_remote_code))
-    if dataset_result["format"] == "conversational" and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the dataset's prompts are conversational but the tokenizer of {policy!r} has no chat "
-                         "template. Fix: use an instruct model, set training.tokenizer_name_or_path to one with a "
-                         "template, or give plain-text prompts.")
+    tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_source or policy,
+                                                 args.trust_remote_code))
+    if dataset_result["format"] == "conversational" and not getattr(tokenizer, "chat_template",
+                                                                    None):
+        raise ValueError(
+            f"the dataset's prompts are conversational but the tokenizer of {policy!r} has no chat "
+            "template. Fix: use an instruct model, set training.tokenizer_name_or_path to one "
+            "with a template, or give plain-text prompts.")
     check_tokenizer_fits(policy, tokenizer, args, dataset_result)
     targets = (script.lora_target_modules or "all-linear") if script.use_peft else "all-linear"
     num_parameters = check_lora_targets(policy, targets, args.trust_remote_code)
-    peft = {"enabled": script.use_peft, "r": script.lora_r, "alpha": script.lora_alpha,
-            "dropout": script.lora_dropout, "target_modules": targets, "load_in_4bit": script.load_in_4bit}
-    result = {"policy": policy, "tokenizer": tokenizer_source, "num_parameters": num_parameters, "peft": peft,
-              "reward_names": [getattr(r, "__name__", str(r)) for r in rewards]}
+    peft = {
+        "enabled": script.use_peft, "r": script.lora_r, "alpha": script.lora_alpha,
+        "dropout": script.lora_dropout, "target_modules": targets,
+        "load_in_4bit": script.load_in_4bit
+    }
+    result = {
+        "policy": policy, "tokenizer": tokenizer_source, "num_parameters": num_parameters,
+        "peft": peft, "reward_names": [getattr(r, "__name__", str(r)) for r in rewards]
+    }
     return save_stage_result(config, "model", result)
 
 
-# ---------------------------------------------------------------------------------------------- train
+# ----------------------------------------------------------------------------------------------
+# train
 def train_dir(config: RunConfig) -> str:
     return stage_path(config, "train")
 
 
-def write_train_recipe(config: RunConfig, dataset_result: dict, model_result: dict, resume: bool) -> str:
-    """train/recipe.yaml: the job's `rloo train` recipe (job_recipe), resuming from the latest checkpoint if asked."""
+def write_train_recipe(config: RunConfig, dataset_result: dict, model_result: dict,
+                       resume: bool) -> str:
+    """train/recipe.yaml: the job's `rloo train` recipe (job_recipe), resuming from the latest
+    checkpoint if asked."""
     import yaml
     recipe = job_recipe(config, model_result, dataset_result["train_path"])
     if resume:
@@ -328,9 +312,10 @@ def write_train_recipe(config: RunConfig, dataset_result: dict, model_result: di
 
 def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_result: dict,
                                mlflow_run_id: str | None) -> dict:
-    """A job of an earlier attempt that is still running, or that trained to max_steps while nobody followed it
-    (its orchestrator lost: the Prefect API away, the process killed), is reattached; otherwise a job is
-    submitted, resuming from the newest checkpoint when there is one. Returns the job record (train/job.json)."""
+    """A job of an earlier attempt that is still running, or that trained to max_steps while nobody
+    followed it (its orchestrator lost: the Prefect API away, the process killed), is reattached;
+    otherwise a job is submitted, resuming from the newest checkpoint when there is one. Returns the
+    job record (train/job.json)."""
     from infra.launch import JobHandle, TrainJob, job_state, submit_local
     from infra.job_tracking import tracking_environment
     job_file = stage_path(config, "train", "job.json")
@@ -354,11 +339,14 @@ def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_re
         settings = config.launch.slurm
         job = MultiNodeJob(recipe, settings.model_dump(), config.launch.nproc_per_node, env,
                            stage_path(config, "train"), workdir, model_result["policy"])
-        handle = submit_slurm(job, stage_path(config, "train", "submitit"),
-                              executor_parameters(settings, config.launch.timeout_min, config.run_key))
+        handle = submit_slurm(
+            job, stage_path(config, "train", "submitit"),
+            executor_parameters(settings, config.launch.timeout_min, config.run_key))
     else:
-        job = TrainJob(recipe, config.launch.nproc_per_node, env, stage_path(config, "train", "job.log"), workdir)
-        handle = submit_local(job, stage_path(config, "train", "submitit"), config.launch.timeout_min)
+        job = TrainJob(recipe, config.launch.nproc_per_node, env,
+                       stage_path(config, "train", "job.log"), workdir)
+        handle = submit_local(job, stage_path(config, "train", "submitit"),
+                              config.launch.timeout_min)
     record = {"handle": handle.to_dict(), "mlflow_run_id": run_id, "resumed_from": checkpoint,
               "attempt": (previous or {}).get("attempt", 0) + 1, "reattached": False}
     write_json(job_file, record)
@@ -366,8 +354,8 @@ def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_re
 
 
 def training_progress(config: RunConfig) -> tuple[int, int | None, float | None, str | None]:
-    """(last logged optimizer step, max_steps, that step's mean reward, its step-time breakdown as text) from the
-    job's metrics file."""
+    """(last logged optimizer step, max_steps, that step's mean reward, its step-time breakdown as
+    text) from the job's metrics file."""
     from infra.job_tracking import read_metrics
     from rloo.timing import timing_summary
     step, reward, timing = 0, None, None
@@ -381,7 +369,8 @@ def training_progress(config: RunConfig) -> tuple[int, int | None, float | None,
 
 
 async def follow_training(config: RunConfig, record: dict, on_progress=None) -> dict:
-    """Poll the job (asyncio.sleep between polls, so the orchestrator stays responsive and cancellable)."""
+    """Poll the job (asyncio.sleep between polls, so the orchestrator stays responsive and
+    cancellable)."""
     import asyncio
 
     from infra.launch import JobHandle, TrainingFailed, job_state
@@ -401,12 +390,16 @@ async def follow_training(config: RunConfig, record: dict, on_progress=None) -> 
         if time.time() > deadline:
             from infra.launch import cancel
             cancel(handle)
-            raise TrainingFailed(f"training job {handle.job_id} exceeded launch.timeout_min="
-                                 f"{config.launch.timeout_min}; cancelled. It can be resumed from its last "
-                                 "checkpoint by retrying.")
+            raise TrainingFailed(
+                f"training job {handle.job_id} exceeded "
+                f"launch.timeout_min={config.launch.timeout_min}; cancelled. It can be resumed "
+                "from its last checkpoint by retrying.")
         await asyncio.sleep(config.launch.poll_seconds)
     output_dir = stage_path(config, "train", "output")
-    result = {"output_dir": output_dir, "global_step": progress[0], "mlflow_run_id": record.get("mlflow_run_id"),
-              "metrics_path": stage_path(config, "train", "metrics.jsonl"), "job_id": handle.job_id,
-              "attempt": record.get("attempt", 1), "resumed_from": record.get("resumed_from")}
+    result = {
+        "output_dir": output_dir, "global_step": progress[0],
+        "mlflow_run_id": record.get("mlflow_run_id"),
+        "metrics_path": stage_path(config, "train", "metrics.jsonl"), "job_id": handle.job_id,
+        "attempt": record.get("attempt", 1), "resumed_from": record.get("resumed_from")
+    }
     return save_stage_result(config, "train", result)

@@ -1,7 +1,8 @@
-"""Every MLflow call of the pipeline's own process: runs (one parent per pipeline run, one nested run per stage,
-opened and closed FINISHED / FAILED by `stage_run`), what each stage logs (`tracked_stage` with the stage's record),
-params without secrets, dataset inputs, artifacts, the comparison query, the model registry. The training job's
-side (its callback and the queue of what MLflow refused) is infra.job_tracking."""
+"""Every MLflow call of the pipeline's own process: runs (one parent per pipeline run, one nested
+run per stage, opened and closed FINISHED / FAILED by `stage_run`), what each stage logs
+(`tracked_stage` with the stage's record), params without secrets, dataset inputs, artifacts, the
+comparison query, the model registry. The training job's side (its callback and the queue of what
+MLflow refused) is infra.job_tracking."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def client(tracking_uri: str):
 
 
 def log_to(handler) -> None:
-    """MLflow's loggers (which do not propagate) write to `handler` only: their notices stay off the console."""
+    """MLflow's loggers (which do not propagate) write to `handler` only: their notices stay off the
+    console."""
     import logging
 
     import mlflow  # noqa: F401 (configures its loggers on import; replaced here)
@@ -45,9 +47,10 @@ def check_reachable(tracking_uri: str) -> None:
     try:
         client(tracking_uri).search_experiments(max_results=1)
     except Exception as err:
-        raise TrackingUnavailable(f"MLflow at {tracking_uri} is not reachable ({type(err).__name__}: "
-                                  f"{str(err)[:200]}). Fix: start it (rloo-pipeline ui starts one on 127.0.0.1) or "
-                                  "set tracking.tracking_uri.") from None
+        raise TrackingUnavailable(
+            f"MLflow at {tracking_uri} is not reachable ({type(err).__name__}: {str(err)[:200]}). "
+            "Fix: start it (rloo-pipeline ui starts one on 127.0.0.1) or set "
+            "tracking.tracking_uri.") from None
     finally:
         for name, value in saved.items():
             if value is None:
@@ -57,8 +60,8 @@ def check_reachable(tracking_uri: str) -> None:
 
 
 def artifact_location(tracking_uri: str) -> str | None:
-    """A local SQLite store keeps its artifacts beside the database (MLflow's default is ./mlruns in the current
-    directory, i.e. wherever the command was started); a server decides for itself."""
+    """A local SQLite store keeps its artifacts beside the database (MLflow's default is ./mlruns in
+    the current directory, i.e. wherever the command was started); a server decides for itself."""
     if tracking_uri.startswith("sqlite:///"):
         database = tracking_uri[len("sqlite:///"):]
         return "file://" + os.path.join(os.path.dirname(os.path.abspath(database)), "mlartifacts")
@@ -66,8 +69,9 @@ def artifact_location(tracking_uri: str) -> str | None:
 
 
 def experiment_id(tracking_uri: str, name: str) -> str:
-    """The experiment's id, made if there is none. Runs started at once (several Run clicks on a fresh store) can
-    all find none and all make it: the ones whose making is refused take the one that won."""
+    """The experiment's id, made if there is none. Runs started at once (several Run clicks on a
+    fresh store) can all find none and all make it: the ones whose making is refused take the one
+    that won."""
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
     mlflow_client = client(tracking_uri)
@@ -75,7 +79,8 @@ def experiment_id(tracking_uri: str, name: str) -> str:
     if experiment:
         return experiment.experiment_id
     try:
-        return mlflow_client.create_experiment(name, artifact_location=artifact_location(tracking_uri))
+        return mlflow_client.create_experiment(name,
+                                               artifact_location=artifact_location(tracking_uri))
     except MlflowException as error:
         experiment = mlflow_client.get_experiment_by_name(name)
         if error.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS) or experiment is None:
@@ -105,7 +110,8 @@ def start_run(tracking_uri: str, experiment: str, run_name: str, tags: dict[str,
     all_tags = dict(tags)
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
-    run = mlflow_client.create_run(experiment_id(tracking_uri, experiment), run_name=run_name, tags=all_tags)
+    run = mlflow_client.create_run(experiment_id(tracking_uri, experiment), run_name=run_name,
+                                   tags=all_tags)
     return run.info.run_id
 
 
@@ -118,13 +124,17 @@ def log_params(tracking_uri: str, run_id: str, params: dict) -> None:
 
 
 def numeric_metrics(logs: dict) -> dict[str, float]:
-    return {key: float(value) for key, value in logs.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))}
+    return {
+        key: float(value)
+        for key, value in logs.items() if isinstance(value, (int, float)) and
+        not isinstance(value, bool) and math.isfinite(float(value))
+    }
 
 
 def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int,
                 timestamp_ms: int | None = None) -> None:
-    """A given timestamp makes a retry idempotent: MLflow keeps one row per (key, timestamp, step, value)."""
+    """A given timestamp makes a retry idempotent: MLflow keeps one row per (key, timestamp, step,
+    value)."""
     from mlflow.entities import Metric
     now = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
     items = [Metric(key, value, now, step) for key, value in metrics.items()]
@@ -133,20 +143,23 @@ def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step:
         mlflow_client.log_batch(run_id, metrics=items[start:start + 200], synchronous=True)
 
 
-def log_dataset(tracking_uri: str, run_id: str, dataset_path: str, name: str, digest: str, context: str) -> None:
+def log_dataset(tracking_uri: str, run_id: str, dataset_path: str, name: str, digest: str,
+                context: str) -> None:
     import mlflow
     from datasets import load_from_disk
-    dataset = mlflow.data.from_huggingface(load_from_disk(dataset_path), path=dataset_path, name=name, digest=digest)
+    dataset = mlflow.data.from_huggingface(load_from_disk(dataset_path), path=dataset_path,
+                                           name=name, digest=digest)
     client(tracking_uri).log_inputs(run_id, datasets=[_dataset_input(dataset, context)])
 
 
 def _dataset_input(dataset, context: str):
     from mlflow.entities import DatasetInput, InputTag
-    return DatasetInput(dataset=dataset._to_mlflow_entity(), tags=[InputTag(key="mlflow.data.context",
-                                                                           value=context)])
+    return DatasetInput(dataset=dataset._to_mlflow_entity(),
+                        tags=[InputTag(key="mlflow.data.context", value=context)])
 
 
-# ---------------------------------------------------------------------------------------------- pipeline runs
+# ----------------------------------------------------------------------------------------------
+# pipeline runs
 @dataclasses.dataclass
 class StageRecord:
     """What a stage's nested run gets from the stage's result."""
@@ -155,20 +168,24 @@ class StageRecord:
     step: int = 0
     artifacts: list = dataclasses.field(default_factory=list)  # (local path, artifact folder)
     datasets: list = dataclasses.field(default_factory=list)  # (path, name, digest, context)
-    metrics_on_parent: bool = False  # also on the pipeline's run (what `compare` and the run list show)
+    # also on the pipeline's run (what `compare` and the run list show)
+    metrics_on_parent: bool = False
 
 
 @contextlib.contextmanager
-def stage_run(config, parent_run_id: str | None, stage: str, run_id: str | None = None, params: dict | None = None):
-    """A nested MLflow run for one stage (or the existing `run_id`, when a retried stage reattaches), ended
-    FINISHED or FAILED; yields its id, or None when the pipeline has no parent run."""
+def stage_run(config, parent_run_id: str | None, stage: str, run_id: str | None = None,
+              params: dict | None = None):
+    """A nested MLflow run for one stage (or the existing `run_id`, when a retried stage
+    reattaches), ended FINISHED or FAILED; yields its id, or None when the pipeline has no parent
+    run."""
     uri = config.tracking_uri
     if run_id is None:
         if parent_run_id is None:
             yield None
             return
         run_id = start_run(uri, config.tracking.experiment, f"{config.run_key}/{stage}",
-                           {"rloo.stage": stage, "rloo.run_key": config.run_key}, parent_run_id=parent_run_id)
+                           {"rloo.stage": stage, "rloo.run_key": config.run_key},
+                           parent_run_id=parent_run_id)
         if params:
             log_params(uri, run_id, params)
     try:
@@ -202,15 +219,19 @@ def log_record(uri: str, run_id: str, record: StageRecord, parent_run_id: str | 
 
 
 def dataset_record(config, result: dict) -> StageRecord:
-    return StageRecord(params={"source": result["source"], "format": result["format"], "digest": result["digest"]},
-                       metrics={"num_train": result["num_train"], "num_eval": result["num_eval"]},
-                       datasets=[(result[f"{split}_path"], f"{config.name}-{split}", result["digest"],
-                                  "training" if split == "train" else "evaluation") for split in ("train", "eval")])
+    return StageRecord(
+        params={"source": result["source"], "format": result["format"], "digest": result["digest"]},
+        metrics={"num_train": result["num_train"], "num_eval": result["num_eval"]},
+        datasets=[(result[f"{split}_path"], f"{config.name}-{split}", result["digest"],
+                   "training" if split == "train" else "evaluation")
+                  for split in ("train", "eval")])
 
 
 def model_record(result: dict) -> StageRecord:
-    return StageRecord(params={"policy": result["policy"], "num_parameters": result["num_parameters"],
-                               "peft": result["peft"]})
+    return StageRecord(params={
+        "policy": result["policy"], "num_parameters": result["num_parameters"],
+        "peft": result["peft"]
+    })
 
 
 def evaluation_record(result: dict, step: int) -> StageRecord:
@@ -218,21 +239,27 @@ def evaluation_record(result: dict, step: int) -> StageRecord:
                for key, value in result[label].items() if value is not None}
     if result["reward_gain"] is not None:
         metrics["reward_gain"] = result["reward_gain"]
-    for name, found in result.get("extra_sets", {}).items():  # evaluation.extra_sets, beside the held-out set's
-        metrics.update({f"{name}_{label}_{key}".replace("/", "_"): value for label in ("base", "trained")
-                        for key, value in found[label].items() if value is not None})
+    # evaluation.extra_sets, beside the held-out set's
+    for name, found in result.get("extra_sets", {}).items():
+        metrics.update({
+            f"{name}_{label}_{key}".replace("/", "_"): value
+            for label in ("base", "trained")
+            for key, value in found[label].items() if value is not None
+        })
     plots = [result.get("plot_path"), result.get("timing_plot_path")]
-    artifacts = [(result["report_path"], "evaluation")] + [(plot, "evaluation") for plot in plots if plot]
+    artifacts = [(result["report_path"], "evaluation")] + [(plot, "evaluation")
+                                                           for plot in plots if plot]
     return StageRecord(metrics=metrics, step=step, artifacts=artifacts, metrics_on_parent=True)
 
 
 @contextlib.contextmanager
 def pipeline_run(config, params: dict, tags: dict[str, str]):
-    """The pipeline's parent run (params = the resolved config, secrets dropped), ended FINISHED or FAILED;
-    yields (run id, experiment id)."""
+    """The pipeline's parent run (params = the resolved config, secrets dropped), ended FINISHED or
+    FAILED; yields (run id, experiment id)."""
     uri = config.tracking_uri
-    run_id = start_run(uri, config.tracking.experiment, config.run_key,
-                       {"rloo.run_key": config.run_key, "rloo.fingerprint": config.fingerprint(), **tags})
+    run_id = start_run(
+        uri, config.tracking.experiment, config.run_key,
+        {"rloo.run_key": config.run_key, "rloo.fingerprint": config.fingerprint(), **tags})
     log_params(uri, run_id, params)
     try:
         yield run_id, experiment_id(uri, config.tracking.experiment)
@@ -243,12 +270,14 @@ def pipeline_run(config, params: dict, tags: dict[str, str]):
 
 
 def pipeline_runs(tracking_uri: str, experiment: str, run_key: str) -> dict:
-    """The latest MLflow runs of a pipeline run: {"pipeline": parent, "<stage>": nested run} ({} when none)."""
+    """The latest MLflow runs of a pipeline run: {"pipeline": parent, "<stage>": nested run} ({}
+    when none)."""
     mlflow_client = client(tracking_uri)
     found = mlflow_client.get_experiment_by_name(experiment)
     if found is None:
         return {}
-    runs = mlflow_client.search_runs([found.experiment_id], filter_string=f"tags.`rloo.run_key` = '{run_key}'",
+    runs = mlflow_client.search_runs([found.experiment_id],
+                                     filter_string=f"tags.`rloo.run_key` = '{run_key}'",
                                      order_by=["attributes.start_time ASC"])
     latest = {}
     for run in runs:  # later runs (a retried stage, a resumed pipeline) win
@@ -261,9 +290,10 @@ def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, 
 
 
 def ui_base(tracking_uri: str) -> str:
-    """The MLflow UI of a tracking URI: the server itself, or `rloo-pipeline ui`'s (RLOO_MLFLOW_UI) for a file store."""
-    return (tracking_uri if tracking_uri.startswith("http") else os.environ.get("RLOO_MLFLOW_UI",
-                                                                                "http://127.0.0.1:5000")).rstrip("/")
+    """The MLflow UI of a tracking URI: the server itself, or `rloo-pipeline ui`'s (RLOO_MLFLOW_UI)
+    for a file store."""
+    return (tracking_uri if tracking_uri.startswith("http") else os.environ.get(
+        "RLOO_MLFLOW_UI", "http://127.0.0.1:5000")).rstrip("/")
 
 
 def run_link(tracking_uri: str, experiment: str, run_id: str) -> str:
@@ -277,8 +307,10 @@ def compare_link(tracking_uri: str, experiments: list[str], run_ids: list[str]) 
             f"&experiments={quote(json.dumps(sorted(set(experiments))))}")
 
 
-def log_comparison(tracking_uri: str, experiment: str, run_keys: list[str], files: list[str]) -> str:
-    """A run of its own (tag rloo.comparison) holding what `rloo-pipeline compare` drew; returns its id."""
+def log_comparison(tracking_uri: str, experiment: str, run_keys: list[str],
+                   files: list[str]) -> str:
+    """A run of its own (tag rloo.comparison) holding what `rloo-pipeline compare` drew; returns its
+    id."""
     run_id = start_run(tracking_uri, experiment, "compare: " + " vs ".join(run_keys),
                        {"rloo.comparison": "true", "rloo.compared": ",".join(run_keys)})
     for path in files:
@@ -287,11 +319,13 @@ def log_comparison(tracking_uri: str, experiment: str, run_keys: list[str], file
     return run_id
 
 
-# ---------------------------------------------------------------------------------------------- model registry
+# ----------------------------------------------------------------------------------------------
+# model registry
 def register_version(uri: str, experiment: str, model_name: str, run_id: str, tags: dict[str, str],
                      description: str) -> str:
-    """A new version of `model_name` (created when missing) for a policy whose weights stay where they are: an
-    external LoggedModel of the run (tags name the path) registered as the version's source. Returns the version."""
+    """A new version of `model_name` (created when missing) for a policy whose weights stay where
+    they are: an external LoggedModel of the run (tags name the path) registered as the version's
+    source. Returns the version."""
     import mlflow
     from mlflow.exceptions import MlflowException
     mlflow_client = client(uri)
@@ -301,23 +335,32 @@ def register_version(uri: str, experiment: str, model_name: str, run_id: str, ta
         if err.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
         mlflow_client.create_registered_model(model_name, description=description)
-    with _fluent_uri(uri):  # the registry resolves `models:/<id>` through the current tracking store
+    # the registry resolves `models:/<id>` through the current tracking store
+    with _fluent_uri(uri):
         logged = mlflow.create_external_model(name=model_name, source_run_id=run_id, tags=tags,
-                                              model_type="rloo-policy", experiment_id=experiment_id(uri, experiment))
-        version = mlflow_client.create_model_version(model_name, source=f"models:/{logged.model_id}", run_id=run_id,
-                                                     tags=tags, description=description, model_id=logged.model_id)
+                                              model_type="rloo-policy",
+                                              experiment_id=experiment_id(uri, experiment))
+        version = mlflow_client.create_model_version(model_name,
+                                                     source=f"models:/{logged.model_id}",
+                                                     run_id=run_id, tags=tags,
+                                                     description=description,
+                                                     model_id=logged.model_id)
     return str(version.version)
 
 
 @contextlib.contextmanager
 def _fluent_uri(uri: str):
-    """mlflow's process-wide tracking and registry URIs pointed at `uri` for a moment, then put back as they were
-    (set_tracking_uri also exports MLFLOW_TRACKING_URI, which every later subprocess would inherit)."""
+    """mlflow's process-wide tracking and registry URIs pointed at `uri` for a moment, then put back
+    as they were (set_tracking_uri also exports MLFLOW_TRACKING_URI, which every later subprocess
+    would inherit)."""
     import mlflow
     from mlflow.tracking._model_registry import utils as registry_utils
     from mlflow.tracking._tracking_service import utils as tracking_utils
     saved = tracking_utils._tracking_uri, registry_utils._registry_uri
-    environment = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    environment = {
+        name: os.environ.get(name)
+        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+    }
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     try:

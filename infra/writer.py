@@ -1,7 +1,8 @@
-"""One writer per run directory: the pipeline holds an exclusive flock on `<run_dir>/.writer.lock` for as long as its
-flow runs (the kernel releases it when the process ends, however it ends); `writer.json` beside it says who holds
-it, so a second run of the same config (same fingerprint, same directory) refuses naming the first, or waits for it.
-A training job left running by a writer that died is reattached by the next one (infra.stages)."""
+"""One writer per run directory: the pipeline holds an exclusive flock on `<run_dir>/.writer.lock`
+for as long as its flow runs (the kernel releases it when the process ends, however it ends);
+`writer.json` beside it says who holds it, so a second run of the same config (same fingerprint,
+same directory) refuses naming the first, or waits for it. A training job left running by a writer
+that died is reattached by the next one (infra.stages)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ def holder(run_dir: str) -> str:
     except (OSError, ValueError):
         return "another process"
     flow_run = f", Prefect flow run {who['flow_run']}" if who.get("flow_run") else ""
-    return f"process {who['pid']} on {who['host']} (since {who['since']}{flow_run}: {who['command']})"
+    return (f"process {who['pid']} on {who['host']} (since {who['since']}{flow_run}: "
+            f"{who['command']})")
 
 
 def _lock(handle, run_dir: str, if_running: str, poll_s: float) -> None:
-    """Take the lock on the open lock file: RunDirBusy naming the holder ('refuse'), or poll until free ('wait')."""
+    """Take the lock on the open lock file: RunDirBusy naming the holder ('refuse'), or poll until
+    free ('wait')."""
     if if_running not in IF_RUNNING:
         raise ValueError(f"if_running={if_running!r}: use 'refuse' or 'wait'.")
     waiting_said = False
@@ -44,9 +47,10 @@ def _lock(handle, run_dir: str, if_running: str, poll_s: float) -> None:
         except BlockingIOError:
             pass
         if if_running == "refuse":
-            raise RunDirBusy(f"{run_dir} is being written by {holder(run_dir)}: a second run of the same config "
-                             "would write the same checkpoints. Fix: wait for it to finish (rloo-pipeline status "
-                             "shows its stages), stop it, or start this one with --if-running wait.")
+            raise RunDirBusy(
+                f"{run_dir} is being written by {holder(run_dir)}: a second run of the same config "
+                "would write the same checkpoints. Fix: wait for it to finish (rloo-pipeline "
+                "status shows its stages), stop it, or start this one with --if-running wait.")
         if not waiting_said:
             print(f"[pipeline] waiting for {holder(run_dir)} to finish with {run_dir}", flush=True)
             waiting_said = True
@@ -54,21 +58,26 @@ def _lock(handle, run_dir: str, if_running: str, poll_s: float) -> None:
 
 
 def wait_until_free(run_dir: str, if_running: str = "refuse", poll_s: float = 2.0) -> None:
-    """What the CLI checks before Prefect starts: nobody holds the run directory (refuse or wait); nothing is kept
-    or created (the flow takes the lock itself)."""
+    """What the CLI checks before Prefect starts: nobody holds the run directory (refuse or wait);
+    nothing is kept or created (the flow takes the lock itself)."""
     if os.path.exists(os.path.join(run_dir, LOCK)):
         with open(os.path.join(run_dir, LOCK), "a+") as handle:
             _lock(handle, run_dir, if_running, poll_s)
 
 
 @contextlib.contextmanager
-def sole_writer(run_dir: str, if_running: str = "refuse", flow_run: str | None = None, poll_s: float = 2.0):
-    """Hold the run directory's lock inside the block; writer.json says who holds it while it is held."""
+def sole_writer(run_dir: str, if_running: str = "refuse", flow_run: str | None = None,
+                poll_s: float = 2.0):
+    """Hold the run directory's lock inside the block; writer.json says who holds it while it is
+    held."""
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, LOCK), "a+") as handle:
         _lock(handle, run_dir, if_running, poll_s)
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "flow_run": flow_run, "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:200]}
+        info = {
+            "pid": os.getpid(), "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S"), "flow_run": flow_run,
+            "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:200]
+        }
         with open(os.path.join(run_dir, HOLDER + ".tmp"), "w") as out:
             json.dump(info, out)
         os.replace(os.path.join(run_dir, HOLDER + ".tmp"), os.path.join(run_dir, HOLDER))

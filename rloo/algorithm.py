@@ -31,7 +31,9 @@ def combine_rewards(
     `reward_clip_range=(lo, hi)` clamps scorable rows; NaN stays NaN.
     """
     if rewards_per_func.dim() != 2:
-        raise ValueError(f"rewards_per_func must be (rows, functions), got shape {tuple(rewards_per_func.shape)}")
+        raise ValueError(
+            f"rewards_per_func must be (rows, functions), got shape {tuple(rewards_per_func.shape)}"
+        )
     weights = reward_weights.to(rewards_per_func)
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
     rewards = torch.nansum(rewards_per_func * weights.unsqueeze(0), dim=1)
@@ -44,7 +46,8 @@ def combine_rewards(
 
 def sequence_kl(old_per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor,
                 completion_mask: torch.Tensor) -> torch.Tensor:
-    """KL_i = sum_t mask[i,t] (log pi_old[i,t] - log pi_ref[i,t])  (k1 estimator), without gradient."""
+    """KL_i = sum_t mask[i,t] (log pi_old[i,t] - log pi_ref[i,t])  (k1 estimator), without
+    gradient."""
     with torch.no_grad():
         per_token = (old_per_token_logps - ref_per_token_logps) * completion_mask
         return per_token.sum(dim=1).detach()
@@ -65,7 +68,10 @@ def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int) -> tor
     members, get NaN here (turned into 0 by `finalize_advantages`).
     """
     if rewards.numel() % num_generations != 0:
-        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of num_generations={num_generations}")
+        raise ValueError(
+            f"{rewards.numel()} rewards cannot be split into groups of "
+            f"num_generations={num_generations}"
+        )
     if num_generations == 1:
         return torch.where(torch.isnan(rewards), rewards, torch.zeros_like(rewards))
     grouped = rewards.view(-1, num_generations)
@@ -125,11 +131,13 @@ def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor,
     return ~ends_properly
 
 
-def completion_mask_after_eos(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+def completion_mask_after_eos(completion_ids: torch.Tensor,
+                              eos_token_ids: list[int]) -> torch.Tensor:
     """mask[i,t] = 1 for t <= first EOS position of row i (EOS included), all ones if no EOS."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
     length = completion_ids.size(1)
-    first_eos = torch.full((completion_ids.size(0),), length, dtype=torch.long, device=completion_ids.device)
+    first_eos = torch.full((completion_ids.size(0), ), length, dtype=torch.long,
+                           device=completion_ids.device)
     has_eos = is_eos.any(dim=1)
     first_eos[has_eos] = is_eos.int().argmax(dim=1)[has_eos]
     positions = torch.arange(length, device=completion_ids.device).unsqueeze(0)
@@ -146,9 +154,9 @@ def clipped_surrogate_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """loss = -(1/B) sum_i min(rho_i A_i, clip(rho_i, 1-eps_low, 1+eps_high) A_i).
 
-    rho_i = exp(sum_t mask log pi_theta - old_logps_i): ONE ratio per sequence. Rows with an all-zero
-    mask (masked truncated completions) have log pi = old = 0, rho = 1 constant: no gradient.
-    Returns the loss and per-sequence clip indicators (low, high, region) for the metrics.
+    rho_i = exp(sum_t mask log pi_theta - old_logps_i): ONE ratio per sequence. Rows with an
+    all-zero mask (masked truncated completions) have log pi = old = 0, rho = 1 constant: no
+    gradient. Returns the loss and per-sequence clip indicators (low, high, region) for the metrics.
     """
     logps = (per_token_logps * completion_mask).sum(dim=1)
     ratio = torch.exp(logps - old_logps)
@@ -175,7 +183,8 @@ def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
         dim = 0
     valid = ~torch.isnan(values)
     count = valid.sum(dim=dim).to(values.dtype)
-    mean = torch.nansum(values, dim=dim, keepdim=True) / valid.sum(dim=dim, keepdim=True).clamp(min=1)
+    mean = torch.nansum(values, dim=dim, keepdim=True) / valid.sum(dim=dim,
+                                                                   keepdim=True).clamp(min=1)
     squared = torch.where(valid, (values - mean) ** 2, torch.zeros_like(values))
     variance = squared.sum(dim=dim) / (count - 1)
     return torch.where(count > 1, variance.sqrt(), torch.full_like(variance, float("nan")))

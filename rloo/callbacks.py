@@ -1,9 +1,10 @@
-"""Trainer callbacks: TR-DPO reference-model synchronisation, checkpoint-and-stop on preemption, completion tables
-to MLflow.
+"""Trainer callbacks: TR-DPO reference-model synchronisation, checkpoint-and-stop on preemption,
+completion tables to MLflow.
 
-`MLflowCompletionsCallback` is the one place in `rloo/` that imports mlflow, lazily inside the callback: it serves
-users of the bare trainer with `report_to="mlflow"` (transformers' own MLflow callback owns the run; this adds the
-completion tables to it). The pipeline does not use it: it passes its own `on_completions` callback."""
+`MLflowCompletionsCallback` is the one place in `rloo/` that imports mlflow, lazily inside the
+callback: it serves users of the bare trainer with `report_to="mlflow"` (transformers' own MLflow
+callback owns the run; this adds the completion tables to it). The pipeline does not use it: it
+passes its own `on_completions` callback."""
 
 from __future__ import annotations
 
@@ -27,13 +28,16 @@ def mix_into_reference(reference: nn.Module, policy: nn.Module, alpha: float) ->
     policy_params = dict(policy.named_parameters())
     for name, ref_param in reference.named_parameters():
         if name not in policy_params:
-            raise ValueError(f"reference parameter {name!r} has no counterpart in the policy: the two models "
-                             "must have the same architecture.")
-        ref_param.mul_(1.0 - alpha).add_(policy_params[name].detach().to(ref_param.dtype), alpha=alpha)
+            raise ValueError(
+                f"reference parameter {name!r} has no counterpart in the policy: the two models "
+                "must have the same architecture.")
+        ref_param.mul_(1.0 - alpha).add_(policy_params[name].detach().to(ref_param.dtype),
+                                         alpha=alpha)
 
 
 class SyncRefModelCallback(TrainerCallback):
-    """Every `ref_model_sync_steps` optimizer steps, mix the policy into the reference (TR-DPO, Gorbatovski 2024)."""
+    """Every `ref_model_sync_steps` optimizer steps, mix the policy into the reference (TR-DPO,
+    Gorbatovski 2024)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -55,9 +59,10 @@ class SyncRefModelCallback(TrainerCallback):
 
 
 class PreemptionCallback(TrainerCallback):
-    """SLURM sends a pre-termination signal (SIGUSR2 through submitit) before a preemption or the time limit:
-    finish the current optimizer step, save a checkpoint and stop. Ranks agree with an all-reduce at every step
-    end, so they all save the same step even when the signal reaches them at different moments."""
+    """SLURM sends a pre-termination signal (SIGUSR2 through submitit) before a preemption or the
+    time limit: finish the current optimizer step, save a checkpoint and stop. Ranks agree with an
+    all-reduce at every step end, so they all save the same step even when the signal reaches them
+    at different moments."""
 
     def __init__(self, signals=(signal.SIGUSR2,)):
         self.signals = signals
@@ -85,8 +90,9 @@ class PreemptionCallback(TrainerCallback):
 
 
 class MLflowCompletionsCallback(TrainerCallback):
-    """report_to has mlflow: each completion table goes to the active run as `completions/step_<N>.json`
-    (mlflow.log_table). A tracking outage is a warning, never a failed step."""
+    """report_to has mlflow: each completion table goes to the active run as
+    `completions/step_<N>.json` (mlflow.log_table). A tracking outage is a warning, never a failed
+    step."""
 
     def on_completions(self, args, state, control, rows=None, **kwargs):
         if not rows:
@@ -95,8 +101,10 @@ class MLflowCompletionsCallback(TrainerCallback):
             import mlflow  # lazily: rloo/ depends on mlflow only for users who ask for it
             if mlflow.active_run() is None:
                 return
-            columns = {key: [None if isinstance(row[key], float) and math.isnan(row[key]) else row[key]
-                             for row in rows] for key in rows[0]}
-            mlflow.log_table(data=columns, artifact_file=f"completions/step_{state.global_step:07d}.json")
+            def cell(value):
+                return None if isinstance(value, float) and math.isnan(value) else value
+            columns = {key: [cell(row[key]) for row in rows] for key in rows[0]}
+            mlflow.log_table(data=columns,
+                             artifact_file=f"completions/step_{state.global_step:07d}.json")
         except Exception as err:  # ImportError included: report_to already needs mlflow installed
             logger.warning("could not log the completion table to MLflow: %s", err)

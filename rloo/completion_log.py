@@ -1,9 +1,10 @@
-"""Samples of (prompt, completion, rewards, advantage) from the latest generation batch, for people to read.
+"""Samples of (prompt, completion, rewards, advantage) from the latest generation batch, for people
+to read.
 
-The trainer records the gathered rows of every generation; at each log step the main process prints them as a
-rich table in the terminal and hands them to every callback with an `on_completions` method (with `report_to`
-including mlflow, rloo.callbacks.MLflowCompletionsCallback logs them with `mlflow.log_table`; TRL only sends them
-to wandb/trackio)."""
+The trainer records the gathered rows of every generation; at each log step the main process prints
+them as a rich table in the terminal and hands them to every callback with an `on_completions`
+method (with `report_to` including mlflow, rloo.callbacks.MLflowCompletionsCallback logs them with
+`mlflow.log_table`; TRL only sends them to wandb/trackio)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ def as_text(value: Any) -> str:
 
 
 class CompletionLog:
-    """TRL-compatible buffers (`prompt`, `completion`, `rewards[name]`, `advantages`, `extra[column]`) holding the
-    rows of the latest generation batch (deques of length generation_batch_size)."""
+    """TRL-compatible buffers (`prompt`, `completion`, `rewards[name]`, `advantages`,
+    `extra[column]`) holding the rows of the latest generation batch (deques of length
+    generation_batch_size)."""
 
     def __init__(self, maxlen: int):
         self.maxlen = maxlen
@@ -37,8 +39,8 @@ class CompletionLog:
     def __getitem__(self, key: str):  # TRL code reads trainer._logs["extra"] etc.
         return getattr(self, key)
 
-    def record(self, prompts: list, completions: list, rewards: dict[str, list[float]], advantages: list[float],
-               extra: dict[str, list]) -> None:
+    def record(self, prompts: list, completions: list, rewards: dict[str, list[float]],
+               advantages: list[float], extra: dict[str, list]) -> None:
         self.prompt.extend(as_text(p) for p in prompts)
         self.completion.extend(as_text(c) for c in completions)
         for name, values in rewards.items():
@@ -48,16 +50,21 @@ class CompletionLog:
             self.extra.setdefault(column, deque(maxlen=self.maxlen)).extend(values)
 
     def record_rollout(self, rollout, reward_names: list[str], gather_object=None) -> None:
-        """A generation batch (rloo.rollout.Rollout): every process's rows (gather_object across processes, None
-        for one), with each reward function's values, the advantages and the log_extra columns."""
+        """A generation batch (rloo.rollout.Rollout): every process's rows (gather_object across
+        processes, None for one), with each reward function's values, the advantages and the
+        log_extra columns."""
         prompts, texts = list(rollout.prompts), list(rollout.completion_texts)
         per_rank = [(len(rollout), rollout.extra_columns)]
         if gather_object is not None:
-            prompts, texts, per_rank = gather_object(prompts), gather_object(texts), gather_object(per_rank)
+            prompts, texts = gather_object(prompts), gather_object(texts)
+            per_rank = gather_object(per_rank)
         keys = sorted({key for _, columns in per_rank for key in columns})
-        extra = {key: [value for rows, columns in per_rank for value in (columns.get(key) or [None] * rows)]
-                 for key in keys}
-        rewards = {name: rollout.rewards_per_func[:, index].tolist() for index, name in enumerate(reward_names)}
+        extra = {key: [value for rows, columns in per_rank
+                       for value in (columns.get(key) or [None] * rows)] for key in keys}
+        rewards = {
+            name: rollout.rewards_per_func[:, index].tolist()
+            for index, name in enumerate(reward_names)
+        }
         self.record(prompts, texts, rewards, rollout.all_advantages.tolist(), extra)
 
     def rows(self, step: int, unique_prompts: bool = False) -> list[dict]:
@@ -83,7 +90,8 @@ def _cell(value: Any) -> str:
     return "None" if value is None else str(value)
 
 
-def print_table(rows: list[dict], step: int, num_to_print: int | None, seed: int = 0, console=None) -> None:
+def print_table(rows: list[dict], step: int, num_to_print: int | None, seed: int = 0,
+                console=None) -> None:
     from rich.console import Console
     from rich.table import Table
     if num_to_print is not None and len(rows) > num_to_print:
@@ -93,7 +101,8 @@ def print_table(rows: list[dict], step: int, num_to_print: int | None, seed: int
     table = Table(title=f"Completions at step {step}", show_lines=True)
     for column in rows[0]:
         if column != "step":
-            table.add_column(column, overflow="fold", style="bold cyan" if column == "advantage" else None)
+            table.add_column(column, overflow="fold",
+                             style="bold cyan" if column == "advantage" else None)
     for row in rows:
         table.add_row(*[_cell(value) for key, value in row.items() if key != "step"])
     (console or Console()).print(table)

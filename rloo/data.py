@@ -11,35 +11,43 @@ from datasets import Dataset, IterableDataset
 
 def is_conversational(prompt: Any) -> bool:
     """A conversational prompt is a list of {'role': ..., 'content': ...} messages."""
-    return (isinstance(prompt, list) and len(prompt) > 0 and isinstance(prompt[0], dict) and "role" in prompt[0])
+    return (isinstance(prompt, list) and len(prompt) > 0 and isinstance(prompt[0], dict) and
+            "role" in prompt[0])
 
 
 def check_prompt_dataset(dataset: Any, name: str = "train_dataset") -> None:
-    """A dataset must be a (non-empty) datasets.Dataset / IterableDataset with a usable `prompt` column."""
+    """A dataset must be a (non-empty) datasets.Dataset / IterableDataset with a usable `prompt`
+    column."""
     if dataset is None:
         raise ValueError(f"`{name}` is required: pass a datasets.Dataset with a 'prompt' column.")
     if not isinstance(dataset, (Dataset, IterableDataset)):
-        raise TypeError(f"`{name}` must be a datasets.Dataset or IterableDataset, got {type(dataset).__name__}. "
-                        "Fix: datasets.Dataset.from_list(rows) or from_dict(columns).")
+        raise TypeError(
+            f"`{name}` must be a datasets.Dataset or IterableDataset, got "
+            f"{type(dataset).__name__}. Fix: datasets.Dataset.from_list(rows) or "
+            "from_dict(columns).")
     columns = dataset.column_names
     if columns is not None and "prompt" not in columns:
-        raise ValueError(f"`{name}` has no 'prompt' column (columns: {columns}). Fix: rename the column holding the "
-                         "prompts to 'prompt', e.g. dataset.rename_column('question', 'prompt').")
+        raise ValueError(
+            f"`{name}` has no 'prompt' column (columns: {columns}). Fix: rename the column holding "
+            "the prompts to 'prompt', e.g. dataset.rename_column('question', 'prompt').")
     if isinstance(dataset, Dataset):
         if len(dataset) == 0:
             raise ValueError(f"`{name}` is empty: it needs at least one prompt.")
         first = dataset[0]["prompt"]
         if not (isinstance(first, str) or is_conversational(first)):
-            raise ValueError(f"`{name}` row 0: 'prompt' must be a string or a list of {{'role', 'content'}} messages, "
-                             f"got {type(first).__name__}: {str(first)[:80]!r}.")
+            raise ValueError(
+                f"`{name}` row 0: 'prompt' must be a string or a list of {{'role', 'content'}} "
+                f"messages, got {type(first).__name__}: {str(first)[:80]!r}.")
 
 
-def tokenize_prompts(processing_class: Any, prompts: list, chat_template_kwargs: dict | None) -> list[list[int]]:
-    """Conversational prompts go through the chat template (generation prompt added); standard ones are
-    tokenised as they are (special tokens included, never truncated)."""
+def tokenize_prompts(processing_class: Any, prompts: list,
+                     chat_template_kwargs: dict | None) -> list[list[int]]:
+    """Conversational prompts go through the chat template (generation prompt added); standard ones
+    are tokenised as they are (special tokens included, never truncated)."""
     if is_conversational(prompts[0]):
-        encoded = processing_class.apply_chat_template(
-            prompts, add_generation_prompt=True, tokenize=True, return_dict=True, **(chat_template_kwargs or {}))
+        encoded = processing_class.apply_chat_template(prompts, add_generation_prompt=True,
+                                                       tokenize=True, return_dict=True,
+                                                       **(chat_template_kwargs or {}))
         return [list(ids) for ids in encoded["input_ids"]]
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
@@ -76,8 +84,10 @@ def as_completion(text: str, conversational: bool) -> Any:
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_prompt_dataset(name: str, config: str | None = None, split: str = "train", streaming: bool = False):
-    """A Hub dataset id, a folder written by `save_to_disk`, or a JSON/JSONL/CSV/Parquet file -> one split."""
+def load_prompt_dataset(name: str, config: str | None = None, split: str = "train",
+                        streaming: bool = False):
+    """A Hub dataset id, a folder written by `save_to_disk`, or a JSON/JSONL/CSV/Parquet file -> one
+    split."""
     import os
 
     from datasets import DatasetDict, load_dataset, load_from_disk
@@ -86,23 +96,27 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
     if extension in FILE_BUILDERS:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"dataset {name!r}: no such file.")
-        return load_dataset(FILE_BUILDERS[extension], data_files={split: path}, split=split, streaming=streaming)
+        return load_dataset(FILE_BUILDERS[extension], data_files={split: path}, split=split,
+                            streaming=streaming)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")) or \
             os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
         loaded = load_from_disk(path)
         if isinstance(loaded, DatasetDict):
             if split not in loaded:
-                raise ValueError(f"dataset {name!r} has no split {split!r} (splits: {list(loaded)}).")
+                raise ValueError(
+                    f"dataset {name!r} has no split {split!r} (splits: {list(loaded)}).")
             loaded = loaded[split]
         return loaded.to_iterable_dataset() if streaming else loaded
     if os.path.exists(path) or name.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"dataset {name!r} is neither a data file (.json/.jsonl/.csv/.parquet) nor a "
-                                "folder written by Dataset.save_to_disk.")
+        raise FileNotFoundError(
+            f"dataset {name!r} is neither a data file (.json/.jsonl/.csv/.parquet) nor a folder "
+            "written by Dataset.save_to_disk.")
     try:
         return load_dataset(name, config, split=split, streaming=streaming)
     except Exception as err:  # datasets raises many types for offline / missing ids
-        raise ValueError(f"dataset {name!r} (config {config!r}, split {split!r}) could not be loaded from the "
-                         f"Hugging Face Hub: {err}") from err
+        raise ValueError(
+            f"dataset {name!r} (config {config!r}, split {split!r}) could not be loaded from the "
+            f"Hugging Face Hub: {err}") from err
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -113,41 +127,50 @@ class DatasetValidationError(ValueError):
 
 
 def validate_prompt_rows(dataset, source: str = "dataset") -> str:
-    """Check every row's `prompt` (a non-empty string, or a list of {'role', 'content'} messages, the same kind in
-    every row); returns 'standard' or 'conversational'. The first bad row is named with its column."""
+    """Check every row's `prompt` (a non-empty string, or a list of {'role', 'content'} messages,
+    the same kind in every row); returns 'standard' or 'conversational'. The first bad row is named
+    with its column."""
     if "prompt" not in (dataset.column_names or []):
-        raise DatasetValidationError(f"{source}: no 'prompt' column (columns: {dataset.column_names}). Fix: rename "
-                                     "the column holding the prompts to 'prompt'.")
+        raise DatasetValidationError(
+            f"{source}: no 'prompt' column (columns: {dataset.column_names}). Fix: rename the "
+            "column holding the prompts to 'prompt'.")
     kind = None
     for index, prompt in enumerate(dataset["prompt"]):
         if isinstance(prompt, str):
             row_kind = "standard"
             if not prompt.strip():
-                raise DatasetValidationError(f"{source}: row {index}, column 'prompt': empty prompt.")
+                raise DatasetValidationError(
+                    f"{source}: row {index}, column 'prompt': empty prompt.")
         elif isinstance(prompt, list):
             row_kind = "conversational"
             if not prompt:
-                raise DatasetValidationError(f"{source}: row {index}, column 'prompt': empty message list.")
+                raise DatasetValidationError(
+                    f"{source}: row {index}, column 'prompt': empty message list.")
             for position, message in enumerate(prompt):
                 if not isinstance(message, dict) or message.get("role") not in ROLES or \
                         not isinstance(message.get("content"), str):
                     raise DatasetValidationError(
                         f"{source}: row {index}, column 'prompt', message {position}: expected "
-                        f"{{'role': one of {list(ROLES)}, 'content': str}}, got {str(message)[:80]!r}.")
+                        f"{{'role': one of {list(ROLES)}, 'content': str}}, got "
+                        f"{str(message)[:80]!r}."
+                    )
         else:
-            raise DatasetValidationError(f"{source}: row {index}, column 'prompt': expected a string or a list of "
-                                         f"messages, got {type(prompt).__name__} {str(prompt)[:60]!r}.")
+            raise DatasetValidationError(
+                f"{source}: row {index}, column 'prompt': expected a string or a list of messages, "
+                f"got {type(prompt).__name__} {str(prompt)[:60]!r}.")
         if kind is None:
             kind = row_kind
         elif row_kind != kind:
-            raise DatasetValidationError(f"{source}: row {index}, column 'prompt' is {row_kind} but earlier rows are "
-                                         f"{kind}; use one format for the whole dataset.")
+            raise DatasetValidationError(
+                f"{source}: row {index}, column 'prompt' is {row_kind} but earlier rows are "
+                f"{kind}; use one format for the whole dataset.")
     if kind is None:
         raise DatasetValidationError(f"{source}: the dataset is empty.")
-    for column in dataset.column_names:  # what reward functions receive: a NaN is a missing value, not a number
+    # what reward functions receive: a NaN is a missing value, not a number
+    for column in dataset.column_names:
         for index, value in enumerate(dataset[column] if column != "prompt" else ()):
             if isinstance(value, float) and math.isnan(value):
                 raise DatasetValidationError(
-                    f"{source}: row {index}, column {column!r}: NaN (a missing value; reward functions would get it "
-                    "as a number). Fix: fill it in, or drop the row.")
+                    f"{source}: row {index}, column {column!r}: NaN (a missing value; reward "
+                    "functions would get it as a number). Fix: fill it in, or drop the row.")
     return kind

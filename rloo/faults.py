@@ -1,7 +1,7 @@
-"""Named fault-injection points for the kill tests (tests/faults): with RLOO_TEST_KILL_POINT=<name> and
-RLOO_TEST_KILL_AT=<n> in the environment, the process (or, with RLOO_TEST_KILL_TARGET=agent, its parent: the
-torchrun agent) is killed with SIGKILL the n-th time it reaches that point; RLOO_TEST_KILL_RANK picks the rank
-(default 0). Without those variables, `point` does nothing."""
+"""Named fault-injection points for the kill tests (tests/faults): with RLOO_TEST_KILL_POINT=<name>
+and RLOO_TEST_KILL_AT=<n> in the environment, the process (or, with RLOO_TEST_KILL_TARGET=agent, its
+parent: the torchrun agent) is killed with SIGKILL the n-th time it reaches that point;
+RLOO_TEST_KILL_RANK picks the rank (default 0). Without those variables, `point` does nothing."""
 
 from __future__ import annotations
 

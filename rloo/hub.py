@@ -1,10 +1,11 @@
 """Publishing to the Hugging Face Hub behind a narrow interface, and the model card.
 
-Everything the trainer sends to the Hub goes through a `Publisher` (two calls: create a repo, upload a folder).
-`HfHubPublisher` is the real one; `LocalPublisher` writes into a directory laid out like the Hub (one folder per
-repo, one numbered commit folder per upload) for tests and air-gapped clusters. Pick it with
-`RLOO_HUB_PUBLISHER=local:/some/dir` or `set_publisher(...)`. Tokens are passed to the publisher only: never
-written to a file, a model card, a log line or an MLflow param."""
+Everything the trainer sends to the Hub goes through a `Publisher` (two calls: create a repo,
+upload a folder). `HfHubPublisher` is the real one; `LocalPublisher` writes into a directory laid
+out like the Hub (one folder per repo, one numbered commit folder per upload) for tests and
+air-gapped clusters. Pick it with `RLOO_HUB_PUBLISHER=local:/some/dir` or `set_publisher(...)`.
+Tokens are passed to the publisher only: never written to a file, a model card, a log line or an
+MLflow param."""
 
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ class Publisher(Protocol):
 
     def upload_folder(self, repo_id: str, folder: str, commit_message: str, token: str | None,
                       revision: str | None = None, path_in_repo: str | None = None,
-                      ignore_patterns: list[str] | None = None, delete_patterns: list[str] | None = None) -> str:
-        """Upload a folder's files (and delete the remote files matching `delete_patterns` that it does not
-        have); return a commit reference."""
+                      ignore_patterns: list[str] | None = None,
+                      delete_patterns: list[str] | None = None) -> str:
+        """Upload a folder's files (and delete the remote files matching `delete_patterns` that it
+        does not have); return a commit reference."""
 
-    def create_tag(self, repo_id: str, tag: str, revision: str, token: str | None, message: str | None = None) -> None:
+    def create_tag(self, repo_id: str, tag: str, revision: str, token: str | None,
+                   message: str | None = None) -> None:
         """Tag a commit (an existing tag of that name is an error)."""
 
     def tags(self, repo_id: str, token: str | None) -> dict[str, str]:
@@ -44,8 +47,8 @@ def hub_endpoint() -> str:
 
 
 class HfHubPublisher:
-    """The Hub through huggingface_hub.HfApi, at HF_ENDPOINT; the token, when not given, is the client's own
-    (HF_TOKEN or the cached login)."""
+    """The Hub through huggingface_hub.HfApi, at HF_ENDPOINT; the token, when not given, is the
+    client's own (HF_TOKEN or the cached login)."""
 
     def _api(self):
         from huggingface_hub import HfApi
@@ -54,15 +57,18 @@ class HfHubPublisher:
     def create_repo(self, repo_id, token, private):
         return self._api().create_repo(repo_id, token=token, private=private, exist_ok=True).repo_id
 
-    def upload_folder(self, repo_id, folder, commit_message, token, revision=None, path_in_repo=None,
-                      ignore_patterns=None, delete_patterns=None):
-        info = self._api().upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
-                                         token=token, revision=revision, path_in_repo=path_in_repo,
-                                         ignore_patterns=ignore_patterns, delete_patterns=delete_patterns)
+    def upload_folder(self, repo_id, folder, commit_message, token, revision=None,
+                      path_in_repo=None, ignore_patterns=None, delete_patterns=None):
+        info = self._api().upload_folder(repo_id=repo_id, folder_path=folder,
+                                         commit_message=commit_message, token=token,
+                                         revision=revision, path_in_repo=path_in_repo,
+                                         ignore_patterns=ignore_patterns,
+                                         delete_patterns=delete_patterns)
         return getattr(info, "oid", None) or str(info)
 
     def create_tag(self, repo_id, tag, revision, token, message=None):
-        self._api().create_tag(repo_id, tag=tag, revision=revision, token=token, tag_message=message)
+        self._api().create_tag(repo_id, tag=tag, revision=revision, token=token,
+                               tag_message=message)
 
     def tags(self, repo_id, token):
         from huggingface_hub.errors import RepositoryNotFoundError
@@ -77,8 +83,9 @@ class HfHubPublisher:
 
 
 class LocalPublisher:
-    """A directory that behaves like the Hub: `<root>/<repo_id>/commits/<n>/...` plus `<root>/<repo_id>/main` (the
-    latest tree). Records each call (never the token, only whether one was given)."""
+    """A directory that behaves like the Hub: `<root>/<repo_id>/commits/<n>/...` plus
+    `<root>/<repo_id>/main` (the latest tree). Records each call (never the token, only whether one
+    was given)."""
 
     def __init__(self, root: str):
         self.root = root
@@ -90,8 +97,8 @@ class LocalPublisher:
                            "authenticated": token is not None})
         return repo_id
 
-    def upload_folder(self, repo_id, folder, commit_message, token, revision=None, path_in_repo=None,
-                      ignore_patterns=None, delete_patterns=None):
+    def upload_folder(self, repo_id, folder, commit_message, token, revision=None,
+                      path_in_repo=None, ignore_patterns=None, delete_patterns=None):
         repo = os.path.join(self.root, repo_id)
         if not os.path.isdir(repo):
             raise FileNotFoundError(f"repository {repo_id!r} does not exist: create_repo first")
@@ -112,15 +119,21 @@ class LocalPublisher:
                 relative_dir = os.path.relpath(directory, folder)
                 for name in files:
                     relative = os.path.normpath(os.path.join(relative_dir, name))
-                    if any(fnmatch.fnmatch(relative, p) or fnmatch.fnmatch(relative.split(os.sep)[0], p)
-                           for p in ignore_patterns or []):
+                    if any(
+                            fnmatch.fnmatch(relative, p) or
+                            fnmatch.fnmatch(relative.split(os.sep)[0], p)
+                            for p in ignore_patterns or []):
                         continue
                     os.makedirs(os.path.join(destination, os.path.dirname(relative)), exist_ok=True)
                     shutil.copy2(os.path.join(directory, name), os.path.join(destination, relative))
         with open(os.path.join(commit, ".commit.json"), "w") as handle:
-            json.dump({"message": commit_message, "path_in_repo": path_in_repo, "revision": revision}, handle)
-        self.calls.append({"call": "upload_folder", "repo_id": repo_id, "commit_message": commit_message,
-                           "path_in_repo": path_in_repo, "authenticated": token is not None})
+            json.dump(
+                {"message": commit_message, "path_in_repo": path_in_repo, "revision": revision},
+                handle)
+        self.calls.append({
+            "call": "upload_folder", "repo_id": repo_id, "commit_message": commit_message,
+            "path_in_repo": path_in_repo, "authenticated": token is not None
+        })
         return f"{number:04d}"
 
     def create_tag(self, repo_id, tag, revision, token, message=None):
@@ -131,7 +144,9 @@ class LocalPublisher:
         tags[tag] = revision if revision in commits else commits[-1]
         with open(os.path.join(self.root, repo_id, "tags.json"), "w") as handle:
             json.dump(tags, handle)
-        self.calls.append({"call": "create_tag", "repo_id": repo_id, "tag": tag, "authenticated": token is not None})
+        self.calls.append({
+            "call": "create_tag", "repo_id": repo_id, "tag": tag, "authenticated": token is not None
+        })
 
     def tags(self, repo_id, token):
         path = os.path.join(self.root, repo_id, "tags.json")
@@ -141,8 +156,8 @@ class LocalPublisher:
             return json.load(handle)
 
     def url(self, repo_id, commit=None):
-        return "file://" + os.path.abspath(os.path.join(self.root, repo_id, "commits" if commit else "main",
-                                                        commit or ""))
+        return "file://" + os.path.abspath(
+            os.path.join(self.root, repo_id, "commits" if commit else "main", commit or ""))
 
 
 _publisher: Publisher | None = None
@@ -160,7 +175,8 @@ def get_publisher() -> Publisher:
     if choice.startswith("local:"):
         return LocalPublisher(choice[len("local:"):])
     if choice not in ("", "hf"):
-        raise ValueError(f"RLOO_HUB_PUBLISHER={choice!r}: use 'hf' (default) or 'local:/path/to/dir'.")
+        raise ValueError(
+            f"RLOO_HUB_PUBLISHER={choice!r}: use 'hf' (default) or 'local:/path/to/dir'.")
     return HfHubPublisher()
 
 
@@ -175,41 +191,49 @@ def public_config(config: dict) -> dict:
 
 
 CITATION = """@inproceedings{ahmadian2024back,
-    title     = {{Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human Feedback in LLMs}},
-    author    = {Arash Ahmadian and Chris Cremer and Matthias Gall{\\'e} and Marzieh Fadaee and Julia Kreutzer and
-                 Olivier Pietquin and Ahmet {\\"U}st{\\"u}n and Sara Hooker},
+    title     = {{Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human
+                 Feedback in LLMs}},
+    author    = {Arash Ahmadian and Chris Cremer and Matthias Gall{\\'e} and Marzieh Fadaee and
+                 Julia Kreutzer and Olivier Pietquin and Ahmet {\\"U}st{\\"u}n and Sara Hooker},
     booktitle = {ACL 2024},
     year      = 2024,
 }"""
 
-CARD_FIELDS = ("num_generations", "beta", "learning_rate", "max_completion_length", "temperature", "top_p",
-               "num_iterations", "epsilon", "epsilon_high", "normalize_advantages", "reward_weights",
-               "reward_clip_range", "mask_truncated_completions", "per_device_train_batch_size",
-               "gradient_accumulation_steps", "generation_batch_size", "max_steps", "num_train_epochs", "seed")
+CARD_FIELDS = ("num_generations", "beta", "learning_rate", "max_completion_length", "temperature",
+               "top_p", "num_iterations", "epsilon", "epsilon_high", "normalize_advantages",
+               "reward_weights", "reward_clip_range", "mask_truncated_completions",
+               "per_device_train_batch_size", "gradient_accumulation_steps",
+               "generation_batch_size", "max_steps", "num_train_epochs", "seed")
 
 
-def render_model_card(model_name: str, base_model: str | None, dataset_name: str | None, reward_names: list[str],
-                      config: dict, metrics: dict | None = None, tags: list[str] | None = None,
-                      peft: bool = False) -> str:
+def render_model_card(model_name: str, base_model: str | None, dataset_name: str | None,
+                      reward_names: list[str], config: dict, metrics: dict | None = None,
+                      tags: list[str] | None = None, peft: bool = False) -> str:
     tags = list(dict.fromkeys(["rloo", "reinforce", "rl", *(tags or [])]))
-    front = ["---", f"library_name: {'peft' if peft else 'transformers'}", f"model_name: {model_name}"]
+    front = [
+        "---", f"library_name: {'peft' if peft else 'transformers'}", f"model_name: {model_name}"
+    ]
     if base_model:
         front.append(f"base_model: {base_model}")
     if dataset_name:
         front.append(f"datasets: [{dataset_name}]")
     front += ["tags:"] + [f"- {tag}" for tag in tags] + ["---", ""]
     body = [f"# {model_name}", ""]
-    origin = f"a fine-tuned version of [{base_model}](https://huggingface.co/{base_model})" if base_model else \
-        "a fine-tuned model"
-    body.append(f"This model is {origin}" + (f", trained on [{dataset_name}](https://huggingface.co/datasets/"
-                                             f"{dataset_name})" if dataset_name else "") + ".")
-    body += ["", "## Method", "",
-             "Trained with RLOO (REINFORCE Leave-One-Out): for each prompt, `num_generations` completions are "
-             "sampled; each completion's advantage is its reward (minus `beta` times its KL to the reference "
-             "policy) minus the mean reward of its siblings, and the policy is updated with a sequence-level "
-             "clipped importance ratio.", "",
-             f"Reward functions: {', '.join(f'`{name}`' for name in reward_names) or 'n/a'}.", "",
-             "## Training configuration", "", "| parameter | value |", "| --- | --- |"]
+    link = f"[{base_model}](https://huggingface.co/{base_model})"
+    origin = f"a fine-tuned version of {link}" if base_model else "a fine-tuned model"
+    body.append(f"This model is {origin}" +
+                (f", trained on [{dataset_name}](https://huggingface.co/datasets/"
+                 f"{dataset_name})" if dataset_name else "") + ".")
+    body += [
+        "", "## Method", "",
+        "Trained with RLOO (REINFORCE Leave-One-Out): for each prompt, `num_generations` "
+        "completions are sampled; each completion's advantage is its reward (minus `beta` times "
+        "its KL to the reference policy) minus the mean reward of its siblings, and the policy is "
+        "updated with a sequence-level "
+        "clipped importance ratio.", "",
+        f"Reward functions: {', '.join(f'`{name}`' for name in reward_names) or 'n/a'}.", "",
+        "## Training configuration", "", "| parameter | value |", "| --- | --- |"
+    ]
     safe = public_config(config)
     for field in CARD_FIELDS:
         if field in safe:
@@ -223,10 +247,11 @@ def render_model_card(model_name: str, base_model: str | None, dataset_name: str
     return "\n".join(front + body)
 
 
-# ---------------------------------------------------------------------------------------------- the trainer's Hub side
+# ---------------------------------------------------------------------------------------------- the
+# trainer's Hub side
 def rewrite_training_args(args, output_dir: str) -> None:
-    """transformers pickles the whole TrainingArguments, hub_token included, into every save (and so into every
-    upload): write training_args.bin again with the secrets cleared."""
+    """transformers pickles the whole TrainingArguments, hub_token included, into every save (and so
+    into every upload): write training_args.bin again with the secrets cleared."""
     import copy
 
     from rloo.checkpoint import atomic_save
@@ -251,8 +276,8 @@ def init_repo(trainer, token: str | None = None, private: bool | None = None) ->
 
 def write_model_card(trainer, model_name: str | None = None, dataset_name: str | None = None,
                      tags: str | list[str] | None = None) -> None:
-    """README.md in output_dir: base model, dataset, method, reward functions, RLOO configuration (no secrets),
-    final metrics."""
+    """README.md in output_dir: base model, dataset, method, reward functions, RLOO configuration
+    (no secrets), final metrics."""
     if not trainer.is_world_process_zero():
         return
     if dataset_name is None:
@@ -263,18 +288,20 @@ def write_model_card(trainer, model_name: str | None = None, dataset_name: str |
     tags = [tags] if isinstance(tags, str) else list(tags or [])
     metrics = next((log for log in reversed(trainer.state.log_history) if "reward" in log), None)
     output_dir = trainer.args.output_dir
-    card = render_model_card(model_name or os.path.basename(os.path.abspath(output_dir)), base_model, dataset_name,
-                             trainer.reward_func_names, trainer.args.to_dict(), metrics,
-                             tags + trainer._tag_names, peft=trainer._is_peft)
+    card = render_model_card(model_name or os.path.basename(os.path.abspath(output_dir)),
+                             base_model, dataset_name, trainer.reward_func_names,
+                             trainer.args.to_dict(), metrics, tags + trainer._tag_names,
+                             peft=trainer._is_peft)
     with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
         handle.write(card)
 
 
-def push_output_dir(trainer, commit_message: str | None, blocking: bool, token: str | None, revision: str | None,
-                    private: bool | None, **card_kwargs):
-    """Trainer.push_to_hub: save the model, write the card, upload output_dir (checkpoints excluded). Returns the
-    commit reference; with blocking=False a `concurrent.futures.Future` of it (the upload runs in a background
-    thread; `trainer.push_in_progress` holds it, and the next push waits for it first)."""
+def push_output_dir(trainer, commit_message: str | None, blocking: bool, token: str | None,
+                    revision: str | None, private: bool | None, **card_kwargs):
+    """Trainer.push_to_hub: save the model, write the card, upload output_dir (checkpoints
+    excluded). Returns the commit reference; with blocking=False a `concurrent.futures.Future` of it
+    (the upload runs in a background thread; `trainer.push_in_progress` holds it, and the next push
+    waits for it first)."""
     trainer.callback_handler.on_push_begin(trainer.args, trainer.state, trainer.control)
     token = token if token is not None else trainer.args.hub_token
     if trainer.hub_model_id is None:
@@ -282,13 +309,15 @@ def push_output_dir(trainer, commit_message: str | None, blocking: bool, token: 
     trainer.save_model(_internal_call=True)
     if not trainer.is_world_process_zero():
         return None
-    model_name = card_kwargs.pop("model_name", None) or (trainer.args.hub_model_id or "").split("/")[-1] or None
+    model_name = card_kwargs.pop("model_name", None) or (trainer.args.hub_model_id or
+                                                         "").split("/")[-1] or None
     write_model_card(trainer, model_name=model_name, **card_kwargs)
     wait_for_push(trainer)
 
     def upload():
-        return get_publisher().upload_folder(trainer.hub_model_id, trainer.args.output_dir, commit_message, token,
-                                             revision=revision or trainer.args.hub_revision,
+        return get_publisher().upload_folder(trainer.hub_model_id, trainer.args.output_dir,
+                                             commit_message, token, revision=revision or
+                                             trainer.args.hub_revision,
                                              ignore_patterns=["_*", "checkpoint-*"])
     if blocking:
         return upload()
@@ -298,7 +327,8 @@ def push_output_dir(trainer, commit_message: str | None, blocking: bool, token: 
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rloo-push")
     future = executor.submit(upload)
     executor.shutdown(wait=False)
-    trainer.push_in_progress = PushInProgress([future])  # what Trainer waits for at the end of train()
+    # what Trainer waits for at the end of train()
+    trainer.push_in_progress = PushInProgress([future])
     return future
 
 
@@ -320,9 +350,32 @@ def push_checkpoint(trainer, checkpoint_folder: str) -> None:
     trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
     publisher, token = get_publisher(), args.hub_token
     message = f"Training in progress, step {trainer.state.global_step}"
-    publisher.upload_folder(trainer.hub_model_id, checkpoint_folder, message, token, revision=args.hub_revision,
-                            ignore_patterns=["rloo_state", "optimizer.pt", "scheduler.pt", "rng_state*"])
+    publisher.upload_folder(
+        trainer.hub_model_id, checkpoint_folder, message, token, revision=args.hub_revision,
+        ignore_patterns=["rloo_state", "optimizer.pt", "scheduler.pt", "rng_state*"])
     if strategy in ("checkpoint", "all_checkpoints"):
-        path = "last-checkpoint" if strategy == "checkpoint" else os.path.basename(checkpoint_folder)
-        publisher.upload_folder(trainer.hub_model_id, checkpoint_folder, message + ", checkpoint", token,
-                                revision=args.hub_revision, path_in_repo=path)
+        path = "last-checkpoint" if strategy == "checkpoint" else os.path.basename(
+            checkpoint_folder)
+        publisher.upload_folder(trainer.hub_model_id, checkpoint_folder, message + ", checkpoint",
+                                token, revision=args.hub_revision, path_in_repo=path)
+
+
+class HubMethods:
+    """The Trainer's Hub methods, through this module's Publisher; mixed into RLOOTrainer."""
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        init_repo(self, token=token, private=private)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None, **kwargs) -> None:
+        write_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None,
+                    private: bool | None = None, **kwargs):
+        """Save, write the model card, upload output_dir (checkpoints excluded). Returns the commit,
+        or with blocking=False a Future of it (the upload goes on in the background)."""
+        return push_output_dir(self, commit_message, blocking, token, revision, private, **kwargs)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        push_checkpoint(self, checkpoint_folder)

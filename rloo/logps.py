@@ -1,6 +1,7 @@
-"""Per-token log-probabilities of completions under a model: the one function every forward of a step goes through
-(the loss's, the old policy's, the reference's). One forward over whole rows, or, with `share_prompts`, the speed
-layer's shared-prompt forward (rloo.engine.shared_prompts) where it applies."""
+"""Per-token log-probabilities of completions under a model: the one function every forward of a
+step goes through (the loss's, the old policy's, the reference's). One forward over whole rows, or,
+with `share_prompts`, the speed layer's shared-prompt forward (rloo.engine.shared_prompts) where it
+applies."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor) -> torc
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy per position, one row at a time to bound memory (three vocabulary-wide temporaries per row)."""
+    """Entropy per position, one row at a time to bound memory (three vocabulary-wide temporaries
+    per row)."""
     with torch.no_grad():
         rows = []
         for row in logits:
@@ -39,25 +41,30 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 class TokenLogps(NamedTuple):
     logps: torch.Tensor
     entropy: torch.Tensor | None
-    aux_loss: torch.Tensor | None  # Mixture-of-Experts load-balancing loss, when the model returns it
+    # Mixture-of-Experts load-balancing loss, when the model returns it
+    aux_loss: torch.Tensor | None
 
 
-def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                    temperature: float, with_entropy: bool = False, share_prompts: bool = False) -> TokenLogps:
-    """log pi(token_t | tokens_<t) / temperature-scaled, for the last `logits_to_keep` tokens of each row.
+def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    logits_to_keep: int, temperature: float, with_entropy: bool = False,
+                    share_prompts: bool = False) -> TokenLogps:
+    """log pi(token_t | tokens_<t) / temperature-scaled, for the last `logits_to_keep` tokens of
+    each row.
 
-    With `share_prompts`, rows whose prompt (every token before the last `logits_to_keep`, padding included) is the
-    same, e.g. the num_generations completions of one prompt, run that prompt through the model once: its KV cache
-    is copied to each of its rows and only the completions go through the model per row.
-    The same positions, mask and logits as one forward over the whole rows; the prompt's compute is done once."""
+    With `share_prompts`, rows whose prompt (every token before the last `logits_to_keep`, padding
+    included) is the same, e.g. the num_generations completions of one prompt, run that prompt
+    through the model once: its KV cache is copied to each of its rows and only the completions go
+    through the model per row. The same positions, mask and logits as one forward over the whole
+    rows; the prompt's compute is done once."""
     outputs, logits = None, None
     if share_prompts and logits_to_keep > 0 and shared_prompts.can_share_prompts(model):
-        found = shared_prompts.shared_prompt_logits(model, input_ids, attention_mask, logits_to_keep)
+        found = shared_prompts.shared_prompt_logits(model, input_ids, attention_mask,
+                                                    logits_to_keep)
         if found is not None:
             logits, outputs = found
     if logits is None:
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1,
-                        use_cache=False)
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask,
+                        logits_to_keep=logits_to_keep + 1, use_cache=False)
         logits = outputs.logits[:, :-1, :][:, -logits_to_keep:, :]
     if temperature != 1.0:  # (x / 1.0 is x: no vocabulary-wide copy)
         logits = logits / temperature

@@ -1,4 +1,5 @@
-"""Metric accumulation: values appended per generation / micro-step, averaged (NaN dropped) at log time."""
+"""Metric accumulation: values appended per generation / micro-step, averaged (NaN dropped) at log
+time."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ class MetricBuffer:
     """Per mode ('train' / 'eval') lists of values; `flush` returns spec-named means and clears."""
 
     def __init__(self):
-        self._values: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._values: dict[str, dict[str, list[float]]] = {
+            "train": defaultdict(list), "eval": defaultdict(list)
+        }
 
     def add(self, mode: str, name: str, value: float | torch.Tensor) -> None:
         if isinstance(value, torch.Tensor):

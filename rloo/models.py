@@ -1,4 +1,5 @@
-"""Loading policy, reference and reward models and their tokenizers; per-token log-probabilities."""
+"""Loading policy, reference and reward models and their tokenizers; dropout, Mixture-of-Experts
+and the model's identity (for resumes). LoRA and QLoRA: rloo.adapters."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          PreTrainedModel, PreTrainedTokenizerBase)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase)
 
 from rloo.engine.mapped import mapped_copy
 
@@ -25,21 +26,26 @@ def check_model_source(name: str, what: str = "model") -> None:
     if os.path.isdir(os.path.expanduser(name)):
         return
     if _looks_like_local_path(name) or os.path.exists(os.path.expanduser(name)):
-        raise FileNotFoundError(f"{what}={name!r}: no such directory. Fix: pass a directory written by "
-                                "save_pretrained, or a Hugging Face Hub model id such as 'Qwen/Qwen2-0.5B-Instruct'.")
+        raise FileNotFoundError(
+            f"{what}={name!r}: no such directory. Fix: pass a directory written by "
+            "save_pretrained, or a Hugging Face Hub model id such as 'Qwen/Qwen2-0.5B-Instruct'.")
 
 
 def local_model_problem(path: str, reward_model: bool = False) -> str | None:
-    """Why a local model folder cannot serve as a policy (or, with reward_model, as a reward model), from its files
-    alone: no config.json, no weights, or not a one-label sequence classifier. None: no problem seen."""
+    """Why a local model folder cannot serve as a policy (or, with reward_model, as a reward model),
+    from its files alone: no config.json, no weights, or not a one-label sequence classifier. None:
+    no problem seen."""
     import json
     names = os.listdir(path)
     if "adapter_config.json" in names and not reward_model:
         return None  # a PEFT adapter folder: its base model is named inside
     if "config.json" not in names:
         return f"no config.json in {path} (is it a model folder written by save_pretrained?)"
-    if not any(name.endswith((".safetensors", ".bin", ".index.json", ".pt", ".gguf")) for name in names):
-        return f"no weights in {path} (no *.safetensors or *.bin file: an interrupted download or copy?)"
+    if not any(
+            name.endswith((".safetensors", ".bin", ".index.json", ".pt", ".gguf"))
+            for name in names):
+        return (f"no weights in {path} (no *.safetensors or *.bin file: an interrupted download or "
+                "copy?)")
     with open(os.path.join(path, "config.json")) as handle:
         try:
             config = json.load(handle)
@@ -47,10 +53,12 @@ def local_model_problem(path: str, reward_model: bool = False) -> str | None:
             return f"{path}/config.json is not valid JSON ({err})"
     if reward_model:
         architectures = config.get("architectures") or []
-        if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
-            return (f"{path} is a {architectures[0]}, not a reward model: loading it as one would score with an "
-                    "untrained head. A reward model is a sequence classifier with one label "
-                    "(AutoModelForSequenceClassification, num_labels=1)")
+        if architectures and not any(
+                a.endswith("ForSequenceClassification") for a in architectures):
+            return (
+                f"{path} is a {architectures[0]}, not a reward model: loading it as one would "
+                "score with an untrained head. A reward model is a sequence classifier with one "
+                "label (AutoModelForSequenceClassification, num_labels=1)")
         labels = len(config["id2label"]) if config.get("id2label") else config.get("num_labels", 1)
         if labels != 1:
             return f"{path} classifies into {labels} labels; a reward model has one (num_labels=1)"
@@ -63,17 +71,22 @@ def _from_pretrained(loader, name: str, what: str, **kwargs):
         return loader(os.path.expanduser(name), **kwargs)
     except ValueError as err:
         if "trust_remote_code" in str(err) and not kwargs.get("trust_remote_code"):
-            raise ValueError(f"{what}={name!r} needs custom code (its config has an auto_map) and "
-                             "trust_remote_code is False, so it was not executed. Fix: read the code, then pass "
-                             "RLOOConfig(trust_remote_code=True).") from err
+            raise ValueError(
+                f"{what}={name!r} needs custom code (its config has an auto_map) and "
+                "trust_remote_code is False, so it was not executed. Fix: read the code, then pass "
+                "RLOOConfig(trust_remote_code=True).") from err
         raise
     except OSError as err:
-        raise OSError(f"{what}={name!r} could not be loaded: not a local model directory and not reachable on the "
-                      f"Hugging Face Hub ({err}).") from err
+        raise OSError(
+            f"{what}={name!r} could not be loaded: not a local model directory and not reachable "
+            "on the "
+            f"Hugging Face Hub ({err}).") from err
 
 
-def load_causal_lm(name: str, model_init_kwargs: dict | None, trust_remote_code: bool) -> PreTrainedModel:
-    """Load a policy from an id or path; dtype defaults to float32 (spec: not the config's dtype)."""
+def load_causal_lm(name: str, model_init_kwargs: dict | None,
+                   trust_remote_code: bool) -> PreTrainedModel:
+    """Load a policy from an id or path; dtype defaults to float32 (spec: not the config's
+    dtype)."""
     kwargs = dict(model_init_kwargs or {})
     kwargs.setdefault("dtype", torch.float32)
     if isinstance(kwargs["dtype"], str) and kwargs["dtype"] not in ("auto",):
@@ -89,25 +102,28 @@ def load_causal_lm(name: str, model_init_kwargs: dict | None, trust_remote_code:
     return _from_pretrained(model_class.from_pretrained, name, "model", **kwargs)
 
 
-def load_reward_model(name: str, model_init_kwargs: dict | None, trust_remote_code: bool) -> PreTrainedModel:
+def load_reward_model(name: str, model_init_kwargs: dict | None,
+                      trust_remote_code: bool) -> PreTrainedModel:
     kwargs = dict(model_init_kwargs or {})
     kwargs.setdefault("dtype", torch.float32)
     kwargs.setdefault("trust_remote_code", trust_remote_code)
-    return _from_pretrained(AutoModelForSequenceClassification.from_pretrained, name, "reward_funcs entry",
-                            num_labels=1, **kwargs)
+    return _from_pretrained(AutoModelForSequenceClassification.from_pretrained, name,
+                            "reward_funcs entry", num_labels=1, **kwargs)
 
 
-def load_tokenizer(name: str, trust_remote_code: bool, revision: str | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer (or processor's tokenizer) of a model id or path; `revision` as for the model (the spec:
-    model_init_kwargs' revision is also used for the processing class)."""
+def load_tokenizer(name: str, trust_remote_code: bool,
+                   revision: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer (or processor's tokenizer) of a model id or path; `revision` as for the model
+    (the spec: model_init_kwargs' revision is also used for the processing class)."""
     kwargs = {"revision": revision} if revision is not None else {}
     return _from_pretrained(AutoTokenizer.from_pretrained, name, "processing_class source",
                             trust_remote_code=trust_remote_code, **kwargs)
 
 
 def reward_tokenizers(reward_funcs: list, classes, trust_remote_code: bool) -> list:
-    """One tokenizer per reward function: None for plain functions; for a reward model the one given at its
-    position or its own (loaded from its path), with a pad token set and copied into its config."""
+    """One tokenizer per reward function: None for plain functions; for a reward model the one given
+    at its position or its own (loaded from its path), with a pad token set and copied into its
+    config."""
     if classes is None:
         classes = [None] * len(reward_funcs)
     elif not isinstance(classes, (list, tuple)):
@@ -119,13 +135,15 @@ def reward_tokenizers(reward_funcs: list, classes, trust_remote_code: bool) -> l
         if tokenizer is None:
             source = getattr(func.config, "_name_or_path", "")
             if not source:
-                raise ValueError(f"reward_funcs[{index}] is a reward model object built in memory, so its tokenizer "
-                                 "cannot be loaded from a path. Fix: pass reward_processing_classes with its "
-                                 "tokenizer at that position (None for function entries).")
+                raise ValueError(
+                    f"reward_funcs[{index}] is a reward model object built in memory, so its "
+                    "tokenizer cannot be loaded from a path. Fix: pass reward_processing_classes "
+                    "with its tokenizer at that position (None for function entries).")
             tokenizer = load_tokenizer(source, trust_remote_code)
         if tokenizer.pad_token_id is None:
             if tokenizer.eos_token is None:
-                raise ValueError(f"reward_processing_classes[{index}] has neither pad nor EOS token; set one.")
+                raise ValueError(
+                    f"reward_processing_classes[{index}] has neither pad nor EOS token; set one.")
             tokenizer.pad_token = tokenizer.eos_token
         func.config.pad_token_id = tokenizer.pad_token_id
         classes[index] = tokenizer
@@ -136,12 +154,14 @@ def prepare_tokenizer(tokenizer: Any, where: str = "processing_class") -> Any:
     """Left padding, pad defaults to eos; a tokenizer with neither cannot batch prompts."""
     text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     if not isinstance(text_tokenizer, PreTrainedTokenizerBase):
-        raise TypeError(f"{where} must be a tokenizer or a processor, got {type(tokenizer).__name__}")
+        raise TypeError(
+            f"{where} must be a tokenizer or a processor, got {type(tokenizer).__name__}")
     if text_tokenizer.pad_token is None:
         if text_tokenizer.eos_token is None:
-            raise ValueError(f"{where} has neither a pad token nor an EOS token, so completions cannot be ended or "
-                             "batched. Fix: set tokenizer.eos_token (e.g. tokenizer.eos_token = '</s>') or "
-                             "tokenizer.pad_token before creating the trainer.")
+            raise ValueError(
+                f"{where} has neither a pad token nor an EOS token, so completions cannot be ended "
+                "or batched. Fix: set tokenizer.eos_token (e.g. tokenizer.eos_token = '</s>') or "
+                "tokenizer.pad_token before creating the trainer.")
         text_tokenizer.pad_token = text_tokenizer.eos_token
     text_tokenizer.padding_side = "left"
     return tokenizer
@@ -165,8 +185,9 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) ->
 
 
 def create_reference_model(model: PreTrainedModel, mapped: bool = True) -> PreTrainedModel:
-    """A frozen copy of the policy as it is now (the reference pi_ref); `mapped`: in a file mapping that is paged out
-    between the reference forwards where rloo.engine.mapped can make one, else in memory."""
+    """A frozen copy of the policy as it is now (the reference pi_ref); `mapped`: in a file mapping
+    that is paged out between the reference forwards where rloo.engine.mapped can make one, else in
+    memory."""
     reference = mapped_copy(model) if mapped else None
     if reference is None:
         reference = copy.deepcopy(model)
@@ -176,18 +197,23 @@ def create_reference_model(model: PreTrainedModel, mapped: bool = True) -> PreTr
 
 
 def prepare_reference(policy: PreTrainedModel, accelerator, mapped: bool = True) -> nn.Module:
-    """create_reference_model, prepared by accelerate for evaluation. A CPU reference stays where it is: accelerate
-    moves a model to `cpu:0` in multi-process CPU runs, which copies every tensor (out of rloo.engine.mapped's mapping)."""
+    """create_reference_model, prepared by accelerate for evaluation. A CPU reference stays where it
+    is: accelerate moves a model to `cpu:0` in multi-process CPU runs, which copies every tensor
+    (out of rloo.engine.mapped's mapping)."""
     reference = create_reference_model(policy, mapped)
-    on_cpu = accelerator.device.type == "cpu" and all(p.device.type == "cpu" for p in reference.parameters())
-    return accelerator.prepare_model(reference, device_placement=False if on_cpu else None, evaluation_mode=True)
+    on_cpu = accelerator.device.type == "cpu" and all(p.device.type == "cpu"
+                                                      for p in reference.parameters())
+    return accelerator.prepare_model(reference, device_placement=False if on_cpu else None,
+                                     evaluation_mode=True)
 
 
-DROPOUT_ATTRIBUTES = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
+DROPOUT_ATTRIBUTES = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop",
+                      "attn_pdrop")
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Every dropout off: nn.Dropout modules and the float rates attention layers apply functionally."""
+    """Every dropout off: nn.Dropout modules and the float rates attention layers apply
+    functionally."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -201,7 +227,8 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def dropout_active(model: nn.Module) -> bool:
-    """Whether training mode draws dropout anywhere (a module's rate or an attention layer's functional one)."""
+    """Whether training mode draws dropout anywhere (a module's rate or an attention layer's
+    functional one)."""
     config = getattr(model, "config", None)
     rates = [getattr(config, attribute, None) for attribute in DROPOUT_ATTRIBUTES]
     for module in model.modules():
@@ -224,84 +251,41 @@ def eval_mode(model: nn.Module):
 
 
 def model_identity(model: nn.Module) -> dict:
-    """What a checkpoint must share with the run resuming it: the base model's name, class and weight shapes."""
+    """What a checkpoint must share with the run resuming it: the base model's name, class and
+    weight shapes."""
     base = model.get_base_model() if is_peft_model(model) else model
-    shapes = sorted((name, tuple(getattr(p, "ds_shape", p.shape)))  # ZeRO-3 shards: their full shape
+    # ZeRO-3 shards: their full shape
+    shapes = sorted((name, tuple(getattr(p, "ds_shape", p.shape)))
                     for name, p in base.named_parameters() if "lora_" not in name)
     import hashlib
     digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
-    return {"name_or_path": str(getattr(base.config, "_name_or_path", "")), "class": type(base).__name__,
-            "shapes_digest": digest}
+    return {
+        "name_or_path": str(getattr(base.config, "_name_or_path", "")),
+        "class": type(base).__name__, "shapes_digest": digest
+    }
 
 
-# ---------------------------------------------------------------------------------------------------- MoE
+# --------------------------------------------------------------------------------------------------
+# MoE
 def is_moe(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     return config is not None and hasattr(config, "output_router_logits")
 
 
 def resolve_router_aux_loss_coef(model: nn.Module, coef: float | None) -> float:
-    """TRL 1.16 rule: None takes the model's coefficient; a non-zero value on a dense model is an error."""
+    """TRL 1.16 rule: None takes the model's coefficient; a non-zero value on a dense model is an
+    error."""
     if not is_moe(model):
         if coef:
-            raise ValueError(f"router_aux_loss_coef={coef} but the model ({type(model).__name__}) is not a "
-                             "Mixture-of-Experts model, so it has no router loss. Fix: leave router_aux_loss_coef "
-                             "unset (None) or 0.0.")
+            raise ValueError(
+                f"router_aux_loss_coef={coef} but the model ({type(model).__name__}) is not a "
+                "Mixture-of-Experts model, so it has no router loss. Fix: leave "
+                "router_aux_loss_coef unset (None) or 0.0.")
         return 0.0
     if coef is None:
         coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
     model.config.output_router_logits = coef != 0.0
     return float(coef)
-
-
-# ---------------------------------------------------------------------------------------------------- quantization
-def check_quantization_supported(quantization_config: Any) -> None:
-    """QLoRA loads the base in 4/8 bit through bitsandbytes, which needs its package and a CUDA device."""
-    method = getattr(quantization_config, "quant_method", None)
-    method = getattr(method, "value", method)
-    if method != "bitsandbytes":
-        return
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as err:
-        raise ImportError("quantization_config (QLoRA) needs bitsandbytes, which is not installed. "
-                          "Fix: pip install bitsandbytes on a machine with a CUDA GPU, or drop "
-                          "quantization_config to train LoRA on a full-precision base.") from err
-    if not torch.cuda.is_available():
-        raise RuntimeError("quantization_config (QLoRA) needs a CUDA GPU: bitsandbytes' 4/8-bit kernels cannot "
-                           "run on this machine (torch.cuda.is_available() is False). Fix: train on a GPU, or drop "
-                           "quantization_config to train LoRA on a full-precision base.")
-
-
-# ---------------------------------------------------------------------------------------------------- PEFT
-def linear_module_names(model: nn.Module) -> list[str]:
-    """Short names of the Linear layers LoRA can target (what `target_modules` matches against)."""
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
-    return sorted(names)
-
-
-def wrap_with_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool, quantized: bool):
-    from peft import get_peft_model, prepare_model_for_kbit_training
-    if getattr(peft_config, "target_modules", None) == "lm_head" or "lm_head" in (
-            getattr(peft_config, "target_modules", None) or []):
-        raise ValueError("peft_config.target_modules includes 'lm_head': the log-probabilities are read from the "
-                         "output layer, which LoRA would bypass. Fix: target the attention/MLP projections.")
-    if quantized:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
-    try:
-        peft_model = get_peft_model(model, peft_config)
-    except ValueError as err:
-        if "not found" in str(err) or "match" in str(err):
-            raise ValueError(f"peft_config.target_modules={getattr(peft_config, 'target_modules', None)!r} matches "
-                             f"no layer of {type(model).__name__}. Its Linear layers are: "
-                             f"{', '.join(linear_module_names(model))}. Fix: pick target_modules from that list "
-                             "(or 'all-linear').") from err
-        raise
-    if quantized:  # trainable adapter weights in bf16 next to the 4-bit base, as TRL does
-        for param in peft_model.parameters():
-            if param.requires_grad:
-                param.data = param.data.to(torch.bfloat16)
-    return peft_model
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -312,89 +296,41 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-REFERENCE_ADAPTER = "ref"
-
-
-def add_reference_adapter(model) -> str:
-    """A PeftModel that arrives trained (e.g. an SFT adapter) is its own reference: freeze a copy of the active
-    adapter under the name 'ref'. Returns the name of the trainable adapter."""
-    active = model.active_adapter
-    model.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(model.peft_config[active]))
-    params = dict(model.named_parameters())
-    copied = 0
-    with torch.no_grad():
-        for name, param in params.items():
-            if f".{active}." in name:
-                params[name.replace(f".{active}.", f".{REFERENCE_ADAPTER}.")].copy_(param)
-                copied += 1
-    if copied == 0:
-        raise ValueError(f"could not find the weights of adapter {active!r} to copy into the reference adapter.")
-    model.set_adapter(active)
-    for name, param in model.named_parameters():
-        if f".{REFERENCE_ADAPTER}." in name:
-            param.requires_grad_(False)
-    return active
-
-
-@contextlib.contextmanager
-def reference_adapter(model, trainable_adapter: str | None):
-    """Inside: the model computes the reference policy (the 'ref' adapter, or the base with adapters disabled)."""
-    if trainable_adapter is None or REFERENCE_ADAPTER not in model.peft_config:
-        with model.disable_adapter():
-            yield model
-        return
-    model.set_adapter(REFERENCE_ADAPTER)
-    try:
-        yield model
-    finally:
-        model.set_adapter(trainable_adapter)
-        for name, param in model.named_parameters():
-            if f".{REFERENCE_ADAPTER}." in name:
-                param.requires_grad_(False)
 
 
 def load_policy(model, args, quantization_config: Any = None) -> tuple[PreTrainedModel, dict]:
-    """The policy from an id/path (model_init_kwargs, quantization_config) or as given; returns it with the
-    from_pretrained kwargs used (a ZeRO-3 reference is loaded again with the same ones)."""
+    """The policy from an id/path (model_init_kwargs, quantization_config) or as given; returns it
+    with the from_pretrained kwargs used (a ZeRO-3 reference is loaded again with the same ones)."""
     import warnings
     init_kwargs = dict(args.model_init_kwargs or {})
     if isinstance(model, str):
         if quantization_config is not None:
             if "quantization_config" in init_kwargs:
-                raise ValueError("quantization_config is given both as an argument and in model_init_kwargs; "
-                                 "pass it once.")
+                raise ValueError(
+                    "quantization_config is given both as an argument and in model_init_kwargs; "
+                    "pass it once.")
             init_kwargs["quantization_config"] = quantization_config
         return load_causal_lm(model, init_kwargs, args.trust_remote_code), init_kwargs
     if args.model_init_kwargs or quantization_config is not None:
-        warnings.warn("model is already instantiated: model_init_kwargs and quantization_config are ignored.")
+        warnings.warn(
+            "model is already instantiated: model_init_kwargs and quantization_config are ignored.")
     return model, init_kwargs
 
 
-def attach_adapter(model, peft_config: Any, args) -> tuple[nn.Module, str | None]:
-    """PEFT: a new adapter from peft_config (the reference is then the base, adapter disabled), or, for a
-    PeftModel passed in (e.g. after SFT) with the KL on, a frozen copy of its adapter as the reference. Returns the
-    model and the name of the trainable adapter where a reference copy was added."""
-    trainable_adapter = None
-    if peft_config is not None:
-        quantized = bool(getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False))
-        model = wrap_with_peft(model, peft_config, args.gradient_checkpointing, quantized)
-    elif is_peft_model(model) and args.beta != 0.0:
-        trainable_adapter = add_reference_adapter(model)
-    if is_peft_model(model) and args.gradient_checkpointing:
-        model.enable_input_require_grads()
-    return model, trainable_adapter
-
-
-def reference_for_zero3(policy: nn.Module, source: str, init_kwargs: dict, trust_remote_code: bool) -> nn.Module:
-    """The initial policy as a separate model for ZeRO-3. A policy already sharded at load time (zero.Init)
-    cannot be copied, so the reference is loaded again from the same source on every rank."""
+def reference_for_zero3(policy: nn.Module, source: str, init_kwargs: dict,
+                        trust_remote_code: bool) -> nn.Module:
+    """The initial policy as a separate model for ZeRO-3. A policy already sharded at load time
+    (zero.Init) cannot be copied, so the reference is loaded again from the same source on every
+    rank."""
     from rloo.zero import is_partitioned
     if not is_partitioned(policy):
-        return create_reference_model(policy, mapped=False)  # its weights move into DeepSpeed's partitions
+        # its weights move into DeepSpeed's partitions
+        return create_reference_model(policy, mapped=False)
     if not source:
-        raise ValueError("ZeRO-3 with beta > 0 needs a reference copy of the policy, but the model object given "
-                         "was sharded at creation and has no config._name_or_path to load it from again. Fix: "
-                         "pass the model by name/path, or create it outside the DeepSpeed context.")
+        raise ValueError(
+            "ZeRO-3 with beta > 0 needs a reference copy of the policy, but the model object given "
+            "was sharded at creation and has no config._name_or_path to load it from again. Fix: "
+            "pass the model by name/path, or create it outside the DeepSpeed context.")
     reference = load_causal_lm(source, init_kwargs, trust_remote_code)
     reference.requires_grad_(False)
     return reference

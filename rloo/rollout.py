@@ -1,12 +1,14 @@
-"""One rollout: prompts -> completions -> rewards -> advantages, the data both training and evaluation use.
+"""One rollout: prompts -> completions -> rewards -> advantages, the data both training and
+evaluation use.
 
-`build_rollout` tokenizes the prompts, generates through the caller's backend, pads, decodes, scores with the
-reward runner, folds the KL into the reward and computes leave-one-out advantages (rloo.algorithm). Where pi_old's
-log-probs come from is decided once per trainer (`pi_old_plan`, table in `PiOld`); in the one configuration where
-the loss's own forward is the KL's pi_old, the rollout is completed by `complete_rollout`, a named stage of the
-step that the loss runs right after that forward. Its collaborators are arguments (a generate function, the
-processing class, the reward runner, log-prob functions, the cross-process gather), so it knows nothing of the
-trainer: the trainer's `_prepare_inputs` and the pipeline's evaluation stage call this same function.
+`build_rollout` tokenizes the prompts, generates through the caller's backend, pads, decodes, scores
+with the reward runner, folds the KL into the reward and computes leave-one-out advantages
+(rloo.algorithm). Where pi_old's log-probs come from is decided once per trainer (`pi_old_plan`,
+table in `PiOld`); in the one configuration where the loss's own forward is the KL's pi_old, the
+rollout is completed by `complete_rollout`, a named stage of the step that the loss runs right after
+that forward. Its collaborators are arguments (a generate function, the processing class, the reward
+runner, log-prob functions, the cross-process gather), so it knows nothing of the trainer: the
+trainer's `_prepare_inputs` and the pipeline's evaluation stage call this same function.
 `rollout_metrics` computes the spec's metrics from a Rollout.
 """
 
@@ -29,30 +31,38 @@ from rloo.timing import NULL_TIMER, StepTimer
 logger = logging.getLogger(__name__)
 
 # Fields holding one entry per local row, in order: what a micro-batch slice takes.
-ROW_FIELDS = ("prompts", "completions", "completion_texts", "prompt_ids", "prompt_mask", "completion_ids",
-              "completion_mask", "truncated", "advantages", "old_logps", "sampler_logps", "ref_logps", "row_index")
+ROW_FIELDS = ("prompts", "completions", "completion_texts", "prompt_ids", "prompt_mask",
+              "completion_ids", "completion_mask", "truncated", "advantages", "old_logps",
+              "sampler_logps", "ref_logps", "row_index")
 
 
 class PiOld(NamedTuple):
-    """Where one step takes pi_old's log-probs from (`pi_old_plan`). The step runs one way: sample prompts ->
-    rollout (generate, score, log-probs, advantages) -> loss -> optimizer step; only in the second row does the loss
-    first complete the rollout (`complete_rollout`), from the very forward it computes the ratio with.
+    """Where one step takes pi_old's log-probs from (`pi_old_plan`). The step runs one way: sample
+    prompts -> rollout (generate, score, log-probs, advantages) -> loss -> optimizer step; only in
+    the second row does the loss first complete the rollout (`complete_rollout`), from the very
+    forward it computes the ratio with.
 
-    | configuration | ratio's pi_old | KL's pi_old (beta > 0) | kl |
-    |---|---|---|---|
-    | on-policy, beta 0 | the loss's forward, detached (ratio 1) | - | "" |
-    | on-policy, beta > 0, steps_per_generation 1, no dropout | the loss's forward, detached | the same forward, in `complete_rollout` | "loss" |
-    | on-policy, beta > 0, otherwise (and evaluation) | the loss's forward, detached | a no-grad forward in the rollout | "rollout" |
-    | on-policy, kl_logps_from_generation | the loss's forward, detached | the decode loop's own log-probs | "decoder" |
-    | off-policy: num_iterations > 1 or steps_per_generation > gradient_accumulation_steps | a no-grad forward in the rollout, kept per row (`kept`) | the same forward | "rollout" |
+    | configuration                          | ratio's pi_old   | KL's pi_old        | kl        |
+    |----------------------------------------|------------------|--------------------|-----------|
+    | on-policy, beta 0                      | loss forward     | -                  | ""        |
+    | on-policy, beta > 0, one micro-batch   | loss forward     | loss forward, in   | "loss"    |
+    |   per generation, no dropout           |                  | complete_rollout   |           |
+    | on-policy, beta > 0, otherwise; eval   | loss forward     | rollout forward    | "rollout" |
+    | on-policy, kl_logps_from_generation    | loss forward     | decode loop        | "decoder" |
+    | off-policy (num_iterations > 1, or a   | rollout forward, | the same forward   | "rollout" |
+    |   batch outliving an optimizer step)   | kept per row     |                    |           |
 
-    The reference's log-probs always come from a no-grad forward in the rollout."""
+    "loss forward": the loss's own forward, detached (on-policy: the ratio is exactly 1);
+    "rollout forward": a no-grad forward in the rollout; "decode loop": the log-probs the decode
+    loop computed while sampling. The reference's log-probs always come from a no-grad forward in
+    the rollout."""
     kept: bool  # the rollout keeps pi_old per row for the ratio (off-policy)
     kl: str  # "", "loss", "rollout" or "decoder": the KL's pi_old, per the table
 
 
 def pi_old_plan(args: Any, dropout: bool) -> PiOld:
-    """The PiOld row for an RLOOConfig (`dropout`: the policy draws dropout masks, so two forwards differ)."""
+    """The PiOld row for an RLOOConfig (`dropout`: the policy draws dropout masks, so two forwards
+    differ)."""
     kept = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
     if args.beta == 0.0:
         return PiOld(kept, "")
@@ -76,24 +86,29 @@ class RolloutSettings:
     mask_truncated_completions: bool = False
     pad_to_multiple_of: int | None = None
     chat_template_kwargs: dict | None = None
-    pi_old: PiOld = PiOld(kept=False, kl="rollout")  # where pi_old's log-probs come from (the table in PiOld)
+    # where pi_old's log-probs come from (the table in PiOld)
+    pi_old: PiOld = PiOld(kept=False, kl="rollout")
 
 
 @dataclass
 class Rollout:
-    """Tensors and texts of one generation batch. Row fields (ROW_FIELDS) hold this process's rows; the
-    `all_*`, reward and metric fields cover every process's rows (the leave-one-out groups span them)."""
+    """Tensors and texts of one generation batch. Row fields (ROW_FIELDS) hold this process's rows;
+    the `all_*`, reward and metric fields cover every process's rows (the leave-one-out groups span
+    them)."""
     prompts: list
     completions: list  # as reward functions see them (messages for conversational prompts)
     completion_texts: list[str]
     prompt_ids: torch.Tensor  # (rows, prompt_len), left-padded
     prompt_mask: torch.Tensor
     completion_ids: torch.Tensor  # (rows, completion_len), right-padded
-    completion_mask: torch.Tensor  # 0 after EOS, and on truncated rows with mask_truncated_completions
+    # 0 after EOS, and on truncated rows with mask_truncated_completions
+    completion_mask: torch.Tensor
     truncated: torch.Tensor  # bool (rows,): no EOS within max_completion_length
-    advantages: torch.Tensor | None  # (rows,) this process's share of all_advantages; None until finished
+    # (rows,) this process's share of all_advantages; None until finished
+    advantages: torch.Tensor | None
     old_logps: torch.Tensor | None  # (rows,) sum_t log pi_old, kept only when the loss needs it
-    sampler_logps: torch.Tensor | None  # (rows, completion_len) the sampler's own log-probs (vLLM), else None
+    # (rows, completion_len) the sampler's own log-probs (vLLM), else None
+    sampler_logps: torch.Tensor | None
     rewards_per_func: torch.Tensor  # (all rows, functions), NaN where a function returned None
     shaped_rewards: torch.Tensor | None  # (all rows,) weighted, clipped, minus beta * KL
     all_advantages: torch.Tensor | None  # (all rows,)
@@ -102,10 +117,13 @@ class Rollout:
     num_generations: int
     num_tokens: int  # prompt + completion tokens of all rows
     kl: float | None = None  # mean per-token KL(pi_old || pi_ref) over all completion tokens
-    reward_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # log_metric values, averaged
-    extra_columns: dict[str, list] = dataclasses.field(default_factory=dict)  # log_extra columns, local rows
-    # Until complete_rollout (PiOld kl "loss"): the settings and first global row to complete with, the
-    # reference's per-token log-probs and each row's index in this process's rollout (micro-batches are shuffled).
+    # log_metric values, averaged
+    reward_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    # log_extra columns, local rows
+    extra_columns: dict[str, list] = dataclasses.field(default_factory=dict)
+    # Until complete_rollout (PiOld kl "loss"): the settings and first global row to complete with,
+    # the reference's per-token log-probs and each row's index in this process's rollout
+    # (micro-batches are shuffled).
     pending: tuple[RolloutSettings, int] | None = None
     ref_logps: torch.Tensor | None = None
     row_index: torch.Tensor | None = None
@@ -128,8 +146,11 @@ class Rollout:
         return dataclasses.replace(self, **picked)
 
     def to(self, device) -> "Rollout":
-        moved = {field.name: getattr(self, field.name).to(device) for field in dataclasses.fields(self)
-                 if isinstance(getattr(self, field.name), torch.Tensor)}
+        moved = {
+            field.name: getattr(self, field.name).to(device)
+            for field in dataclasses.fields(self)
+            if isinstance(getattr(self, field.name), torch.Tensor)
+        }
         return dataclasses.replace(self, **moved)
 
 
@@ -137,26 +158,30 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def global_masked_mean(values: torch.Tensor, mask: torch.Tensor, gather: Callable = _local) -> torch.Tensor:
-    """sum(values * mask) / sum(mask) over every process's rows (0 where the mask is empty everywhere)."""
+def global_masked_mean(values: torch.Tensor, mask: torch.Tensor,
+                       gather: Callable = _local) -> torch.Tensor:
+    """sum(values * mask) / sum(mask) over every process's rows (0 where the mask is empty
+    everywhere)."""
     total = gather((values * mask).sum().reshape(1).float())
     count = gather(mask.sum().reshape(1).float())
     return total.sum() / count.sum().clamp(min=1.0)
 
 
-def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Callable, processing_class: Any,
-                  reward_runner: Callable, trainer_state: Any, policy_logps: Callable | None = None,
-                  reference_logps: Callable | None = None, gather: Callable = _local,
-                  gather_object: Callable | None = None, process_index: int = 0,
-                  device: torch.device | str = "cpu", timer: StepTimer = NULL_TIMER) -> Rollout:
-    """rows (dataset rows with 'prompt', this process's share, num_generations consecutive copies per prompt)
-    -> Rollout.
+def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Callable,
+                  processing_class: Any, reward_runner: Callable, trainer_state: Any,
+                  policy_logps: Callable | None = None, reference_logps: Callable | None = None,
+                  gather: Callable = _local, gather_object: Callable | None = None,
+                  process_index: int = 0, device: torch.device | str = "cpu",
+                  timer: StepTimer = NULL_TIMER) -> Rollout:
+    """rows (dataset rows with 'prompt', this process's share, num_generations consecutive copies
+    per prompt) -> Rollout.
 
-    generate(prompt_id_lists) -> completion id lists (EOS included), or rloo.generation.base.Completions whose
-    `policy_logprobs` then stand for pi_old in the KL; policy_logps / reference_logps(input_ids, attention_mask,
-    logits_to_keep) -> per-token log-probs (as settings.pi_old says);
-    gather(tensor) concatenates a tensor over processes; gather_object(list) does the same for Python lists;
-    timer (rloo.timing) counts the generation, log-prob and reward sections."""
+    generate(prompt_id_lists) -> completion id lists (EOS included), or
+    rloo.generation.base.Completions whose `policy_logprobs` then stand for pi_old in the KL;
+    policy_logps / reference_logps(input_ids, attention_mask, logits_to_keep) -> per-token log-probs
+    (as settings.pi_old says); gather(tensor) concatenates a tensor over processes;
+    gather_object(list) does the same for Python lists; timer (rloo.timing) counts the generation,
+    log-prob and reward sections."""
     prompts = [row["prompt"] for row in rows]
     conversational = is_conversational(prompts[0])
     prompt_id_lists = tokenize_prompts(processing_class, prompts, settings.chat_template_kwargs)
@@ -164,9 +189,12 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
         completion_id_lists = generate(prompt_id_lists)
 
     pad, multiple = settings.pad_token_id, settings.pad_to_multiple_of
-    prompt_ids, prompt_mask = (t.to(device) for t in pad_rows(prompt_id_lists, pad, "left", multiple))
-    completion_ids, completion_mask = (t.to(device) for t in pad_rows(completion_id_lists, pad, "right", multiple))
-    truncated = algorithm.truncated_rows(completion_ids, completion_mask, settings.eos_token_ids, pad)
+    prompt_ids, prompt_mask = (t.to(device)
+                               for t in pad_rows(prompt_id_lists, pad, "left", multiple))
+    completion_ids, completion_mask = (
+        t.to(device) for t in pad_rows(completion_id_lists, pad, "right", multiple))
+    truncated = algorithm.truncated_rows(completion_ids, completion_mask, settings.eos_token_ids,
+                                         pad)
     lengths = torch.tensor([len(ids) for ids in completion_id_lists], device=device)
     prompt_tokens = torch.tensor([sum(len(ids) for ids in prompt_id_lists)], device=device)
     all_lengths, all_truncated = gather(lengths), gather(truncated)
@@ -178,72 +206,86 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     logits_to_keep = completion_ids.size(1)
     old_per_token = ref_per_token = None
-    decoded = getattr(completion_id_lists, "policy_logprobs", None)  # the decode loop's, for the KL's pi_old
+    # the decode loop's, for the KL's pi_old
+    decoded = getattr(completion_id_lists, "policy_logprobs", None)
     kept, defer = settings.pi_old.kept, settings.pi_old.kl == "loss" and settings.beta != 0.0
     with torch.no_grad(), timer.section("logprobs"):
         if settings.pi_old.kl == "decoder" and decoded is not None and settings.beta != 0.0:
             old_per_token = torch.zeros(completion_ids.shape, dtype=decoded.dtype, device=device)
-            width = min(decoded.size(1), completion_ids.size(1))  # (ZeRO-3 ranks in step decode past their ends)
+            # (ZeRO-3 ranks in step decode past their ends)
+            width = min(decoded.size(1), completion_ids.size(1))
             old_per_token[:, :width] = decoded[:, :width].to(device)
         elif (kept or settings.beta != 0.0) and not defer:
             old_per_token = policy_logps(input_ids, attention_mask, logits_to_keep)
         if settings.beta != 0.0:
             ref_per_token = reference_logps(input_ids, attention_mask, logits_to_keep)
 
-    texts = text_tokenizer_of(processing_class).batch_decode(completion_id_lists, skip_special_tokens=True)
+    texts = text_tokenizer_of(processing_class).batch_decode(completion_id_lists,
+                                                             skip_special_tokens=True)
     completions = [as_completion(text, conversational) for text in texts]
-    columns = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion",
-                                                                              "completion_ids")}
+    columns = {
+        key: [row[key] for row in rows]
+        for key in rows[0] if key not in ("prompt", "completion", "completion_ids")
+    }
     with timer.section("rewards"):
-        local_rewards, extra = reward_runner(prompts, completions, completion_id_lists, columns, trainer_state,
-                                             device=device)
+        local_rewards, extra = reward_runner(prompts, completions, completion_id_lists, columns,
+                                             trainer_state, device=device)
     rewards_per_func = gather(local_rewards)
     start = process_index * len(rows)
     shaped = advantages = kl_mean = None
     if not defer:
-        shaped, advantages, kl_mean = _advantages(rewards_per_func, settings, old_per_token, ref_per_token,
-                                                  completion_mask, gather)
+        shaped, advantages, kl_mean = _advantages(rewards_per_func, settings, old_per_token,
+                                                  ref_per_token, completion_mask, gather)
 
     sampler_logps = None
-    if getattr(completion_id_lists, "logprobs", None) is not None:  # vLLM's own log-probs of its samples
+    # vLLM's own log-probs of its samples
+    if getattr(completion_id_lists, "logprobs", None) is not None:
         sampler_logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
         for row, values in enumerate(completion_id_lists.logprobs):
             sampler_logps[row, :len(values)] = torch.tensor(values, dtype=torch.float32)
     return Rollout(
         prompts=prompts, completions=completions, completion_texts=texts, prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
-        advantages=None if defer else advantages[start:start + len(rows)],
+        prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
+        truncated=truncated, advantages=None if defer else advantages[start:start + len(rows)],
         old_logps=(old_per_token * completion_mask).sum(dim=1) if kept else None,
         sampler_logps=sampler_logps, rewards_per_func=rewards_per_func, shaped_rewards=shaped,
         all_advantages=advantages, all_lengths=all_lengths, all_truncated=all_truncated,
         num_generations=settings.num_generations, num_tokens=num_tokens, kl=kl_mean,
-        reward_metrics=_average_reward_metrics(extra.metrics, gather_object), extra_columns=extra.columns,
+        reward_metrics=_average_reward_metrics(extra.metrics,
+                                               gather_object), extra_columns=extra.columns,
         pending=(settings, start) if defer else None, ref_logps=ref_per_token if defer else None,
         row_index=torch.arange(len(rows), device=device) if defer else None)
 
 
-def _advantages(rewards_per_func: torch.Tensor, settings: RolloutSettings, old_per_token: torch.Tensor | None,
-                ref_per_token: torch.Tensor | None, completion_mask: torch.Tensor, gather: Callable
-                ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
-    """(shaped rewards, advantages) of every process's rows and the mean per-token KL (None when beta == 0)."""
+def _advantages(rewards_per_func: torch.Tensor, settings: RolloutSettings,
+                old_per_token: torch.Tensor | None, ref_per_token: torch.Tensor | None,
+                completion_mask: torch.Tensor,
+                gather: Callable) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """(shaped rewards, advantages) of every process's rows and the mean per-token KL (None when
+    beta == 0)."""
     kl = kl_mean = None
     if settings.beta != 0.0:
         kl = gather(algorithm.sequence_kl(old_per_token, ref_per_token, completion_mask))
         kl_mean = global_masked_mean(old_per_token - ref_per_token, completion_mask, gather).item()
     shaped, advantages = algorithm.rloo_advantages(
-        rewards_per_func, settings.reward_weights.to(rewards_per_func.device), settings.num_generations, kl=kl,
-        beta=settings.beta, reward_clip_range=settings.reward_clip_range, normalize=settings.normalize_advantages)
-    unscorable = int(torch.isnan(shaped).sum().item())  # shaped rewards stay NaN exactly on unscorable rows
+        rewards_per_func, settings.reward_weights.to(rewards_per_func.device),
+        settings.num_generations, kl=kl, beta=settings.beta,
+        reward_clip_range=settings.reward_clip_range, normalize=settings.normalize_advantages)
+    # shaped rewards stay NaN exactly on unscorable rows
+    unscorable = int(torch.isnan(shaped).sum().item())
     if unscorable:
-        logger.warning("All reward functions returned None for %d of %d completions; they get advantage 0.",
-                       unscorable, rewards_per_func.size(0))
+        logger.warning(
+            "All reward functions returned None for %d of %d completions; they get advantage 0.",
+            unscorable, rewards_per_func.size(0))
     return shaped, advantages, kl_mean
 
 
-def complete_rollout(rollout: Rollout, policy_per_token: torch.Tensor, gather: Callable = _local) -> Rollout:
-    """The step's stage for PiOld kl "loss": a rollout left pending -> the complete one: the KL's pi_old is
-    `policy_per_token`, the loss's forward of these rows (all of this process's rows, in the micro-batch's shuffled
-    order), the rest as build_rollout does it. Every process calls it (the leave-one-out groups span them)."""
+def complete_rollout(rollout: Rollout, policy_per_token: torch.Tensor,
+                     gather: Callable = _local) -> Rollout:
+    """The step's stage for PiOld kl "loss": a rollout left pending -> the complete one: the KL's
+    pi_old is `policy_per_token`, the loss's forward of these rows (all of this process's rows, in
+    the micro-batch's shuffled order), the rest as build_rollout does it. Every process calls it
+    (the leave-one-out groups span them)."""
     settings, start = rollout.pending
     order = rollout.row_index
     if order.numel() != order.max().item() + 1:
@@ -252,12 +294,13 @@ def complete_rollout(rollout: Rollout, policy_per_token: torch.Tensor, gather: C
     policy, reference = policy_per_token.detach()[unshuffle], rollout.ref_logps[unshuffle]
     shaped, advantages, kl_mean = _advantages(rollout.rewards_per_func, settings, policy, reference,
                                               rollout.completion_mask[unshuffle], gather)
-    return dataclasses.replace(rollout, advantages=advantages[start:start + len(rollout)][order.to(advantages.device)],
-                               shaped_rewards=shaped, all_advantages=advantages, kl=kl_mean, pending=None,
-                               ref_logps=None)
+    return dataclasses.replace(
+        rollout, advantages=advantages[start:start + len(rollout)][order.to(advantages.device)],
+        shaped_rewards=shaped, all_advantages=advantages, kl=kl_mean, pending=None, ref_logps=None)
 
 
-def _average_reward_metrics(metrics: dict[str, list[float]], gather_object: Callable | None) -> dict[str, float]:
+def _average_reward_metrics(metrics: dict[str, list[float]],
+                            gather_object: Callable | None) -> dict[str, float]:
     """log_metric values of every process, averaged per name."""
     local = [(name, sum(values), len(values)) for name, values in sorted(metrics.items())]
     entries = gather_object([local]) if gather_object is not None else [local]
@@ -270,14 +313,16 @@ def _average_reward_metrics(metrics: dict[str, list[float]], gather_object: Call
     return {name: total / max(count, 1) for name, (total, count) in sorted(totals.items())}
 
 
-def rollout_metrics(rollout: Rollout, reward_names: list[str], reward_weights: torch.Tensor) -> dict[str, float]:
-    """The spec's per-generation metrics (reward, reward_std, rewards/<name>/mean|std, frac_reward_zero_std, kl,
-    completions/*), over every process's rows."""
+def rollout_metrics(rollout: Rollout, reward_names: list[str],
+                    reward_weights: torch.Tensor) -> dict[str, float]:
+    """The spec's per-generation metrics (reward, reward_std, rewards/<name>/mean|std,
+    frac_reward_zero_std, kl, completions/*), over every process's rows."""
     metrics: dict[str, float] = {}
     lengths, truncated = rollout.all_lengths, rollout.all_truncated
-    metrics["completions/mean_length"], metrics["completions/min_length"], metrics["completions/max_length"] = \
-        tensor_stats(lengths)
-    metrics["completions/clipped_ratio"] = truncated.float().mean().item() if truncated.numel() else 0.0
+    (metrics["completions/mean_length"], metrics["completions/min_length"],
+     metrics["completions/max_length"]) = tensor_stats(lengths)
+    clipped = truncated.float().mean().item() if truncated.numel() else 0.0
+    metrics["completions/clipped_ratio"] = clipped
     (metrics["completions/mean_terminated_length"], metrics["completions/min_terminated_length"],
      metrics["completions/max_terminated_length"]) = tensor_stats(lengths[~truncated])
     if rollout.kl is not None:

@@ -19,8 +19,8 @@ class RepeatSampler(Sampler[int]):
         chunk [0, 1], mini_repeat_count=2, repeat_count=2  ->  0 0 1 1 0 0 1 1
     """
 
-    def __init__(self, data_source_length: int, mini_repeat_count: int, batch_size: int = 1, repeat_count: int = 1,
-                 shuffle: bool = True, seed: int = 0):
+    def __init__(self, data_source_length: int, mini_repeat_count: int, batch_size: int = 1,
+                 repeat_count: int = 1, shuffle: bool = True, seed: int = 0):
         self.num_samples = data_source_length
         self.mini_repeat_count = mini_repeat_count
         self.batch_size = batch_size
@@ -50,7 +50,8 @@ class RepeatSampler(Sampler[int]):
                         yield index
 
     def __len__(self) -> int:
-        return (self.num_samples // self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
+        return (self.num_samples //
+                self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
 
 
 def _num_rows(batch) -> int:
@@ -58,10 +59,12 @@ def _num_rows(batch) -> int:
 
 
 def _take(batch, index: torch.Tensor):
-    """Rows `index` of a dict of tensors/lists, or of an object with `select(index)` (rloo.rollout.Rollout)."""
+    """Rows `index` of a dict of tensors/lists, or of an object with `select(index)`
+    (rloo.rollout.Rollout)."""
     if not isinstance(batch, dict):
         return batch.select(index)
-    return {key: value[index] if isinstance(value, torch.Tensor) else [value[i] for i in index.tolist()]
+    rows = index.tolist()
+    return {key: value[index] if isinstance(value, torch.Tensor) else [value[i] for i in rows]
             for key, value in batch.items()}
 
 
@@ -79,14 +82,19 @@ def split_rows(batch, num_chunks: int) -> list:
     return [_take(batch, torch.arange(i * step, (i + 1) * step)) for i in range(num_chunks)]
 
 
-def _repeat_rows(batch: dict[str, list], mini_repeat_count: int, repeat_count: int) -> dict[str, list]:
+def _repeat_rows(batch: dict[str, list], mini_repeat_count: int,
+                 repeat_count: int) -> dict[str, list]:
     size = len(next(iter(batch.values())))
-    order = [row for _ in range(repeat_count) for row in range(size) for _ in range(mini_repeat_count)]
+    order = [
+        row for _ in range(repeat_count) for row in range(size) for _ in range(mini_repeat_count)
+    ]
     return {column: [values[row] for row in order] for column, values in batch.items()}
 
 
 def repeat_iterable(dataset, batch_size: int, mini_repeat_count: int, repeat_count: int = 1):
-    """The RepeatSampler's order for a streaming dataset: chunks of `batch_size` unique rows (a trailing incomplete
-    chunk dropped), each chunk `repeat_count` times, each row `mini_repeat_count` times in a row."""
-    return dataset.map(_repeat_rows, batched=True, batch_size=batch_size, drop_last_batch=True,
-                       fn_kwargs={"mini_repeat_count": mini_repeat_count, "repeat_count": repeat_count})
+    """The RepeatSampler's order for a streaming dataset: chunks of `batch_size` unique rows (a
+    trailing incomplete chunk dropped), each chunk `repeat_count` times, each row
+    `mini_repeat_count` times in a row."""
+    return dataset.map(
+        _repeat_rows, batched=True, batch_size=batch_size, drop_last_batch=True,
+        fn_kwargs={"mini_repeat_count": mini_repeat_count, "repeat_count": repeat_count})

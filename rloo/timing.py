@@ -1,13 +1,15 @@
-"""Step-time breakdown: where each optimizer step's wall time goes, as `timing/<section>` metrics in seconds.
+"""Step-time breakdown: where each optimizer step's wall time goes, as `timing/<section>` metrics in
+seconds.
 
-Sections nest (the trainer's `train` section holds the rollout, which holds generation, which holds a vLLM weight
-push); each one counts its exclusive time, so the sections of a step add up to the step's wall time minus what no
-section covers (fetching the next batch, callbacks). `step_time` is that wall time: from the start of the first
-micro-batch to the end of the optimizer step (clipping, `optimizer.step`, scheduler, `zero_grad`). Sections entered
-outside an optimizer step (an evaluation between steps) are not counted. Each rank times its own work; the logged
-values are the main process's. On an accelerator (CUDA) work is queued and runs later: the timer then waits for the
-device at every section's start and end, so a kernel counts in the section that queued it, not in the next one that
-happens to wait for a result.
+Sections nest (the trainer's `train` section holds the rollout, which holds generation, which holds
+a vLLM weight push); each one counts its exclusive time, so the sections of a step add up to the
+step's wall time minus what no section covers (fetching the next batch, callbacks). `step_time` is
+that wall time: from the start of the first micro-batch to the end of the optimizer step (clipping,
+`optimizer.step`, scheduler, `zero_grad`). Sections entered outside an optimizer step (an evaluation
+between steps) are not counted. Each rank times its own work; the logged values are the main
+process's. On an accelerator (CUDA) work is queued and runs later: the timer then waits for the
+device at every section's start and end, so a kernel counts in the section that queued it, not in
+the next one that happens to wait for a result.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ SECTIONS = ("generation", "weight_sync", "rewards", "logprobs", "train", "optimi
 
 
 class StepTimer:
-    """Exclusive seconds per section within one optimizer step; a no-op between steps. `synchronize` (if given) is
-    called before every clock reading inside a step: the wait for an accelerator's queued work."""
+    """Exclusive seconds per section within one optimizer step; a no-op between steps. `synchronize`
+    (if given) is called before every clock reading inside a step: the wait for an accelerator's
+    queued work."""
 
     def __init__(self, synchronize: Callable[[], None] | None = None):
         self._synchronize = synchronize
@@ -62,7 +65,8 @@ class StepTimer:
         self._step_start = self._last_mark = self._now()
 
     def end_micro_step(self) -> None:
-        """A micro-batch's forward and backward are done: what follows until `end_step` is the optimizer's."""
+        """A micro-batch's forward and backward are done: what follows until `end_step` is the
+        optimizer's."""
         self._last_mark = self._now()
 
     def end_step(self) -> dict[str, float]:
@@ -78,7 +82,8 @@ class StepTimer:
 
 
 def timed(section: str):
-    """A method decorator: the call counts as `section` on its object's `timer` (a generation backend's)."""
+    """A method decorator: the call counts as `section` on its object's `timer` (a generation
+    backend's)."""
     def decorate(method):
         @functools.wraps(method)
         def wrapper(self, *args, **kwargs):
@@ -89,13 +94,15 @@ def timed(section: str):
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on `device` (an accelerator's); nothing on the CPU, whose work is done on return."""
+    """Wait for the work queued on `device` (an accelerator's); nothing on the CPU, whose work is
+    done on return."""
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
 
 
 def device_timer(device: torch.device) -> StepTimer:
-    """A StepTimer for work on `device`: one that waits for the device's queue at each reading, except on the CPU."""
+    """A StepTimer for work on `device`: one that waits for the device's queue at each reading,
+    except on the CPU."""
     if device.type == "cpu":
         return StepTimer()
     return StepTimer(functools.partial(synchronize, device))
@@ -105,7 +112,8 @@ NULL_TIMER = StepTimer()  # never begins a step: its sections cost nothing and r
 
 
 class StepTimingCallback(TrainerCallback):
-    """Opens the timer at each optimizer step's begin and adds its breakdown to the trainer's metrics at the end."""
+    """Opens the timer at each optimizer step's begin and adds its breakdown to the trainer's
+    metrics at the end."""
 
     def __init__(self, timer: StepTimer, metrics):
         self.timer = timer
@@ -120,11 +128,12 @@ class StepTimingCallback(TrainerCallback):
 
 
 def timing_summary(record: dict) -> str | None:
-    """'step 3.2 s: generation 1.9, train 0.8, logprobs 0.3, ...' from a log record, largest first; None without
-    timings."""
+    """'step 3.2 s: generation 1.9, train 0.8, logprobs 0.3, ...' from a log record, largest first;
+    None without timings."""
     parts = [(record[f"timing/{name}"], name) for name in SECTIONS
              if isinstance(record.get(f"timing/{name}"), (int, float))]
     if not parts or not isinstance(record.get("step_time"), (int, float)):
         return None
-    shown = ", ".join(f"{name} {seconds:.2f}" for seconds, name in sorted(parts, reverse=True) if seconds >= 0.005)
+    shown = ", ".join(f"{name} {seconds:.2f}" for seconds, name in sorted(parts, reverse=True)
+                      if seconds >= 0.005)
     return f"{record['step_time']:.2f} s/step ({shown})"

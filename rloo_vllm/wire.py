@@ -1,6 +1,7 @@
-"""The weight-transfer wire format shared by the trainer (sender) and the vLLM worker (receiver): parameters are
-sent in order, packed into one flat buffer per chunk of consecutive same-dtype tensors. Both sides derive the same
-chunks from the same (dtype, shape) list, so the update request carries only names, dtypes and shapes."""
+"""The weight-transfer wire format shared by the trainer (sender) and the vLLM worker (receiver):
+parameters are sent in order, packed into one flat buffer per chunk of consecutive same-dtype
+tensors. Both sides derive the same chunks from the same (dtype, shape) list, so the update request
+carries only names, dtypes and shapes."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
-def plan_chunks(dtype_names: list[str], shapes: list[list[int]], limit_bytes: int = CHUNK_BYTES) -> list[list[int]]:
-    """Indices of the parameters in each chunk: consecutive, one dtype, at most `limit_bytes` (a larger tensor
-    travels alone)."""
+def plan_chunks(dtype_names: list[str], shapes: list[list[int]],
+                limit_bytes: int = CHUNK_BYTES) -> list[list[int]]:
+    """Indices of the parameters in each chunk: consecutive, one dtype, at most `limit_bytes` (a
+    larger tensor travels alone)."""
     chunks: list[list[int]] = []
     size = 0
     for index, (dtype_name, shape) in enumerate(zip(dtype_names, shapes)):

@@ -1,1 +1,2 @@
-"""Prefect tasks: one per pipeline stage, each a thin wrapper over a plain function in `infra.stages`."""
+"""Prefect tasks: one per pipeline stage, each a thin wrapper over a plain function in
+`infra.stages`."""

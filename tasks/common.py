@@ -1,5 +1,5 @@
-"""What every stage task shares: the cache key (config fingerprint + stage version), the stage's summary line, and
-training's progress (a Prefect progress artifact and a log line)."""
+"""What every stage task shares: the cache key (config fingerprint + stage version), the stage's
+summary line, and training's progress (a Prefect progress artifact and a log line)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from infra.stages import STAGE_VERSIONS
 
 
 def cache_key(stage: str):
-    """Same config + same stage version => the stage's persisted result is reused (across flow runs too)."""
+    """Same config + same stage version => the stage's persisted result is reused (across flow runs
+    too)."""
     def key(context, parameters) -> str:
         config: RunConfig = parameters["config"]
         return f"rloo-{stage}-v{STAGE_VERSIONS[stage]}-{config.fingerprint()}"
@@ -24,27 +25,35 @@ def say(stage: str, message: str) -> None:
 
 
 def progress_reporter(config: RunConfig, every_s: float = 30.0):
-    """on_progress(step, max_steps, reward, timing) for follow_training: updates the Prefect progress artifact at each
-    new step and logs `[train] step 12/40, reward 0.312, ETA 4m10s, 3.10 s/step (generation 1.90, train 0.80, ...)`
-    at most every `every_s` seconds (and at the end),
-    a plain line that reads the same in a terminal, a pipe or the Prefect UI. The Prefect API going away stops the
-    artifact updates, not the following."""
+    """on_progress(step, max_steps, reward, timing) for follow_training: updates the Prefect
+    progress artifact at each new step and logs `[train] step 12/40, reward 0.312, ETA 4m10s, 3.10
+    s/step (generation 1.90, train 0.80, ...)` at most every `every_s` seconds (and at the end), a
+    plain line that reads the same in a terminal, a pipe or the Prefect UI. The Prefect API going
+    away stops the artifact updates, not the following."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
     artifact = create_progress_artifact(0.0, key=f"{config.name}-training-progress",
-                                        description=f"Optimizer steps of {config.run_key}", _sync=True)
+                                        description=f"Optimizer steps of {config.run_key}",
+                                        _sync=True)
     start, state = time.time(), {"logged": 0.0, "first": None}
 
-    def on_progress(step: int, max_steps: int | None, reward: float | None, timing: str | None = None) -> None:
+    def on_progress(step: int, max_steps: int | None, reward: float | None,
+                    timing: str | None = None) -> None:
         if max_steps and not state.get("api_away"):
             try:
                 update_progress_artifact(artifact, 100.0 * step / max_steps, _sync=True)
-            except Exception as err:  # the Prefect API away: the job trains on, followed through its files
+            # the Prefect API away: the job trains on, followed through its files
+            except Exception as err:
                 state["api_away"] = True
-                say("train", f"the Prefect API is unreachable ({type(err).__name__}); following the job without "
-                             "progress updates. If this process ends, `rloo-pipeline resume RUN` picks the job up.")
+                say(
+                    "train",
+                    f"the Prefect API is unreachable ({type(err).__name__}); following the job "
+                    "without progress updates. If this process ends, `rloo-pipeline resume RUN` "
+                    "picks the job up."
+                )
         now = time.time()
         if step and state["first"] is None:
-            state["first"] = (step, now)  # ETA from the pace after the first step (it includes start-up)
+            # ETA from the pace after the first step (it includes start-up)
+            state["first"] = (step, now)
         if now - state["logged"] < every_s and step != max_steps:
             return
         state["logged"] = now

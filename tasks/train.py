@@ -8,19 +8,22 @@ from tasks.common import cache_key, progress_reporter, say
 
 
 @task(name="train", cache_key_fn=cache_key("train"), persist_result=True)
-async def train_task(config: RunConfig, dataset_result: dict, model_result: dict, parent_run_id: str | None) -> dict:
-    """Launch (or reattach to) the training job and follow it with async polling; the train stage's MLflow run
-    is created here and handed to the job, whose rank 0 logs into it."""
+async def train_task(config: RunConfig, dataset_result: dict, model_result: dict,
+                     parent_run_id: str | None) -> dict:
+    """Launch (or reattach to) the training job and follow it with async polling; the train stage's
+    MLflow run is created here and handed to the job, whose rank 0 logs into it."""
     previous = stages.read_json(stages.stage_path(config, "train", "job.json")) or {}
     with tracking.stage_run(config, parent_run_id, "train", run_id=previous.get("mlflow_run_id"),
                             params=resolved_dict(config)) as run_id:
         record = stages.start_or_reattach_training(config, dataset_result, model_result, run_id)
         how = "reattached to" if record["reattached"] else (
             f"resumed from {record['resumed_from']} as" if record["resumed_from"] else "started")
-        say("train", f"{how} local job {record['handle']['job_id']} (log: {record['handle']['log_path']})")
+        say("train",
+            f"{how} local job {record['handle']['job_id']} (log: {record['handle']['log_path']})")
         on_progress = progress_reporter(config)
         result = await stages.follow_training(config, record, on_progress)
-        if run_id:  # what MLflow refused during the run (an outage) goes now, before the run is closed
+        # what MLflow refused during the run (an outage) goes now, before the run is closed
+        if run_id:
             job_tracking.flush_pending(stages.train_dir(config), config.tracking_uri, run_id)
     say("train", f"{result['global_step']} optimizer steps done; model in {result['output_dir']}")
     return result

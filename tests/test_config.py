@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from rloo import RLOOConfig
-from rloo.config import LEGACY_PARAMETERS
+from rloo.config_checks import LEGACY_PARAMETERS
 
 
 def config(tmp_path, **kwargs):

@@ -11,8 +11,8 @@ from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
 from rloo.generation import LeanGenerator, TransformersGenerator
-from rloo.engine import kernel
-from rloo.engine.decode import _kernels
+from rloo.engine import kernel, packing
+from rloo.engine.packing import kernels
 from rloo.engine.lean import Draws, MinNewTokens, sample_from
 
 from helpers import PROMPTS, config, kernel_targets, small_llama, with_lora
@@ -54,8 +54,7 @@ def test_decode_gemm_is_flinear_for_any_rows_columns_bias_and_threads(target):
 def test_decode_gemm_goes_first_with_avx512_or_avx2_and_is_skipped_without_a_compiler(tmp_path, monkeypatch):
     """The decode step packs for our kernel where it is built for AVX-512 or for AVX2 with FMA, and for oneDNN's
     where there is no compiler (nothing cached): the build's failure is not an error."""
-    from rloo.engine import decode
-    assert ("rloo" in _kernels()) == (kernel.for_decoding() is not None)
+    assert ("rloo" in kernels()) == (kernel.for_decoding() is not None)
     flags = set(kernel._cpu_flags().split())
     if kernel.compiled() is not None:
         assert (kernel.for_decoding() is not None) == ("avx512f" in flags or {"avx2", "fma"} <= flags)
@@ -66,12 +65,12 @@ def test_decode_gemm_goes_first_with_avx512_or_avx2_and_is_skipped_without_a_com
     kernel.compiled.cache_clear()
     try:
         assert kernel.compiled() is None and kernel.for_decoding() is None
-        assert next(iter(decode._kernels())) == "onednn"
+        assert next(iter(packing.kernels())) == "onednn"
     finally:
         monkeypatch.undo()
         kernel.compiled.cache_clear()
     if kernel.for_decoding() is not None:
-        assert next(iter(decode._kernels())) == "rloo"
+        assert next(iter(packing.kernels())) == "rloo"
 
 
 @pytest.mark.skipif(kernel.compiled() is None, reason="no build of our kernel here (no gcc, or not Linux x86-64)")
@@ -108,7 +107,6 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
     from transformers import DynamicCache
 
     from rloo.data import pad_rows
-    from rloo.engine import decode
     from rloo.engine.decode import lean_decoder
     from rloo.kv import cache_argument
     library = kernel.compiled(target)
@@ -116,7 +114,7 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
         assert shutil.which("gcc") is None
         pytest.skip("no gcc on this machine: the step stays torch's")
     # our GEMM (on a CPU without AVX2 and FMA built with 8-float vectors: tested here, not used there)
-    monkeypatch.setattr(decode, "_kernels", lambda: {"rloo": functools.partial(kernel.packed_linear, library)})
+    monkeypatch.setattr(packing, "kernels", lambda: {"rloo": functools.partial(kernel.packed_linear, library)})
     model = small_llama(tokenizer, biases=kind == "biases")
     if kind == "lora":
         model = with_lora(model)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rloo.generation import LeanGenerator, TransformersGenerator
-from rloo.engine import kernel
-from rloo.engine.decode import _kernels
+from rloo.engine import kernel, packing
+from rloo.engine.packing import kernels
 from tiny_models import tiny_causal_lm
 
 from helpers import DEVICES, PROMPTS, config, with_lora
@@ -43,7 +43,7 @@ def _variant(tokenizer, kind):
     return model
 
 
-_KERNELS = _kernels()
+_KERNELS = kernels()
 if "rloo" not in _KERNELS and kernel.compiled() is not None:  # (built here without AVX2 and FMA: tested, not used)
     _KERNELS["rloo"] = functools.partial(kernel.packed_linear, kernel.compiled())
 _PACKABLE = ("llama", "llama-bias", "qwen2", "lora", "lora-mixed")
@@ -55,10 +55,9 @@ def test_written_out_decode_step_is_the_models_forward(tokenizer, kind, gemm, mo
     """rloo.engine.decode: the step's logits are the model's (KV buffers; packed weights with each GEMM kernel
     the build has, q/k/v and gate/up side by side, LoRA merged; or, not packable, LoRA written out; the attention's
     matmuls), and greedy decoding with it gives generate's tokens."""
-    from rloo.engine import decode
     from rloo.engine.decode import lean_decoder
     if gemm is not None:  # that kernel alone (MKL's is otherwise used only in a build without oneDNN)
-        monkeypatch.setattr(decode, "_kernels", lambda: {gemm: _KERNELS[gemm]})
+        monkeypatch.setattr(packing, "kernels", lambda: {gemm: _KERNELS[gemm]})
     model = _variant(tokenizer, kind).eval()
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     assert lean_decoder(model, len(prompts)) is not None
@@ -159,7 +158,7 @@ def test_the_decode_steps_fused_operations_give_the_modules_values(tokenizer, mo
 
 
 def test_weights_are_packed_for_onednn_and_for_mkl_only_in_a_build_without_it(monkeypatch):
-    """rloo.engine.decode._packed_linear: oneDNN's kernel where the build has it, nothing else packed or timed
+    """rloo.engine.packing.packed_linear: oneDNN's kernel where the build has it, nothing else packed or timed
     (MKL's packed copy is up to 21x the weight's size: a fresh mapping on every generation call); MKL's in a build
     without oneDNN; packing draws no random numbers."""
     import functools
@@ -174,20 +173,20 @@ def test_weights_are_packed_for_onednn_and_for_mkl_only_in_a_build_without_it(mo
             built.append((name, rows))
             return functools.partial(F.linear, weight=weight, bias=bias)
         return make
-    monkeypatch.setattr(decode, "_onednn", kernel("onednn"))
-    monkeypatch.setattr(decode, "_mkl", kernel("mkl"))
+    monkeypatch.setattr(packing, "onednn_linear", kernel("onednn"))
+    monkeypatch.setattr(packing, "mkl_linear", kernel("mkl"))
     monkeypatch.setattr(decode.kernel_module, "for_decoding", lambda: None)  # (ours: its own test)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
     weight, bias, x = torch.randn(6, 5), torch.randn(6), torch.randn(3, 1, 5)
     random_state = torch.random.get_rng_state()
-    linear = decode._packed_linear(weight, bias, 3)
+    linear = packing.packed_linear(weight, bias, 3)
     assert built == [("onednn", 3)]
     assert torch.equal(torch.random.get_rng_state(), random_state)  # sampling after it draws what it would have
     torch.testing.assert_close(linear(x), F.linear(x, weight, bias))
     built.clear()
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    decode._packed_linear(weight, bias, 3)
+    packing.packed_linear(weight, bias, 3)
     assert built == [("mkl", 3)]
 
 

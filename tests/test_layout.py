@@ -5,13 +5,21 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PRODUCT = [p for package in ("rloo", "infra", "tasks", "flows") for p in (ROOT / package).rglob("*.py")]
+PACKAGES = ("rloo", "rloo_vllm", "infra", "tasks", "flows")
+PRODUCT = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
 
 
 def test_no_module_over_450_lines():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PRODUCT}
     assert {name: n for name, n in sizes.items() if n > 450} == {}
     assert sizes["rloo/trainer.py"] <= 430
+
+
+def test_no_product_line_over_100_characters():
+    sources = PRODUCT + [p for package in PACKAGES for p in (ROOT / package).rglob("*.c")]
+    long = [f"{p.relative_to(ROOT)}:{number}" for p in sources
+            for number, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 100]
+    assert long == []
 
 
 def test_mlflow_is_imported_in_rloo_only_lazily_inside_its_callback():

@@ -216,12 +216,12 @@ def test_decoded_logprobs_are_the_kls_pi_old_and_steps_past_every_end_are_cut(to
     the others past its own rows' ends hands in more columns than its completions have."""
     from rloo.generation import Completions
     from rloo.rewards.runner import RewardRunner
-    from rloo.rollout import RolloutSettings, build_rollout
+    from rloo.rollout import PiOld, RolloutSettings, build_rollout
     eos = tokenizer.eos_token_id
     ids = [[5, eos], [6, 7, eos]]
     decoded = torch.tensor([[-1.0, -2.0, 0.0, 0.0, 0.0], [-1.5, -0.5, -0.25, 0.0, 0.0]])  # 5 steps for 3 tokens
     settings = RolloutSettings(num_generations=2, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[eos],
-                               reward_weights=torch.ones(1), beta=0.5)
+                               reward_weights=torch.ones(1), beta=0.5, pi_old=PiOld(False, "decoder"))
     rollout = build_rollout(
         [{"prompt": "the dog"}] * 2, settings, generate=lambda prompts: Completions(ids, policy_logprobs=decoded),
         processing_class=tokenizer, reward_runner=RewardRunner([lambda completion_ids, **kw: [float(len(c)) for c in

@@ -47,7 +47,7 @@ def test_peft_model_passed_in_keeps_its_adapter_as_reference(tmp_path, tokenizer
     ids = torch.tensor([[3, 10, 11, 12, 13]])
     with torch.no_grad():
         expected = initial(input_ids=ids).logits
-        from rloo.models import reference_adapter
+        from rloo.adapters import reference_adapter
         with reference_adapter(trainer.model, trainer._trainable_adapter):
             reference = trainer.model(input_ids=ids).logits
         live = trainer.model(input_ids=ids).logits

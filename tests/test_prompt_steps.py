@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from rloo.engine import kernel
+from rloo.engine import kernel, packing
 
 from helpers import kernel_targets, small_llama, with_lora
 
@@ -66,7 +66,6 @@ def test_prompts_through_the_c_step_fill_the_decoders_buffers_as_the_models_forw
     from transformers import DynamicCache, GenerationConfig
 
     from rloo.data import pad_rows
-    from rloo.engine import decode
     from rloo.generation import LeanGenerator, TransformersGenerator
     from rloo.engine import prompt_steps as module
     from rloo.engine.decode import lean_decoder
@@ -75,7 +74,7 @@ def test_prompts_through_the_c_step_fill_the_decoders_buffers_as_the_models_forw
     if library is None:
         assert shutil.which("gcc") is None
         pytest.skip("no gcc on this machine: the prompts keep the model's forward")
-    monkeypatch.setattr(decode, "_kernels", lambda: {"rloo": functools.partial(kernel.packed_linear, library)})
+    monkeypatch.setattr(packing, "kernels", lambda: {"rloo": functools.partial(kernel.packed_linear, library)})
     monkeypatch.setattr(module, "torch", _NanEmpty())
     spanned = []
     through = kernel.Step.prompt_tokens

@@ -18,7 +18,8 @@ from infra.launch import stop_process_groups
 from rloo import RLOOConfig, RLOOTrainer
 from rloo.generation import vllm_server
 from rloo.generation.vllm_common import sampling_of
-from rloo.generation.vllm_server import VLLMServerClient, check_same_model
+from rloo.generation.vllm_client import VLLMServerClient, VLLMServerError
+from rloo.generation.vllm_server import check_same_model
 from rloo.logps import per_token_logps
 from tiny_models import save_servable, tiny_causal_lm, tiny_servable_causal_lm, tiny_tokenizer
 from helpers import assert_step_timing
@@ -251,7 +252,7 @@ def test_nccl_server_backend_needs_a_gpu_here_and_vllms_trainer_engine_fits_our_
     # client's routes. Without a GPU in the training process: refused, naming the fix.
     client = VLLMServerClient(server["url"], 30)
     monkeypatch.setattr(client, "server_config", lambda: {"weight_transfer_config": {"backend": "nccl"}})
-    with pytest.raises(vllm_server.VLLMServerError, match="backend is 'nccl', which sends from a GPU of this process"):
+    with pytest.raises(VLLMServerError, match="backend is 'nccl', which sends from a GPU of this process"):
         client.init_weight_transfer("127.0.0.1", 18550)
     # The parts that run without a GPU, against vLLM's own classes (in .venv-vllm): our client satisfies vLLM's
     # trainer-side client protocol, and our weight source passes the check vLLM's NCCL engine runs before it
@@ -260,7 +261,7 @@ def test_nccl_server_backend_needs_a_gpu_here_and_vllms_trainer_engine_fits_our_
 import torch
 from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine, NCCLWeightTransferUpdateInfo
-from rloo.generation.vllm_server import VLLMServerClient, named_tensor_source
+from rloo.generation.vllm_client import VLLMServerClient, named_tensor_source
 from tiny_models import tiny_servable_causal_lm
 assert isinstance(VLLMServerClient("http://127.0.0.1:1"), VLLMWeightSyncClient)
 source = named_tensor_source()

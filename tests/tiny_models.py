@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
 from rloo.tiny import (CHAT_TEMPLATE, WORDS, save_tiny, tiny_causal_lm, tiny_config,  # noqa: F401 (tests)
                        tiny_tokenizer)

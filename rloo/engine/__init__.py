@@ -1,11 +1,13 @@
-"""The speed layer: faster code for parts of the reference path (`model.generate` for in-process generation,
-plain forwards for log-probs) that gives the same gradients for given samples, the same greedy tokens and the same
-sampling distribution. Seams toward the trainer: generation through `rloo.generation.make_generation_backend`
-(this package's decode loop or `model.generate`), the forwards through `rloo.logps.per_token_logps`
-(`share_prompts`), and the memory techniques the trainer enters around its loss (`loss_context`).
+"""The speed layer: faster code for parts of the reference path (`model.generate` for in-process
+generation, plain forwards for log-probs) that gives the same gradients for given samples, the same
+greedy tokens and the same sampling distribution. Seams toward the trainer: generation through
+`rloo.generation.make_generation_backend` (this package's decode loop or `model.generate`), the
+forwards through `rloo.logps.per_token_logps` (`share_prompts`), and the memory techniques the
+trainer enters around its loss (`loss_context`).
 
-One switch turns all of it off: RLOO_ENGINE=reference in the environment, or RLOOConfig(engine="reference").
-`describe` says, in one line, which parts are on for a model and machine and why the others are off.
+One switch turns all of it off: RLOO_ENGINE=reference in the environment, or
+RLOOConfig(engine="reference"). `describe` says, in one line, which parts are on for a model and
+machine and why the others are off.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ def mode(value: str | None = None) -> str:
     chosen = value if value is not None else os.environ.get(ENVIRONMENT, "").strip() or "fast"
     if chosen not in MODES:
         source = "engine" if value is not None else ENVIRONMENT
-        raise ValueError(f"{source}={chosen!r}: use 'fast' (the speed layer) or 'reference' (model.generate "
-                         "and plain forwards, the speed layer off).")
+        raise ValueError(
+            f"{source}={chosen!r}: use 'fast' (the speed layer) or 'reference' (model.generate and "
+            "plain forwards, the speed layer off).")
     return chosen
 
 
@@ -35,8 +38,9 @@ def is_fast(value: str | None = None) -> bool:
 
 @contextlib.contextmanager
 def loss_context(model: nn.Module, unwrapped: nn.Module, fast: bool):
-    """Around the loss's forward and backward: activations recomputed in the backward (rloo.engine.recompute) and
-    a tied embedding's gradient as rows (rloo.engine.tied); nothing in reference mode."""
+    """Around the loss's forward and backward: activations recomputed in the backward
+    (rloo.engine.recompute) and a tied embedding's gradient as rows (rloo.engine.tied); nothing in
+    reference mode."""
     if not fast:
         yield
         return
@@ -47,7 +51,8 @@ def loss_context(model: nn.Module, unwrapped: nn.Module, fast: bool):
 
 
 def keep_freed_memory(fast: bool) -> None:
-    """Freed memory kept in the process for the next step (rloo.engine.heap), where the layer is on."""
+    """Freed memory kept in the process for the next step (rloo.engine.heap), where the layer is
+    on."""
     if fast:
         from rloo.engine import heap
         heap.keep_freed_memory()
@@ -57,16 +62,16 @@ def describe(fast: bool, model: nn.Module, generator: object, reference: nn.Modu
     """One line: each part of the speed layer, on or off and why, for this model and machine."""
     model, reference = _unwrapped(model), reference and _unwrapped(reference)
     if not fast:
-        return f"rloo engine: reference ({ENVIRONMENT}=reference or engine='reference'): model.generate and " \
-               "plain forwards; no fast path on"
+        return (f"rloo engine: reference ({ENVIRONMENT}=reference or engine='reference'): "
+                "model.generate and plain forwards; no fast path on")
     from rloo.engine import heap, kernel, shared_prompts, tied
     from rloo.engine.lean import LeanGenerator
     from rloo.engine.recompute import covered_modules
     parts = []
     if isinstance(generator, LeanGenerator):
         library = kernel.for_decoding() if _on_cpu(model) else None
-        build = "C kernel, AVX-512 build" if library is not None and library.vector_floats() == 16 else \
-            "C kernel, AVX2 build" if library is not None else "torch step"
+        build = "torch step" if library is None else \
+            "C kernel, AVX-512 build" if library.vector_floats() == 16 else "C kernel, AVX2 build"
         parts.append(f"decode loop: on ({build})")
     else:
         parts.append(f"decode loop: off ({type(generator).__name__} generates)")
@@ -77,14 +82,17 @@ def describe(fast: bool, model: nn.Module, generator: object, reference: nn.Modu
                  "recomputed activations: off (no registered norm or MLP class)")
     parts.append("tied-embedding rows: " + ("on" if tied.is_tied(model) else "off (untied model)"))
     mapped = reference is not None and getattr(reference, "_rloo_mapping", None) is not None
-    parts.append("mapped reference: " + ("on" if mapped else "off (" + (
-        "no separate reference model" if reference is None else "no disk filesystem to map from") + ")"))
+    parts.append("mapped reference: " + (
+        "on" if mapped else "off (" +
+        ("no separate reference model" if reference is None else "no disk filesystem to map from") +
+        ")"))
     parts.append("freed memory kept: " + ("on" if heap.libc() is not None else "off (no glibc)"))
     return "rloo engine: " + "; ".join(parts)
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):  # DDP / DeepSpeed wrappers
+    # DDP / DeepSpeed wrappers
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model
 

@@ -1,9 +1,10 @@
-"""The ctypes binding of kernel.c, read from kernel.c itself: one source of truth for every signature and for the
-`layer` struct. Each exported (non-static) function's parameter names and types, and the struct's fields, are
-parsed from the C text the library is built from; calls pass arguments by the C parameter names, so a missing,
-extra or misspelt argument is a TypeError naming it, never a shifted argument. At load, the library must report
-the source it was built from (`source_id`) and the struct's size (`layer_size`) the Python side computes:
-otherwise a clear error, not memory corruption."""
+"""The ctypes binding of kernel.c, read from kernel.c itself: one source of truth for every
+signature and for the `layer` struct. Each exported (non-static) function's parameter names and
+types, and the struct's fields, are parsed from the C text the library is built from; calls pass
+arguments by the C parameter names, so a missing, extra or misspelt argument is a TypeError naming
+it, never a shifted argument. At load, the library must report the source it was built from
+(`source_id`) and the struct's size (`layer_size`) the Python side computes: otherwise a clear
+error, not memory corruption."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import hashlib
 import re
 from typing import Any, NamedTuple
 
-SCALARS = {"int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double, "long": ctypes.c_long,
-           "unsigned long long": ctypes.c_ulonglong}
-_FUNCTION = re.compile(r"^(void|int|float|double|long|unsigned long long)\s+(\w+)\(([^)]*)\)\s*\{", re.M)
+SCALARS = {
+    "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double, "long": ctypes.c_long,
+    "unsigned long long": ctypes.c_ulonglong
+}
+_FUNCTION = re.compile(r"^(void|int|float|double|long|unsigned long long)\s+(\w+)\(([^)]*)\)\s*\{",
+                       re.M)
 _STRUCT = re.compile(r"typedef struct \{(.*?)\} layer;", re.S)
 
 
@@ -37,7 +41,8 @@ def _ctype(declaration: str) -> tuple[str, Any]:
     if "*" in kind:
         return name, ctypes.c_void_p
     if kind not in SCALARS:
-        raise ValueError(f"kernel.c: parameter {declaration!r} has a type the binding does not know")
+        raise ValueError(
+            f"kernel.c: parameter {declaration!r} has a type the binding does not know")
     return name, SCALARS[kind]
 
 
@@ -47,8 +52,8 @@ def functions(source: str) -> dict[str, Signature]:
     for result, name, parameters in _FUNCTION.findall(source):
         parts = [part for part in parameters.split(",") if part.strip() not in ("", "void")]
         pairs = [_ctype(part) for part in parts]
-        found[name] = Signature(None if result == "void" else SCALARS[result], tuple(n for n, _ in pairs),
-                                tuple(t for _, t in pairs))
+        found[name] = Signature(None if result == "void" else SCALARS[result],
+                                tuple(n for n, _ in pairs), tuple(t for _, t in pairs))
     return found
 
 
@@ -62,7 +67,8 @@ def layer_struct(source: str) -> type[ctypes.Structure]:
         statement = " ".join(statement.split())
         if not statement:
             continue
-        kind = statement.split()[0] if not statement.startswith("const") else "const " + statement.split()[1]
+        words = statement.split()
+        kind = "const " + words[1] if words[0] == "const" else words[0]
         for declarator in statement[len(kind):].split(","):
             name, ctype = _ctype(kind + " " + declarator)
             fields.append((name, ctype))
@@ -81,12 +87,14 @@ class Library:
         self.Layer = layer_struct(source)
         built_from = self._cdll.source_id()
         if built_from != source_id(source):
-            raise RuntimeError(f"kernel library {path} was built from another kernel.c (source id {built_from:x}, "
-                               f"expected {source_id(source):x}). Fix: delete it; it is rebuilt on next use.")
+            raise RuntimeError(
+                f"kernel library {path} was built from another kernel.c (source id {built_from:x}, "
+                f"expected {source_id(source):x}). Fix: delete it; it is rebuilt on next use.")
         if self._cdll.layer_size() != ctypes.sizeof(self.Layer):
-            raise RuntimeError(f"kernel library {path}: the C `layer` struct is {self._cdll.layer_size()} bytes, "
-                               f"its binding {ctypes.sizeof(self.Layer)}: kernel.c's struct and the parser "
-                               "disagree.")
+            raise RuntimeError(
+                f"kernel library {path}: the C `layer` struct is {self._cdll.layer_size()} bytes, "
+                f"its binding {ctypes.sizeof(self.Layer)}: kernel.c's struct and the parser "
+                "disagree.")
 
     def __getattr__(self, name: str):
         signature = self._signatures.get(name)
@@ -100,7 +108,8 @@ class Library:
             missing = [n for n in signature.names if n not in arguments]
             extra = sorted(set(arguments) - set(signature.names))
             if missing or extra:
-                raise TypeError(f"kernel {name}: missing {missing}, unknown {extra} (kernel.c's parameters: "
-                                f"{', '.join(signature.names)})")
+                raise TypeError(
+                    f"kernel {name}: missing {missing}, unknown {extra} (kernel.c's parameters: "
+                    f"{', '.join(signature.names)})")
             return function(*(arguments[n] for n in signature.names))
         return call

@@ -1,21 +1,24 @@
-"""Sampling completions with a decode loop of our own (the default in-process backend when the sampling settings
-allow it): the prompts once per distinct prompt through the decode step's C where the whole step is ours
-(rloo.engine.prompt_steps), else through the model's forward (rloo.engine.prefill: rows repeating a prompt
-share its KV cache; on the CPU in groups of similar length), then one decode step per token
-(rloo.engine.decode's written-out step for the Llama family, else the model's forward), transformers' own
-logits processors in `generate`'s order, and an inverse-CDF draw instead of `torch.multinomial` (in C on the logits
-where min_new_tokens is the only processor: rloo.engine.kernel.draw; on a GPU replayed as a CUDA graph: Draws).
+"""Sampling completions with a decode loop of our own (the default in-process backend when the
+sampling settings allow it): the prompts once per distinct prompt through the decode step's C where
+the whole step is ours (rloo.engine.prompt_steps), else through the model's forward
+(rloo.engine.prefill: rows repeating a prompt share its KV cache; on the CPU in groups of similar
+length), then one decode step per token (rloo.engine.decode's written-out step for the Llama family,
+else the model's forward), transformers' own logits processors in `generate`'s order, and an
+inverse-CDF draw instead of `torch.multinomial` (in C on the logits where min_new_tokens is the only
+processor: rloo.engine.kernel.draw; on a GPU replayed as a CUDA graph: Draws).
 
-Same distribution as `model.generate`: the same logits (same function, positions and mask), the same processors
-(repetition penalty, min_new_tokens, temperature, top-k, top-p, min-p), the same EOS handling; only the random
-draw differs: one uniform number per row against the cumulative probabilities (float64), where `multinomial`
-draws an exponential variate for every vocabulary entry (40 ms per token at batch 32 with a 49k vocabulary on
-2 CPU cores). Greedy decoding gives `generate`'s tokens. Settings it does not implement (beams, n-gram bans, bad
-words, a cache implementation, ...) keep `model.generate` (`supports`).
+Same distribution as `model.generate`: the same logits (same function, positions and mask), the same
+processors (repetition penalty, min_new_tokens, temperature, top-k, top-p, min-p), the same EOS
+handling; only the random draw differs: one uniform number per row against the cumulative
+probabilities (float64), where `multinomial` draws an exponential variate for every vocabulary entry
+(a large part of `generate`'s time on a CPU). Greedy decoding gives
+`generate`'s tokens. Settings it does not implement (beams, n-gram bans, bad words, a cache
+implementation, ...) keep `model.generate` (`supports`).
 
-With `policy_temperature` set (RLOOConfig.kl_logps_from_generation, rloo.generation.keep_policy_logprobs), it keeps
-log softmax(logits / temperature) of every drawn token, from the raw logits before any processor: the policy's
-own log-probs, which the rollout then takes instead of a second forward over the finished rows."""
+With `policy_temperature` set (RLOOConfig.kl_logps_from_generation,
+rloo.generation.keep_policy_logprobs), it keeps log softmax(logits / temperature) of every drawn
+token, from the raw logits before any processor: the policy's own log-probs, which the rollout then
+takes instead of a second forward over the finished rows."""
 
 from __future__ import annotations
 
@@ -25,9 +28,9 @@ import functools
 import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
-                                                    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    LogitsProcessorList, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from rloo.engine import kernel
 from rloo.engine.cuda_graph import Graphed
@@ -38,17 +41,23 @@ from rloo.generation.transformers_backend import TransformersGenerator
 from rloo.kv import cache_argument, share_cache_rows
 from rloo.logps import selective_log_softmax
 
-# GenerationConfig fields this loop implements; any other field set away from its default keeps model.generate.
-HANDLED = {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
-           "repetition_penalty", "pad_token_id", "bos_token_id", "eos_token_id", "disable_compile",
-           "cache_implementation", "transformers_version", "use_cache"}
+# GenerationConfig fields this loop implements; any other field set away from its default keeps
+# model.generate.
+HANDLED = {
+    "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
+    "repetition_penalty", "pad_token_id", "bos_token_id", "eos_token_id", "disable_compile",
+    "cache_implementation", "transformers_version", "use_cache"
+}
 
 
 def supports(generation_config: GenerationConfig, model) -> bool:
-    """Whether this loop reproduces `generate` for these settings and this model (a decoder-only LM)."""
+    """Whether this loop reproduces `generate` for these settings and this model (a decoder-only
+    LM)."""
     changed = set(generation_config.to_diff_dict())
-    plain = (generation_config.cache_implementation is None and (generation_config.num_beams or 1) == 1
-             and (generation_config.num_return_sequences or 1) == 1 and generation_config.max_new_tokens is not None)
+    plain = (generation_config.cache_implementation is None and
+             (generation_config.num_beams or 1) == 1 and
+             (generation_config.num_return_sequences or 1) == 1 and
+             generation_config.max_new_tokens is not None)
     config = getattr(model, "config", None)
     decoder_only = config is not None and not getattr(config, "is_encoder_decoder", False)
     return changed <= HANDLED and plain and decoder_only and _takes_decode_arguments(model)
@@ -71,13 +80,14 @@ BLOCK = 256  # entries per block of the two-level draw
 
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per row drawn from `probs` (rows of non-negative numbers, not all 0) with probability proportional
-    to each entry, by inverse CDF in float64 and two levels: the block of 256 entries whose cumulative sum first
-    exceeds a uniform draw scaled to the row's total, then the entry inside it whose cumulative sum (from the block's
-    start) first exceeds what is left of the draw. One cumulative sum over the whole vocabulary took 1.9 ms per token
-    at 8 rows x 49152 entries on 2 cores (a sequential scan); blocks make it two short ones. Entries of probability 0
-    are never drawn (what is left of the draw is clamped into the chosen block, whose total is > 0). `uniform`: the
-    rows' uniform numbers (rows, 1; float64), else drawn here."""
+    """One token per row drawn from `probs` (rows of non-negative numbers, not all 0) with
+    probability proportional to each entry, by inverse CDF in float64 and two levels: the block of
+    256 entries whose cumulative sum first exceeds a uniform draw scaled to the row's total, then
+    the entry inside it whose cumulative sum (from the block's start) first exceeds what is left of
+    the draw. One cumulative sum over the whole vocabulary is a long sequential scan; blocks make it
+    two short ones. Entries of probability 0
+    are never drawn (what is left of the draw is clamped into the chosen block, whose total is > 0).
+    `uniform`: the rows' uniform numbers (rows, 1; float64), else drawn here."""
     rows, vocab = probs.shape
     values = probs.double()
     padded = -(-vocab // BLOCK) * BLOCK
@@ -90,8 +100,8 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor | None = None) -> tor
         uniform = torch.rand(rows, 1, dtype=torch.float64, device=probs.device)
     draw = uniform * cumulative[:, -1:]
     block = torch.searchsorted(cumulative, draw, right=True).clamp_(max=totals.size(1) - 1)
-    # a block of total 0 is never the first to exceed the draw, except by the clamp when rounding put the draw at
-    # the row's total: then the last block with something in it
+    # a block of total 0 is never the first to exceed the draw, except by the clamp when rounding
+    # put the draw at the row's total: then the last block with something in it
     last_nonzero = totals.size(1) - 1 - (totals > 0).flip(-1).int().argmax(dim=-1, keepdim=True)
     block = torch.where(totals.gather(1, block) > 0, block, last_nonzero)
     chosen = blocks[torch.arange(rows, device=probs.device), block[:, 0]]  # (rows, BLOCK)
@@ -106,18 +116,20 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor | None = None) -> tor
 
 
 def policy_logps_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(rows,) log softmax(logits / temperature)[token], computed as rloo.logps.per_token_logps does."""
+    """(rows,) log softmax(logits / temperature)[token], computed as rloo.logps.per_token_logps
+    does."""
     return selective_log_softmax((logits / temperature)[:, None], tokens[:, None])[:, 0]
 
 
 class MinNewTokens(MinNewTokensLengthLogitsProcessor):
-    """transformers' processor, the same scores (EOS at -inf until `min_new_tokens` new tokens, a copy either way)
-    without its vocabulary-wide `isin` mask and `where` at every step: the EOS columns filled in the copy (0.3 -> 0.05
-    ms a step at 8 rows x 49152 entries on 2 cores)."""
+    """transformers' processor, the same scores (EOS at -inf until `min_new_tokens` new tokens, a
+    copy either way) without its vocabulary-wide `isin` mask and `where` at every step: the EOS
+    columns filled in the copy."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._found: dict[tuple, torch.Tensor] = {}  # (vocabulary size, device) -> its EOS columns (_columns)
+        # (vocabulary size, device) -> its EOS columns (_columns)
+        self._found: dict[tuple, torch.Tensor] = {}
 
     def holding(self, input_ids: torch.Tensor) -> bool:
         """Whether EOS is still at -inf after these tokens (fewer than min_new_tokens new ones)."""
@@ -129,25 +141,30 @@ class MinNewTokens(MinNewTokensLengthLogitsProcessor):
         return scores.index_fill(-1, self._columns(scores), float("-inf"))
 
     def _columns(self, scores: torch.Tensor) -> torch.Tensor:
-        """The EOS ids inside the vocabulary (isin over the vocabulary marks only these) on the scores' device, found
-        on the host once per vocabulary size and device: a CUDA graph of the draw (Draws) replays the fill alone."""
+        """The EOS ids inside the vocabulary (isin over the vocabulary marks only these) on the
+        scores' device, found on the host once per vocabulary size and device: a CUDA graph of the
+        draw (Draws) replays the fill alone."""
         key = (scores.shape[-1], scores.device)
         if key not in self._found:
-            self._found[key] = torch.tensor([token for token in self.eos_token_id.reshape(-1).tolist()
-                                             if 0 <= token < scores.shape[-1]], dtype=torch.long, device=scores.device)
+            vocabulary = scores.shape[-1]
+            tokens = [t for t in self.eos_token_id.reshape(-1).tolist() if 0 <= t < vocabulary]
+            self._found[key] = torch.tensor(tokens, dtype=torch.long, device=scores.device)
         return self._found[key]
 
 
-# processors whose work has fixed shapes and no host synchronisation (of the sequences, their length at most)
-GRAPHABLE = (MinNewTokens, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+# processors whose work has fixed shapes and no host synchronisation (of the sequences, their length
+# at most)
+GRAPHABLE = (MinNewTokens, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+             MinPLogitsWarper)
 
 
 class Draws:
-    """The next token of each row from the logits, as the loop picks them: drawn (`drawn`) or, greedy, the
-    processed scores' argmax. On a GPU, where every processor is one of GRAPHABLE, replayed as a CUDA graph
-    (rloo.engine.cuda_graph), one per state of the processors (min_new_tokens banning EOS or not), captured
-    at its first use in the call: the draw's ~40 small kernels are one launch; the random numbers are new at every
-    replay (the CUDA generator's offset advances with each)."""
+    """The next token of each row from the logits, as the loop picks them: drawn (`drawn`) or,
+    greedy, the processed scores' argmax. On a GPU, where every processor is one of GRAPHABLE,
+    replayed as a CUDA graph (rloo.engine.cuda_graph), one per state of the processors
+    (min_new_tokens banning EOS or not), captured at its first use in the call: the draw's ~40 small
+    kernels are one launch; the random numbers are new at every replay (the CUDA generator's offset
+    advances with each)."""
 
     def __init__(self, processors: LogitsProcessorList, sample: bool):
         self.processors, self.sample = processors, sample
@@ -155,15 +172,17 @@ class Draws:
                                                              for processor in processors) else None
 
     def drawn(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """One token per row from softmax(processors(sequences, logits)): where the processors are at most
-        min_new_tokens (EOS at -inf) and the logits fp32 on the CPU, the C `draw` on the logits themselves
-        (rloo.engine.kernel.draw: no processed copy, no probabilities, the weights' block totals in one pass; at
-        32 rows x 49152 entries on 2 cores min_new_tokens' copy, softmax and sample_from 1.6 ms -> 0.46 ms a token),
-        else softmax and sample_from; the same uniform numbers either way (one torch.rand per step), rows the C leaves
-        (a NaN, nothing finite) through the torch path."""
+        """One token per row from softmax(processors(sequences, logits)): where the processors are
+        at most min_new_tokens (EOS at -inf) and the logits fp32 on the CPU, the C `draw` on the
+        logits themselves (rloo.engine.kernel.draw: no processed copy, no probabilities, the
+        weights' block totals in one pass), else softmax and sample_from; the
+        same uniform numbers either way (one torch.rand per step), rows the C leaves (a NaN, nothing
+        finite) through the torch path."""
         processors = self.processors
-        library = kernel.for_decoding() if logits.dtype == torch.float32 and logits.device.type == "cpu" else None
-        if library is not None and all(isinstance(processor, MinNewTokens) for processor in processors):
+        on_cpu = logits.dtype == torch.float32 and logits.device.type == "cpu"
+        library = kernel.for_decoding() if on_cpu else None
+        if library is not None and all(
+                isinstance(processor, MinNewTokens) for processor in processors):
             banned = [int(token) for processor in processors if processor.holding(sequences)
                       for token in processor.eos_token_id.reshape(-1).tolist()]
             uniform = torch.rand(logits.size(0), 1, dtype=torch.float64)
@@ -171,7 +190,8 @@ class Draws:
             if bool((drawn >= 0).all()):
                 return drawn
             return sample_from(torch.softmax(processors(sequences, logits), dim=-1), uniform)
-        return sample_from(torch.softmax(processors(sequences, logits.to(dtype=torch.float32)), dim=-1))
+        return sample_from(
+            torch.softmax(processors(sequences, logits.to(dtype=torch.float32)), dim=-1))
 
     def eager(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self.sample:
@@ -183,31 +203,34 @@ class Draws:
             return self.eager(sequences, logits)
         state = tuple(processor.holding(sequences) for processor in self.processors
                       if isinstance(processor, MinNewTokens))
-        if state not in self.graphs:  # (the processors read the sequences' length alone: the state's at capture)
+        # (the processors read the sequences' length alone: the state's at capture)
+        if state not in self.graphs:
             self.graphs[state] = Graphed(functools.partial(self.eager, sequences))
         return self.graphs[state](logits)
 
 
 class LeanGenerator(TransformersGenerator):
-    """TransformersGenerator (left padding, the cut after the first EOS) with its `generate` call replaced by a
-    decode loop on the model's KV cache. `synced` (ZeRO-3 without gathering: every forward is collective): every
-    rank steps until all ranks are done, a rank whose rows are done feeding pad without drawing (so its random
-    stream is the one it would have without the sync)."""
+    """TransformersGenerator (left padding, the cut after the first EOS) with its `generate` call
+    replaced by a decode loop on the model's KV cache. `synced` (ZeRO-3 without gathering: every
+    forward is collective): every rank steps until all ranks are done, a rank whose rows are done
+    feeding pad without drawing (so its random stream is the one it would have without the sync)."""
 
     def __init__(self, generation_config: GenerationConfig, pad_token_id: int, eos_ids: list[int],
                  pad_to_multiple_of: int | None = None, synced: bool = False):
         super().__init__(generation_config, pad_token_id, eos_ids, pad_to_multiple_of)
         self.synced = synced
-        self.policy_temperature: float | None = None  # keep the policy's log-probs of the drawn tokens
-        self._kept: tuple | None = None  # (weights_key, LeanDecoder) inside reusing_weights, else None
+        # keep the policy's log-probs of the drawn tokens
+        self.policy_temperature: float | None = None
+        # (weights_key, LeanDecoder) inside reusing_weights, else None
+        self._kept: tuple | None = None
         self._reusing = False
 
     @contextlib.contextmanager
     def reusing_weights(self):
-        """Inside, a call takes the previous call's decoder (its packed weights: ~0.2 s for SmolLM2 on 2 cores) where
-        rloo.engine.decode.weights_key is unchanged (same model, rows, parameters and adapters), else packs
-        anew, the previous copy freed first. Left, the copy goes: a training step never holds it through its
-        backward."""
+        """Inside, a call takes the previous call's decoder (its packed weights: ~0.2 s for SmolLM2
+        on 2 cores) where rloo.engine.decode.weights_key is unchanged (same model, rows, parameters
+        and adapters), else packs anew, the previous copy freed first. Left, the copy goes: a
+        training step never holds it through its backward."""
         self._reusing, self._kept = True, None
         try:
             yield
@@ -234,15 +257,20 @@ class LeanGenerator(TransformersGenerator):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _processors(self, attention_mask: torch.Tensor, prompt_length: int, device) -> LogitsProcessorList:
-        """generate's processors for these settings, in generate's order (transformers 5.x _get_logits_processor)."""
+    def _processors(self, attention_mask: torch.Tensor, prompt_length: int,
+                    device) -> LogitsProcessorList:
+        """generate's processors for these settings, in generate's order (transformers 5.x
+        _get_logits_processor)."""
         config, found = self.generation_config, LogitsProcessorList()
         if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
             padding = (attention_mask != 0).int().argmax(dim=1)
-            found.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, prompt_ignore_length=padding))
+            found.append(
+                RepetitionPenaltyLogitsProcessor(config.repetition_penalty,
+                                                 prompt_ignore_length=padding))
         if config.min_new_tokens and self.eos_ids:
-            found.append(MinNewTokens(prompt_length, config.min_new_tokens, torch.tensor(self.eos_ids, device=device),
-                                      device=device))
+            found.append(
+                MinNewTokens(prompt_length, config.min_new_tokens,
+                             torch.tensor(self.eos_ids, device=device), device=device))
         if config.do_sample:
             if config.temperature is not None and config.temperature != 1.0:
                 found.append(TemperatureLogitsWarper(config.temperature))
@@ -262,27 +290,34 @@ class LeanGenerator(TransformersGenerator):
         eos = torch.tensor(self.eos_ids, device=input_ids.device)
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         # MoE: no auxiliary loss while decoding (as generate)
-        extra = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
-        decoder = None if self.synced else self._decoder(model, rows)  # (ZeRO-3: the model's collective forward)
-        logits = None if decoder is None or extra else prompt_steps(decoder, input_ids, attention_mask, positions,
-                                                                    config.max_new_tokens)
+        extra = {"output_router_logits": False} if hasattr(model.config,
+                                                           "output_router_logits") else {}
+        # (ZeRO-3: the model's collective forward)
+        decoder = None if self.synced else self._decoder(model, rows)
+        logits = None if decoder is None or extra else prompt_steps(
+            decoder, input_ids, attention_mask, positions, config.max_new_tokens)
         if logits is None:
-            logits, arguments, prompt_rows = prefill(model, input_ids, attention_mask, positions, extra,
-                                                     keep_distinct=not self.synced)
+            logits, arguments, prompt_rows = prefill(model, input_ids, attention_mask, positions,
+                                                     extra, keep_distinct=not self.synced)
             if decoder is not None:
-                decoder.start(arguments[cache_argument(model)], attention_mask, config.max_new_tokens, prompt_rows)
+                decoder.start(arguments[cache_argument(model)], attention_mask,
+                              config.max_new_tokens, prompt_rows)
             elif prompt_rows is not None:  # (the model's own forward reads a cache row per row)
                 share_cache_rows(arguments[cache_argument(model)], prompt_rows)
         draws = Draws(processors, config.do_sample)
-        sequences, unfinished = input_ids, torch.ones(rows, dtype=torch.bool, device=input_ids.device)
+        sequences, unfinished = input_ids, torch.ones(rows, dtype=torch.bool,
+                                                      device=input_ids.device)
         logps: list[torch.Tensor] = []
         for index in range(config.max_new_tokens):
-            tokens = torch.full((rows,), self.pad_token_id, dtype=torch.long, device=input_ids.device)
-            # only a synced rank that is done has nothing to draw (elsewhere some row is unfinished here: the loop
-            # ends when none is; not asked there, as on a GPU asking waits for the step)
+            tokens = torch.full((rows, ), self.pad_token_id, dtype=torch.long,
+                                device=input_ids.device)
+            # only a synced rank that is done has nothing to draw (elsewhere some row is unfinished
+            # here: the loop ends when none is; not asked there, as on a GPU asking waits for the
+            # step)
             if not self.synced or unfinished.any():
                 tokens = torch.where(unfinished, draws(sequences, logits), tokens)
-            if temperature is not None:  # as rloo.logps.per_token_logps: scaled in the model's dtype, then fp32
+            # as rloo.logps.per_token_logps: scaled in the model's dtype, then fp32
+            if temperature is not None:
                 logps.append(policy_logps_of(logits, tokens, temperature))
             sequences = torch.cat([sequences, tokens[:, None]], dim=1)
             unfinished &= ~torch.isin(tokens, eos)
@@ -293,6 +328,6 @@ class LeanGenerator(TransformersGenerator):
                 logits = decoder.step(tokens, positions)
                 continue
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
-            logits = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions,
-                           use_cache=True, **arguments).logits[:, -1]
+            logits = model(input_ids=tokens[:, None], attention_mask=attention_mask,
+                           position_ids=positions, use_cache=True, **arguments).logits[:, -1]
         return sequences[:, prompt_length:], (torch.stack(logps, dim=1) if logps else None)

@@ -1,19 +1,22 @@
-"""A frozen copy of a model whose parameters and buffers live in one shared mapping of an unlinked file on a disk
-filesystem, and the call that takes the mapping's pages out of the process between uses.
+"""A frozen copy of a model whose parameters and buffers live in one shared mapping of an unlinked
+file on a disk filesystem, and the call that takes the mapping's pages out of the process between
+uses.
 
-The reference model (beta > 0, full fine-tune) is read once per step, by the reference forward; the rest of the step
-(the loss's forward and backward, where the step's memory peaks) does not touch it. Held in the process's own memory
-it adds its whole size to that peak (0.5 GiB for SmolLM2-135M in fp32). Here its pages are the kernel's page cache
-of a file: `page_out` after each reference forward unmaps them (madvise MADV_DONTNEED, which loses nothing on a shared
-file mapping: pages written stay in the page cache and reach the file), the next forward maps them again from the
-page cache (minor faults: ~4 ms for 0.5 GiB on 2 cores, measured), and under memory pressure the kernel can drop
-them and read them back from the disk instead of swapping anonymous memory out. The file is unlinked as soon as it
-is mapped, so nothing is left behind, not even after a kill.
+The reference model (beta > 0, full fine-tune) is read once per step, by the reference forward; the
+rest of the step (the loss's forward and backward, where the step's memory peaks) does not touch it.
+Held in the process's own memory it adds its whole size to that peak. Here its pages are the
+kernel's page cache of a file: `page_out` after each reference forward unmaps them (madvise
+MADV_DONTNEED, which loses nothing on a shared file mapping: pages written stay in the page cache
+and reach the file), the next forward maps them again from the page cache (minor faults, cheap), and
+under memory pressure the kernel can drop them and read them back from the disk instead of swapping
+anonymous memory out. The file is unlinked as soon as it is mapped, so nothing is left behind, not
+even after a kill.
 
-Only where that holds: every tensor a plain strided CPU tensor, Linux (/proc/self/mountinfo) with glibc, a writable
-directory on a disk filesystem with room (the system's temporary directory, TMPDIR, else /var/tmp). A tmpfs or ramfs
-is never used: its pages cannot be reclaimed, so the memory would only move out of the process's count. Elsewhere
-`mapped_copy` returns None and the caller keeps a plain copy."""
+Only where that holds: every tensor a plain strided CPU tensor, Linux (/proc/self/mountinfo) with
+glibc, a writable directory on a disk filesystem with room (the system's temporary directory,
+TMPDIR, else /var/tmp). A tmpfs or ramfs is never used: its pages cannot be reclaimed, so the memory
+would only move out of the process's count. Elsewhere `mapped_copy` returns None and the caller
+keeps a plain copy."""
 
 from __future__ import annotations
 
@@ -37,8 +40,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
-    """The type of the filesystem `path` is on (the last mount over the longest matching mount point), None where
-    there is no mountinfo to read."""
+    """The type of the filesystem `path` is on (the last mount over the longest matching mount
+    point), None where there is no mountinfo to read."""
     try:
         with open(mountinfo) as handle:
             lines = handle.read().splitlines()
@@ -47,7 +50,8 @@ def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str |
     path, found, longest = os.path.realpath(path), None, -1
     for line in lines:
         fields, _, tail = line.partition(" - ")
-        point = re.sub(r"\\([0-7]{3})", lambda escape: chr(int(escape.group(1), 8)), fields.split()[4])  # "\040": " "
+        point = re.sub(r"\\([0-7]{3})", lambda escape: chr(int(escape.group(1), 8)),
+                       fields.split()[4])  # "\040": " "
         inside = path == point or path.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= longest and tail.split():
             found, longest = tail.split()[0], len(point)
@@ -59,7 +63,8 @@ def candidate_directories() -> list[str]:
 
 
 def disk_directory(size: int) -> str | None:
-    """A writable directory on a disk filesystem with room for `size` bytes and as much again to spare."""
+    """A writable directory on a disk filesystem with room for `size` bytes and as much again to
+    spare."""
     for directory in candidate_directories():
         kind = filesystem_type(directory)
         if kind is None or kind in MEMORY_FILESYSTEMS or not os.access(directory, os.W_OK):
@@ -79,13 +84,16 @@ def _mappable(tensor: torch.Tensor) -> bool:
 
 
 def mapped_copy(model: nn.Module) -> nn.Module | None:
-    """A deep copy of `model` whose parameters (frozen) and buffers are views into one shared file mapping, paged
-    out; tied parameters stay tied. None where the mapping cannot be used (see the module's docstring)."""
+    """A deep copy of `model` whose parameters (frozen) and buffers are views into one shared file
+    mapping, paged out; tied parameters stay tied. None where the mapping cannot be used (see the
+    module's docstring)."""
     tensors = {id(tensor): tensor for tensor in [*model.parameters(), *model.buffers()]}
     if libc() is None or not tensors or not all(_mappable(tensor) for tensor in tensors.values()):
         return None
     if len({tensor.untyped_storage().data_ptr() for tensor in tensors.values()}) < len(tensors):
-        return None  # tensors sharing a storage: copies in separate places would no longer see each other's writes
+        # tensors sharing a storage: copies in separate places would no longer see each other's
+        # writes
+        return None
     offsets, size = {}, 0
     for key, tensor in tensors.items():
         offsets[key] = size
@@ -94,7 +102,9 @@ def mapped_copy(model: nn.Module) -> nn.Module | None:
     if directory is None:
         return None
     handle, path = tempfile.mkstemp(prefix="rloo-reference-", dir=directory)
-    try:  # the blocks reserved up front: a full disk is this error, not a SIGBUS on a later write into the mapping
+    # the blocks reserved up front: a full disk is this error, not a SIGBUS on a later write into
+    # the mapping
+    try:
         os.posix_fallocate(handle, 0, size)
         flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
     except OSError:
@@ -106,13 +116,17 @@ def mapped_copy(model: nn.Module) -> nn.Module | None:
     with torch.no_grad():
         for key, tensor in tensors.items():
             start = offsets[key]
-            view = flat[start:start + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+            view = flat[start:start + tensor.numel() * tensor.element_size()].view(
+                tensor.dtype).view(tensor.shape)
             view.copy_(tensor)
-            memo[key] = nn.Parameter(view, requires_grad=False) if isinstance(tensor, nn.Parameter) else view
+            parameter = isinstance(tensor, nn.Parameter)
+            memo[key] = nn.Parameter(view, requires_grad=False) if parameter else view
     copied = copy.deepcopy(model, memo)
     copied._rloo_mapping = flat  # each module's weights leave again as soon as its forward is done:
-    copied._rloo_hooks = [module.register_forward_hook(functools.partial(_drop_after_forward, flat))
-                          for module in copied.modules() if any(True for _ in module.parameters(recurse=False))]
+    copied._rloo_hooks = [
+        module.register_forward_hook(functools.partial(_drop_after_forward, flat))
+        for module in copied.modules() if any(True for _ in module.parameters(recurse=False))
+    ]
     page_out(copied)
     return copied
 
@@ -125,11 +139,12 @@ def _madvise():
 
 
 def _drop(begin: int, end: int) -> None:
-    """madvise(MADV_DONTNEED) on the whole pages of [begin, end) (a neighbour's page taken too only costs it a minor
-    fault: the mapping is shared, nothing is lost)."""
+    """madvise(MADV_DONTNEED) on the whole pages of [begin, end) (a neighbour's page taken too only
+    costs it a minor fault: the mapping is shared, nothing is lost)."""
     first, last = begin // PAGE * PAGE, -(-end // PAGE) * PAGE
     if last > first and _madvise()(first, last - first, MADV_DONTNEED) != 0:
-        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) on the reference model's mapping failed")
+        raise OSError(ctypes.get_errno(),
+                      "madvise(MADV_DONTNEED) on the reference model's mapping failed")
 
 
 def _inside(flat: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -144,9 +159,9 @@ def _drop_after_forward(flat: torch.Tensor, module: nn.Module, inputs, output) -
 
 
 def page_out(model: nn.Module) -> None:
-    """Take the pages of a mapped_copy's mapping out of the process (they stay in the page cache). A model that is
-    no mapped_copy: nothing. One whose tensors moved elsewhere (to an accelerator, into a DeepSpeed engine): the
-    mapping is let go."""
+    """Take the pages of a mapped_copy's mapping out of the process (they stay in the page cache). A
+    model that is no mapped_copy: nothing. One whose tensors moved elsewhere (to an accelerator,
+    into a DeepSpeed engine): the mapping is let go."""
     flat = getattr(model, "_rloo_mapping", None)
     if flat is None:
         return
@@ -155,7 +170,8 @@ def page_out(model: nn.Module) -> None:
             hook.remove()
         del model._rloo_mapping, model._rloo_hooks
         return
-    _drop(flat.data_ptr(), flat.data_ptr() + flat.numel())  # (mmap's start is a page's; its last page is whole)
+    # (mmap's start is a page's; its last page is whole)
+    _drop(flat.data_ptr(), flat.data_ptr() + flat.numel())
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
-"""Shared-prompt forwards: where rows repeat a prompt (the num_generations completions of one), that prompt goes
-through the model once and each row's completion attends to its KV cache. The same positions, mask and logits as one
-forward over the whole rows, the prompt's compute done once; with a plain LM head, one head gradient for prompts and
-completions; with rloo.engine.prompt_layers, the prompts' backward layer by layer with the completions'."""
+"""Shared-prompt forwards: where rows repeat a prompt (the num_generations completions of one), that
+prompt goes through the model once and each row's completion attends to its KV cache. The same
+positions, mask and logits as one forward over the whole rows, the prompt's compute done once; with
+a plain LM head, one head gradient for prompts and completions; with rloo.engine.prompt_layers, the
+prompts' backward layer by layer with the completions'."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from rloo.models import is_moe, is_peft_model
 
 
 def can_share_prompts(model: nn.Module) -> bool:
-    """A decoder-only model whose forward takes a KV cache, without a router loss
-    (computed over the tokens of one forward), and not checkpointing activations with the reentrant variant (its
+    """A decoder-only model whose forward takes a KV cache, without a router loss (computed over the
+    tokens of one forward), and not checkpointing activations with the reentrant variant (its
     forward runs without gradients, so the prompt's cache would carry none)."""
     base = model.get_base_model() if is_peft_model(model) else model
     config = getattr(base, "config", None)
@@ -38,9 +39,9 @@ def can_share_prompts(model: nn.Module) -> bool:
 
 
 def kl_forwards_share_prompts(policy: nn.Module, reference: nn.Module | None) -> bool:
-    """Whether the KL's old and reference forwards share prompts: both or neither (a ZeRO-3 reference engine
-    cannot), so that a reference equal to the policy gives a KL of exactly 0. None: the reference is the policy's
-    own base or adapter."""
+    """Whether the KL's old and reference forwards share prompts: both or neither (a ZeRO-3
+    reference engine cannot), so that a reference equal to the policy gives a KL of exactly 0. None:
+    the reference is the policy's own base or adapter."""
     return can_share_prompts(policy) and (reference is None or can_share_prompts(reference))
 
 
@@ -51,9 +52,12 @@ def _non_reentrant(layer: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def _checkpoints_keep_cache(model: nn.Module):
-    """Checkpointed layers keep the KV cache they are given (transformers drops it, fearing a replay that writes it
-    twice; the caches of shared_prompt_logits are written once and read after)."""
-    layers = [layer for layer in checkpointed_layers(model) if hasattr(layer, "_can_checkpoint_with_cache")]
+    """Checkpointed layers keep the KV cache they are given (transformers drops it, fearing a replay
+    that writes it twice; the caches of shared_prompt_logits are written once and read after)."""
+    layers = [
+        layer for layer in checkpointed_layers(model)
+        if hasattr(layer, "_can_checkpoint_with_cache")
+    ]
     for layer in layers:
         layer._can_checkpoint_with_cache = True
     try:
@@ -64,8 +68,9 @@ def _checkpoints_keep_cache(model: nn.Module):
 
 
 class _WrittenOnceLayer(DynamicLayer):
-    """A cache layer for a forward over whole prompts (nothing before them): keeps the first keys and values it is
-    given; a replay of the same forward (activation checkpointing) attends to its own and changes nothing."""
+    """A cache layer for a forward over whole prompts (nothing before them): keeps the first keys
+    and values it is given; a replay of the same forward (activation checkpointing) attends to its
+    own and changes nothing."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -75,28 +80,33 @@ class _WrittenOnceLayer(DynamicLayer):
 
 
 class _ReadOnlyLayer(DynamicLayer):
-    """The distinct prompts' cached keys and values under each row's completion: read, never extended. Each row's
-    copy of its prompt's is taken in the layer's own forward, so that its backward (the rows' gradients summed per
-    prompt) runs with that layer's, not after the whole completions' backward: the rows' key and value gradients
-    are not held that long (measured: 30 MiB of the SmolLM2 benchmark's peak)."""
+    """The distinct prompts' cached keys and values under each row's completion: read, never
+    extended. Each row's copy of its prompt's is taken in the layer's own forward, so that its
+    backward (the rows' gradients summed per prompt) runs with that layer's, not after the whole
+    completions' backward: the rows' key and value gradients are not held that long."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, boundary=None):
         super().__init__()
         self.lazy_initialization(keys, values)
-        self.keys, self.values, self.rows, self.read, self.boundary = keys, values, rows, False, boundary
+        self.keys, self.values, self.rows = keys, values, rows
+        self.read, self.boundary = False, boundary
 
     def update(self, key_states, value_states, *args, **kwargs):
         self.read = True
-        # (behind the node that runs the prompts' layer backward with this one's: rloo.engine.prompt_layers)
-        keys, values = self.boundary(self.keys, self.values) if self.boundary else (self.keys, self.values)
-        return torch.cat([keys[self.rows], key_states], dim=-2), torch.cat([values[self.rows], value_states], dim=-2)
+        # (behind the node that runs the prompts' layer backward with this one's:
+        # rloo.engine.prompt_layers)
+        keys, values = self.boundary(self.keys, self.values) if self.boundary else (self.keys,
+                                                                                    self.values)
+        return torch.cat([keys[self.rows], key_states],
+                         dim=-2), torch.cat([values[self.rows], value_states], dim=-2)
 
 
 def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          logits_to_keep: int) -> tuple[torch.Tensor, Any] | None:
-    """(logits predicting the last `logits_to_keep` tokens of each row, the completions' model outputs), with each
-    distinct prompt through the model once; None where no two rows share a prompt or the cache cannot be shared.
-    Positions are those of one forward over the whole rows (0.. from the first column, padding included)."""
+    """(logits predicting the last `logits_to_keep` tokens of each row, the completions' model
+    outputs), with each distinct prompt through the model once; None where no two rows share a
+    prompt or the cache cannot be shared. Positions are those of one forward over the whole rows
+    (0.. from the first column, padding included)."""
     prompt_length = input_ids.size(1) - logits_to_keep
     base = model.get_base_model() if is_peft_model(model) else model
     found = distinct_prompts(input_ids[:, :prompt_length], attention_mask[:, :prompt_length]) \
@@ -106,31 +116,36 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
         return None
     first, inverse = found
     name = cache_argument(model)
-    # (use_cache only creates a cache where none is given; checkpointed layers warn about it, and keep ours)
+    # (use_cache only creates a cache where none is given; checkpointed layers warn about it, and
+    # keep ours)
     use_cache = not (checkpointed_layers(base) and base.training and torch.is_grad_enabled())
-    # Where the model's forward is lm_head(decoder(...)), the decoder runs on the prompts and on the completions and
-    # the head on both in one autograd node (_HeadOverParts): the same logits, but one head gradient (vocabulary x
-    # hidden) instead of one per forward plus their sum.
-    plain = kind_of(base) == "causal_lm" and "forward" not in base.__dict__ and not _prompt_learning(model)
-    decoder = base.model if plain else None  # (not past a forward wrapped by hooks: accelerate's device alignment)
+    # Where the model's forward is lm_head(decoder(...)), the decoder runs on the prompts and on the
+    # completions and the head on both in one autograd node (_HeadOverParts): the same logits, but
+    # one head gradient (vocabulary x hidden) instead of one per forward plus their sum.
+    plain = (kind_of(base) == "causal_lm" and "forward" not in base.__dict__
+             and not _prompt_learning(model))
+    # (not past a forward wrapped by hooks: accelerate's device alignment)
+    decoder = base.model if plain else None
     forward = model if decoder is None else decoder
-    # The prompts' backward layer by layer with the completions' (not with activation checkpointing's replays, nor
-    # ZeRO-3's gathering hooks).
+    # The prompts' backward layer by layer with the completions' (not with activation
+    # checkpointing's replays, nor ZeRO-3's gathering hooks).
     segments = PromptLayers(decoder) if logits_to_keep > 1 and PromptLayers.applies(decoder) and \
         not checkpointed_or_sharded(base) else None
     with _checkpoints_keep_cache(base):
         with segments.cut() if segments else contextlib.nullcontext():
             prompts = forward(input_ids=input_ids[first, :prompt_length],
-                              attention_mask=attention_mask[first, :prompt_length], use_cache=use_cache,
+                              attention_mask=attention_mask[first, :prompt_length],
+                              use_cache=use_cache,
                               **({"logits_to_keep": 1} if decoder is None else {}), **{name: cache})
         if not all(layer.is_initialized for layer in cache.layers):
             return None  # a forward that ignored the cache given
         # What predicts each row's first completion token (the decoder's: one per distinct prompt).
-        last_prompt = prompts.logits[inverse] if decoder is None else prompts.last_hidden_state[:, -1:]
+        last_prompt = (prompts.logits[inverse] if decoder is None
+                       else prompts.last_hidden_state[:, -1:])
         if logits_to_keep == 1:
             return (last_prompt if decoder is None else base.lm_head(last_prompt)[inverse]), prompts
-        if segments and not segments.segments_found([(layer.keys, layer.values) for layer in cache.layers],
-                                                    last_prompt):
+        if segments and not segments.segments_found([(layer.keys, layer.values)
+                                                     for layer in cache.layers], last_prompt):
             return None  # a layer reaching past its own input and parameters: whole rows
         # A cache of its own: a replay of the prompts' forward in backward still finds theirs.
         rows_cache = plain_cache(base.config)
@@ -138,23 +153,27 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
             _ReadOnlyLayer(layer.keys, layer.values, inverse,
                            functools.partial(segments.boundary, index) if segments else None)
             for index, layer in enumerate(cache.layers)]
-        # The completions but their last token (nothing after it is scored), attending to their prompt's cache.
-        completions = forward(input_ids=input_ids[:, prompt_length:-1], attention_mask=attention_mask[:, :-1],
-                              use_cache=use_cache, **{name: rows_cache})
+        # The completions but their last token (nothing after it is scored), attending to their
+        # prompt's cache.
+        completions = forward(input_ids=input_ids[:, prompt_length:-1],
+                              attention_mask=attention_mask[:, :-1], use_cache=use_cache,
+                              **{name: rows_cache})
         if not all(layer.read for layer in rows_cache.layers):
             return None
     if decoder is None:
         return torch.cat([last_prompt, completions.logits], dim=1), completions
     if segments:
         last_prompt, = segments.boundary(len(cache.layers), last_prompt)
-    prompt_logits, completion_logits = _head_over_parts(base.lm_head, last_prompt, completions.last_hidden_state)
+    prompt_logits, completion_logits = _head_over_parts(base.lm_head, last_prompt,
+                                                        completions.last_hidden_state)
     return torch.cat([prompt_logits[inverse], completion_logits], dim=1), completions
 
 
 class _HeadOverParts(torch.autograd.Function):
-    """(first, second) -> (F.linear(first, weight, bias), F.linear(second, weight, bias)): each part's logits its own
-    product, as the model's forward over that part alone makes them; the weight's gradient one vocabulary x hidden
-    product (the first part's added into the second's in place) instead of one per part and their sum."""
+    """(first, second) -> (F.linear(first, weight, bias), F.linear(second, weight, bias)): each
+    part's logits its own product, as the model's forward over that part alone makes them; the
+    weight's gradient one vocabulary x hidden product (the first part's added into the second's in
+    place) instead of one per part and their sum."""
 
     @staticmethod
     def forward(ctx, weight, bias, first, second):
@@ -165,22 +184,28 @@ class _HeadOverParts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_first, grad_second):
         weight, first, second = ctx.saved_tensors
-        parts = [(grad, x) for grad, x in ((grad_second, second), (grad_first, first)) if grad is not None]
+        parts = [(grad, x) for grad, x in ((grad_second, second), (grad_first, first))
+                 if grad is not None]
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             for grad, x in parts:
                 grad, x = grad.reshape(-1, grad.size(-1)), x.reshape(-1, x.size(-1))
-                grad_weight = grad.t().mm(x) if grad_weight is None else grad_weight.addmm_(grad.t(), x)
+                grad_weight = grad.t().mm(x) if grad_weight is None else grad_weight.addmm_(
+                    grad.t(), x)
         if ctx.with_bias and ctx.needs_input_grad[1]:
             grad_bias = sum(grad.reshape(-1, grad.size(-1)).sum(0) for grad, _ in parts)
-        inputs = [None if grad is None or not needed else grad.matmul(weight)
-                  for grad, needed in ((grad_first, ctx.needs_input_grad[2]), (grad_second, ctx.needs_input_grad[3]))]
+        inputs = [
+            None if grad is None or not needed else grad.matmul(weight)
+            for grad, needed in ((grad_first, ctx.needs_input_grad[2]), (grad_second,
+                                                                         ctx.needs_input_grad[3]))
+        ]
         return grad_weight, grad_bias, *inputs
 
 
-def _head_over_parts(head: nn.Module, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(head(first), head(second)), the weight's gradient made once where the head is a plain product
-    (_HeadOverParts)."""
+def _head_over_parts(head: nn.Module, first: torch.Tensor,
+                     second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head(first), head(second)), the weight's gradient made once where the head is a plain
+    product (_HeadOverParts)."""
     weight = head_weight(head)
     if weight is None or not torch.is_grad_enabled():
         return head(first), head(second)
@@ -188,7 +213,7 @@ def _head_over_parts(head: nn.Module, first: torch.Tensor, second: torch.Tensor)
 
 
 def _prompt_learning(model: nn.Module) -> bool:
-    """A peft model whose own forward changes the inputs (prompt tuning and its kin): its base's decoder alone is not
-    the model."""
+    """A peft model whose own forward changes the inputs (prompt tuning and its kin): its base's
+    decoder alone is not the model."""
     config = getattr(model, "active_peft_config", None)
     return bool(getattr(config, "is_prompt_learning", False))

@@ -11,13 +11,22 @@ from rloo.generation.base import Completions, GenerationBackend
 from rloo.models import eval_mode
 
 
-def build_generation_config(args, pad_token_id: int, bos_token_id: int | None, eos_ids: list[int]) -> GenerationConfig:
+def build_generation_config(args, pad_token_id: int, bos_token_id: int | None,
+                            eos_ids: list[int]) -> GenerationConfig:
     """RLOOConfig sampling parameters -> GenerationConfig; generation_kwargs override everything."""
     settings = dict(
-        max_new_tokens=args.max_completion_length, do_sample=True, pad_token_id=pad_token_id,
-        bos_token_id=bos_token_id, eos_token_id=eos_ids, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k if args.top_k else None, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        cache_implementation=args.cache_implementation, disable_compile=True,
+        max_new_tokens=args.max_completion_length,
+        do_sample=True,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_ids,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k if args.top_k else None,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        cache_implementation=args.cache_implementation,
+        disable_compile=True,
     )
     settings.update(args.generation_kwargs or {})
     return GenerationConfig(**settings)
@@ -34,12 +43,14 @@ class TransformersGenerator(GenerationBackend):
         self.pad_to_multiple_of = pad_to_multiple_of
 
     @torch.no_grad()
-    def generate(self, model: PreTrainedModel, prompt_ids: list[list[int]], num_generations: int = 1,
-                 step: int = 0) -> list[list[int]]:
+    def generate(self, model: PreTrainedModel, prompt_ids: list[list[int]],
+                 num_generations: int = 1, step: int = 0) -> list[list[int]]:
         device = next(model.parameters()).device
-        input_ids, attention_mask = pad_rows(prompt_ids, self.pad_token_id, "left", self.pad_to_multiple_of)
+        input_ids, attention_mask = pad_rows(prompt_ids, self.pad_token_id, "left",
+                                             self.pad_to_multiple_of)
         with eval_mode(model):
-            completions, logps = self._completions(model, input_ids.to(device), attention_mask.to(device))
+            completions, logps = self._completions(model, input_ids.to(device),
+                                                   attention_mask.to(device))
         completions = completions.cpu()
         if completions.size(1) == 0:
             return [[] for _ in prompt_ids]
@@ -51,8 +62,8 @@ class TransformersGenerator(GenerationBackend):
 
     def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(rows, new tokens) after the left-padded prompts, pad after a row's end; and the policy's log-probs of
-        those tokens where this backend computes them (else None)."""
+        """(rows, new tokens) after the left-padded prompts, pad after a row's end; and the policy's
+        log-probs of those tokens where this backend computes them (else None)."""
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                 generation_config=self.generation_config)
         return output[:, input_ids.size(1):], None

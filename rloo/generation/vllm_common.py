@@ -1,6 +1,6 @@
-"""What both vLLM backends (server and colocate) share: the sampling parameters taken from RLOOConfig, the policy's
-weights under checkpoint names, the EOS cut, and the verified-sync check (vLLM's log-probs of a few sampled
-completions against the trainer's)."""
+"""What both vLLM backends (server and colocate) share: the sampling parameters taken from
+RLOOConfig, the policy's weights under checkpoint names, the EOS cut, and the verified-sync check
+(vLLM's log-probs of a few sampled completions against the trainer's)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ import torch
 
 
 def sampling_of(args) -> dict:
-    """vLLM sampling parameters (the names of vllm.SamplingParams and of /v1/completions) from RLOOConfig."""
-    sampling = {"max_tokens": args.max_completion_length, "temperature": args.temperature, "top_p": args.top_p,
-                "top_k": args.top_k if args.top_k else -1, "min_p": args.min_p or 0.0,
-                "repetition_penalty": args.repetition_penalty}
+    """vLLM sampling parameters (the names of vllm.SamplingParams and of /v1/completions) from
+    RLOOConfig."""
+    sampling = {
+        "max_tokens": args.max_completion_length, "temperature": args.temperature,
+        "top_p": args.top_p, "top_k": args.top_k if args.top_k else -1, "min_p": args.min_p or 0.0,
+        "repetition_penalty": args.repetition_penalty
+    }
     if args.vllm_structured_outputs_regex:
         sampling["structured_outputs"] = {"regex": args.vllm_structured_outputs_regex}
     sampling.update(args.generation_kwargs or {})
@@ -22,8 +25,9 @@ def sampling_of(args) -> dict:
 
 
 def sync_weights_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The policy's weights under the names of its checkpoint (what vLLM's load_weights expects). A PeftModel
-    must have its adapter merged by the caller: base-layer names are mapped back, LoRA tensors left out."""
+    """The policy's weights under the names of its checkpoint (what vLLM's load_weights expects). A
+    PeftModel must have its adapter merged by the caller: base-layer names are mapped back, LoRA
+    tensors left out."""
     from rloo.models import is_peft_model
     if is_peft_model(model):
         named = []
@@ -38,8 +42,9 @@ def sync_weights_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 @contextmanager
 def full_weights(model: torch.nn.Module, zero3: bool):
-    """The policy's full weights under checkpoint names, for a push: gathered from ZeRO-3 shards (every rank takes
-    part) and, for a PeftModel, with the adapter merged (unmerged again afterwards)."""
+    """The policy's full weights under checkpoint names, for a push: gathered from ZeRO-3 shards
+    (every rank takes part) and, for a PeftModel, with the adapter merged (unmerged again
+    afterwards)."""
     from rloo.models import is_peft_model
     from rloo.zero import gathered_parameters
     with gathered_parameters(model, zero3):
@@ -60,14 +65,17 @@ def cut_at_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
 
 
 def unwarped(args) -> bool:
-    """Whether the sampler's log-probs are those of the plain (temperature-scaled) distribution, which the trainer
-    computes too: no top-k/top-p/min-p, repetition penalty, structured outputs or extra generation_kwargs."""
-    return (args.top_k in (0, -1, None) and args.top_p == 1.0 and not args.min_p and args.repetition_penalty == 1.0
-            and not args.vllm_structured_outputs_regex and not args.generation_kwargs)
+    """Whether the sampler's log-probs are those of the plain (temperature-scaled) distribution,
+    which the trainer computes too: no top-k/top-p/min-p, repetition penalty, structured outputs or
+    extra generation_kwargs."""
+    return (args.top_k in (0, -1, None) and args.top_p == 1.0 and not args.min_p and
+            args.repetition_penalty == 1.0 and not args.vllm_structured_outputs_regex and
+            not args.generation_kwargs)
 
 
 def sync_tolerance(args, model: torch.nn.Module) -> float:
-    """vllm_sync_tolerance, or its default for the policy's dtype (float32: exact up to kernel order; bf16: loose)."""
+    """vllm_sync_tolerance, or its default for the policy's dtype (float32: exact up to kernel
+    order; bf16: loose)."""
     if args.vllm_sync_tolerance is not None:
         return args.vllm_sync_tolerance
     return 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.3
@@ -75,8 +83,9 @@ def sync_tolerance(args, model: torch.nn.Module) -> float:
 
 @torch.no_grad()
 def max_logprob_diff(model: torch.nn.Module, samples: list[dict]) -> float:
-    """The largest |trainer - vLLM| log-prob over the completion tokens of `samples` ({"prompt", "completion",
-    "vllm"}). Every rank of a ZeRO-3 run must call it with the same number of samples (the forwards gather)."""
+    """The largest |trainer - vLLM| log-prob over the completion tokens of `samples` ({"prompt",
+    "completion", "vllm"}). Every rank of a ZeRO-3 run must call it with the same number of samples
+    (the forwards gather)."""
     from rloo.logps import per_token_logps
     from rloo.models import eval_mode
     device = next(model.parameters()).device
@@ -84,19 +93,22 @@ def max_logprob_diff(model: torch.nn.Module, samples: list[dict]) -> float:
     with eval_mode(model):
         for sample in samples:
             ids = torch.tensor([sample["prompt"] + sample["completion"]], device=device)
-            mine = per_token_logps(model, ids, torch.ones_like(ids), len(sample["completion"]), 1.0).logps[0]
-            worst = max(worst, (mine.float().cpu() - torch.tensor(sample["vllm"])).abs().max().item())
+            mine = per_token_logps(model, ids, torch.ones_like(ids), len(sample["completion"]), 1.0)
+            difference = mine.logps[0].float().cpu() - torch.tensor(sample["vllm"])
+            worst = max(worst, difference.abs().max().item())
     return worst
 
 
-def judge_sync(worst: float, tolerance: float, on_mismatch: str, samples: int, step: int, engine: str) -> None:
+def judge_sync(worst: float, tolerance: float, on_mismatch: str, samples: int, step: int,
+               engine: str) -> None:
     """Stop training (or warn) when the engine generates from other weights than the policy's."""
     if worst <= tolerance:
         return
-    message = (f"weight sync check failed: the {engine}'s log-probs differ from the trainer's by {worst:.3g} "
-               f"(> vllm_sync_tolerance {tolerance:g}) on {samples} sampled completions after the sync at step "
-               f"{step}: it is generating from other weights than the policy's. Check that it serves the same model "
-               "and dtype (float32 for exact checks).")
+    message = (
+        f"weight sync check failed: the {engine}'s log-probs differ from the trainer's by "
+        f"{worst:.3g} (> vllm_sync_tolerance {tolerance:g}) on {samples} sampled completions after "
+        f"the sync at step {step}: it is generating from other weights than the policy's. Check "
+        "that it serves the same model and dtype (float32 for exact checks).")
     if on_mismatch == "error":
         raise RuntimeError(message)
     warnings.warn(message)

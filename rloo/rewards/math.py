@@ -39,5 +39,6 @@ JUST_A_NUMBER = re.compile(r"^\s*-?\d+(?:\.\d+)?\s*\.?\s*$")
 
 
 def number_only_format_reward(completions: list, **kwargs) -> list[float]:
-    """1.0 when the completion is just a number (what "Answer with just the number." asks for), else 0.0."""
+    """1.0 when the completion is just a number (what "Answer with just the number." asks for), else
+    0.0."""
     return [1.0 if JUST_A_NUMBER.match(_content(completion)) else 0.0 for completion in completions]

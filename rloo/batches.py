@@ -1,0 +1,84 @@
+"""The trainer's data side: a dataloader batch is one process's share of a whole generation batch,
+each prompt repeated num_generations times in a row (RepeatSampler, reproducible per epoch); eval
+batches hold whole prompt groups; a streaming dataset repeats its prompts in the stream and is read
+in the main process."""
+
+from __future__ import annotations
+
+from datasets import IterableDataset
+
+from rloo.sampling import RepeatSampler, repeat_iterable
+
+
+class GenerationBatches:
+    """Mixed into RLOOTrainer ahead of transformers.Trainer, whose dataloader hooks it overrides."""
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt", "image", "images"]
+
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        args, dataset = self.args, self.train_dataset
+        # no sampler: the same order, built into the stream
+        if isinstance(dataset, IterableDataset):
+            if args.shuffle_dataset:
+                dataset = dataset.shuffle(seed=args.seed)
+            prompts = args.generation_batch_size // args.num_generations
+            dataset = repeat_iterable(dataset, prompts, args.num_generations,
+                                      args.num_iterations * args.steps_per_generation)
+        # One dataloader batch = this process's share of a whole generation batch.
+        return self._get_dataloader(dataset=dataset, description="Training",
+                                    batch_size=self._train_batch_size * args.steps_per_generation,
+                                    sampler_fn=self._get_train_sampler, is_training=True)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else (
+            eval_dataset if eval_dataset is not None else self.eval_dataset)
+        generations = self._num_generations("eval")
+        eval_batch = self.args.per_device_eval_batch_size * self.accelerator.num_processes
+        if eval_batch % generations != 0:
+            raise ValueError(
+                f"The global eval batch size ({eval_batch} = per_device_eval_batch_size "
+                f"{self.args.per_device_eval_batch_size} x {self.accelerator.num_processes} "
+                f"processes) must be divisible by num_generations_eval ({generations}) so that "
+                "every batch holds whole prompt groups.")
+        if isinstance(dataset, IterableDataset):
+            dataset = repeat_iterable(dataset, 1, generations)
+        return super().get_eval_dataloader(dataset)
+
+    def _get_train_sampler(self, dataset=None):
+        dataset = dataset if dataset is not None else self.train_dataset
+        args = self.args
+        return RepeatSampler(len(dataset), mini_repeat_count=args.num_generations,
+                             batch_size=args.generation_batch_size // args.num_generations,
+                             repeat_count=args.num_iterations * args.steps_per_generation,
+                             shuffle=args.shuffle_dataset, seed=args.seed)
+
+    def _get_eval_sampler(self, eval_dataset):
+        return RepeatSampler(len(eval_dataset), mini_repeat_count=self._num_generations("eval"),
+                             seed=self.args.seed)
+
+    def _num_generations(self, mode: str) -> int:
+        if mode == "eval":
+            return self.args.num_generations_eval or self.args.num_generations
+        return self.args.num_generations
+
+    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
+                        dataloader_key=None):
+        if not isinstance(dataset, IterableDataset):
+            return super()._get_dataloader(dataset, description, batch_size, sampler_fn,
+                                           is_training, dataloader_key)
+        # A stream of one shard would be read once per worker: load it in the main process.
+        names = ("dataloader_num_workers", "dataloader_persistent_workers",
+                 "dataloader_prefetch_factor")
+        saved = {name: getattr(self.args, name) for name in names}
+        for name, value in zip(names, (0, False, None)):
+            setattr(self.args, name, value)
+        try:
+            return super()._get_dataloader(dataset, description, batch_size, sampler_fn,
+                                           is_training, dataloader_key)
+        finally:
+            for name, value in saved.items():
+                setattr(self.args, name, value)

@@ -1,0 +1,297 @@
+"""The vLLM server's HTTP side for server mode: every route the trainer calls (health, model info,
+the weight-transfer routes, LoRA loading, completions, scoring), each with a timeout and a failure
+that names the route and the server's answer (and the server's last log lines where readable), and
+the weight source vLLM's NCCL engine reads from."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import requests
+import torch
+import torch.distributed as dist
+
+from rloo_vllm.wire import CHUNK_BYTES, pack, plan_chunks
+
+
+def server_log_tail(lines: int = 20) -> str:
+    """The server's last log lines when its log is readable from here (RLOO_VLLM_SERVER_LOG, set by
+    the SLURM launcher), for the error of a failed call."""
+    import os
+    path = os.environ.get("RLOO_VLLM_SERVER_LOG")
+    if not path or not os.path.isfile(path):
+        return ""
+    with open(path, errors="replace") as handle:
+        return f"\nlast lines of the server's log {path}:\n" + "".join(handle.readlines()[-lines:])
+
+
+class VLLMServerError(RuntimeError):
+    """The server answered a route with an error (the message names the route and quotes the
+    answer)."""
+
+
+class VLLMServerClient:
+
+    def __init__(self, base_url: str, connect_timeout_s: float = 240.0,
+                 request_timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.session = requests.Session()
+        self.group = None
+        self._store = None
+        self.chunk_bytes = CHUNK_BYTES
+        self.nccl = None  # vLLM's NCCL trainer engine when the server runs the "nccl" backend
+        self.source = None
+
+    # ------------------------------------------------------------------ HTTP
+    def _call(self, method: str, route: str, payload: dict | None = None,
+              timeout: float | None = None):
+        url = self.base_url + route
+        try:
+            response = self.session.request(method, url, json=payload, timeout=timeout or
+                                            self.request_timeout_s)
+        except requests.RequestException as err:
+            raise VLLMServerError(f"{method} {url} failed: {err}{server_log_tail()}") from err
+        if response.status_code != 200:
+            raise VLLMServerError(
+                f"{method} {url} answered {response.status_code}: "
+                f"{response.text[:1000]}{server_log_tail()}")
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:  # some routes answer plain text ("Success: LoRA adapter ... loaded")
+            return response.text
+
+    def wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + self.connect_timeout_s
+        last = "no answer"
+        while True:
+            try:
+                response = self.session.get(self.base_url + "/health", timeout=5)
+                if response.status_code == 200:
+                    return
+                last = f"status {response.status_code}"
+            except requests.RequestException as err:
+                last = type(err).__name__
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"the vLLM server at {self.base_url} did not become healthy within "
+                    f"{self.connect_timeout_s:.0f} s (vllm_server_timeout; last: {last}). Start it "
+                    "first, or fix vllm_server_base_url / vllm_server_host / vllm_server_port.")
+            time.sleep(1.0)
+
+    def model_info(self) -> dict:
+        models = self._call("GET", "/v1/models", timeout=30)["data"]
+        return models[0]
+
+    def server_config(self) -> dict:
+        return self._call("GET", "/server_info?config_format=json", timeout=30)["vllm_config"]
+
+    # ------------------------------------------------------------------ weights
+    def init_weight_transfer(self, host: str, port: int, timeout_s: float = 300.0) -> None:
+        """Open the weight-transfer group with the server's workers, over the backend the server
+        runs: "gloo" (ours, CPU or GPU servers; this process hosts the store as rank 0) or "nccl"
+        (GPU to GPU, through vLLM's own trainer-side engine)."""
+        try:
+            config = self.server_config()
+        except VLLMServerError as err:
+            raise VLLMServerError(
+                f"{err}. The weight-update routes exist only when the server runs with "
+                "VLLM_SERVER_DEV_MODE=1.") from err
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        if backend not in ("gloo", "nccl"):
+            raise VLLMServerError(
+                f"the server's weight transfer backend is {backend!r}; this trainer pushes weights "
+                "over 'gloo' (any device) or 'nccl' (GPUs). Restart the server with "
+                "--weight-transfer-config '{\"backend\": \"gloo\"}' --worker-extension-cls "
+                "rloo_vllm.engine.WorkerExtension.")
+        workers = int(self._call("GET", "/get_world_size", timeout=30)["world_size"])
+        world = workers + 1
+        if backend == "nccl":
+            self._init_nccl(host, port, world)
+            return
+        timeout = timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout,
+                                    wait_for_workers=False)
+        info = {"master_address": host, "master_port": port, "world_size": world, "rank_offset": 1,
+                "timeout_s": timeout_s, "chunk_bytes": self.chunk_bytes}
+        errors = self._in_thread("POST", "/init_weight_transfer_engine", {"init_info": info})
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("rloo-weights", self._store), 0, world,
+                                           timeout)
+        errors.join_and_raise()
+
+    def _init_nccl(self, host: str, port: int, world: int) -> None:
+        """The server runs vLLM's NCCL backend: vLLM's trainer-side engine drives the same routes
+        through this client (init_weight_transfer_engine / start / update / finish below) and
+        broadcasts from this GPU."""
+        if not torch.cuda.is_available():
+            raise VLLMServerError(
+                "the server's weight transfer backend is 'nccl', which sends from a GPU of this "
+                "process, and this process has none. Fix: restart the server with "
+                "--weight-transfer-config '{\"backend\": \"gloo\"}' --worker-extension-cls "
+                "rloo_vllm.engine.WorkerExtension (works with GPU servers too, through host "
+                "memory)."
+            )
+        try:
+            from vllm.distributed.weight_transfer.nccl_engine import (
+                NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine)
+        except ImportError as err:
+            raise ImportError(
+                "the server's weight transfer backend is 'nccl': the trainer side needs vLLM in "
+                "the training environment (pip install vllm), or restart the server with the "
+                "'gloo' "
+                "backend (--weight-transfer-config '{\"backend\": \"gloo\"}').") from err
+        self.source = named_tensor_source()
+        info = NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=world, rank=0)
+        self.nccl = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self,
+                                                                 source=self.source)
+
+    # vLLM's trainer-side client protocol (VLLMWeightSyncClient): its NCCL engine calls these.
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("POST", "/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._call("POST", "/start_weight_update", {})
+
+    def update_weights(self, update_info: dict) -> None:
+        self._call("POST", "/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        payload = {} if weight_version is None else {"weight_version": weight_version}
+        self._call("POST", "/finish_weight_update", payload)
+
+    def push_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
+        """One update: start, /update_weights while the chunks are broadcast, finish, reset the
+        prefix cache (cached KV of old weights would otherwise score long prompts). Returns seconds
+        and bytes."""
+        start = time.perf_counter()
+        if self.nccl is not None:
+            # NCCL sends from this process's GPU
+            device = torch.device("cuda", torch.cuda.current_device())
+            self.source.named = [(name, tensor.detach().to(device))
+                                 for name, tensor in named_tensors]
+            self.nccl.send_weights()
+            self._call("POST", "/reset_prefix_cache", {})
+            return {"seconds": time.perf_counter() - start,
+                    "bytes": sum(t.numel() * t.element_size() for _, t in self.source.named)}
+        if self.group is None:
+            raise RuntimeError("init_weight_transfer() must run before push_weights()")
+        names = [name for name, _ in named_tensors]
+        tensors = [tensor.detach().cpu() for _, tensor in named_tensors]
+        dtype_names = [str(t.dtype).removeprefix("torch.") for t in tensors]
+        shapes = [list(t.shape) for t in tensors]
+        self.start_weight_update()
+        errors = self._in_thread(
+            "POST", "/update_weights",
+            {"update_info": {"names": names, "dtype_names": dtype_names, "shapes": shapes}})
+        sent = 0
+        try:
+            for chunk in plan_chunks(dtype_names, shapes, self.chunk_bytes):
+                buffer = pack([tensors[i] for i in chunk])
+                self.group.broadcast(buffer, 0).wait()
+                sent += buffer.numel() * buffer.element_size()
+        finally:
+            errors.join_and_raise()
+        self.finish_weight_update()
+        self._call("POST", "/reset_prefix_cache", {})
+        return {"seconds": time.perf_counter() - start, "bytes": sent}
+
+    def load_lora_adapter(self, name: str, path: str) -> float:
+        start = time.perf_counter()
+        self._call("POST", "/v1/load_lora_adapter",
+                   {"lora_name": name, "lora_path": path, "load_inplace": True})
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ sampling and scoring
+    def complete(self, model: str, prompts: list[list[int]], n: int,
+                 sampling: dict) -> list[list[dict]]:
+        """Per prompt, `n` completions: {"ids": [...], "logprobs": [...]} (sampled-token
+        log-probs)."""
+        payload = {
+            "model": model, "prompt": prompts, "n": n, "logprobs": 0, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, **sampling
+        }
+        choices = self._call("POST", "/v1/completions", payload)["choices"]
+        if len(choices) != len(prompts) * n:
+            raise VLLMServerError(
+                f"POST {self.base_url}/v1/completions returned {len(choices)} choices for "
+                f"{len(prompts)} prompts x n={n}")
+        choices = sorted(choices, key=lambda c: c["index"])
+        rows = [{
+            "ids": list(c["token_ids"]), "logprobs": list(
+                (c.get("logprobs") or {}).get("token_logprobs") or [])
+        } for c in choices]
+        return [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def score(self, model: str, prompt: list[int], completion: list[int]) -> list[float]:
+        """The server's log-probs (temperature 1) of `completion`'s tokens after `prompt`."""
+        payload = {
+            "model": model, "prompt": [prompt + completion], "max_tokens": 1, "temperature": 1.0,
+            "prompt_logprobs": 0, "return_token_ids": True
+        }
+        entries = self._call("POST", "/v1/completions", payload)["choices"][0]["prompt_logprobs"]
+        tokens = prompt + completion
+        return [
+            float(entries[i][str(tokens[i])]["logprob"]) for i in range(len(prompt), len(tokens))
+        ]
+
+    def close(self) -> None:
+        self.group = None
+        if self.nccl is not None:
+            self.nccl.shutdown()
+            self.nccl = None
+        self._store = None
+        self.session.close()
+
+    def _in_thread(self, method: str, route: str, payload: dict) -> "_Call":
+        call = _Call(self, method, route, payload)
+        call.start()
+        return call
+
+
+class _Call(threading.Thread):
+    """An HTTP call that must run while this process takes part in a collective with the server."""
+
+    def __init__(self, client: VLLMServerClient, method: str, route: str, payload: dict):
+        super().__init__(daemon=True)
+        self.client, self.method, self.route, self.payload = client, method, route, payload
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.client._call(self.method, self.route, self.payload)
+        except BaseException as err:  # surfaced in join_and_raise
+            self.error = err
+
+    def join_and_raise(self) -> None:
+        self.join(self.client.request_timeout_s)
+        if self.is_alive():
+            raise VLLMServerError(
+                f"{self.method} {self.client.base_url}{self.route} did not answer within "
+                f"{self.client.request_timeout_s:.0f} s")
+        if self.error is not None:
+            raise self.error
+
+
+def named_tensor_source():
+    """A vLLM WeightSource over the (name, tensor) list of the current push (vLLM is imported only
+    here: the NCCL path needs it in the training environment)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class NamedTensors(WeightSource):
+        def __init__(self):
+            self.named: list[tuple[str, torch.Tensor]] = []
+
+        def metadata(self):
+            return [
+                ParamMeta(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self.named
+            ]
+
+        def __iter__(self):
+            return ((name, tensor.contiguous()) for name, tensor in self.named)
+
+    return NamedTensors()
