@@ -103,12 +103,10 @@ def small_llama(tokenizer, biases: bool = False):
     weights and biases (every projection's, with `biases`) are drawn from N(0.5, 0.3) and N(0, 0.3) instead of 1 and
     0: a computation that dropped one of them gives other outputs."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         attention_bias=biases, mlp_bias=biases, tie_word_embeddings=True,
-                                         eos_token_id=2, pad_token_id=2, bos_token_id=None))
+
+    from rloo.tiny import tiny_causal_lm
+    model = tiny_causal_lm(tokenizer, 0, hidden_size=64, intermediate_size=96, max_position_embeddings=2048,
+                           attention_bias=biases, mlp_bias=biases, tie_word_embeddings=True)
     with torch.no_grad():
         for module in model.modules():
             for name, param in module.named_parameters(recurse=False):
