@@ -162,12 +162,11 @@ def check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_process
         raise ValueError(
             f"reward_weights has {len(args.reward_weights)} entries but there are {len(funcs)} "
             "reward functions; give one weight per function.")
-    if isinstance(reward_processing_classes,
-                  (list, tuple)) and len(reward_processing_classes) != len(funcs):
+    listed = isinstance(reward_processing_classes, (list, tuple))
+    if listed and len(reward_processing_classes) != len(funcs):
         raise ValueError(
             f"reward_processing_classes has {len(reward_processing_classes)} entries but there are "
             f"{len(funcs)} reward functions; the lengths must match.")
-    listed = isinstance(reward_processing_classes, (list, tuple))
     if reward_processing_classes is not None and not listed and len(funcs) != 1:
         raise ValueError("a single reward_processing_class was given for several reward functions; "
                          "pass a list with one entry per reward function.")

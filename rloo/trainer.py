@@ -57,8 +57,8 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
                  processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: list | None = None, optimizers: tuple = (None, None),
                  quantization_config: Any = None, peft_config: Any = None):
-        model_id = model if isinstance(model, str) else getattr(getattr(model, "config", None),
-                                                                "_name_or_path", "model")
+        config = getattr(model, "config", None)
+        model_id = model if isinstance(model, str) else getattr(config, "_name_or_path", "model")
         if args is None:
             args = RLOOConfig(output_dir=f"{str(model_id).rstrip('/').split('/')[-1]}-RLOO")
         elif not isinstance(args, RLOOConfig):
@@ -90,10 +90,10 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
         self.router_aux_loss_coef = resolve_router_aux_loss_coef(model, args.router_aux_loss_coef)
 
         # Reward functions and reward models.
-        reward_funcs = list(reward_funcs) if isinstance(reward_funcs,
-                                                        (list, tuple)) else [reward_funcs]
+        if not isinstance(reward_funcs, (list, tuple)):
+            reward_funcs = [reward_funcs]
         reward_funcs = [load_reward_model(f, args.model_init_kwargs, args.trust_remote_code)
-                        if isinstance(f, str) else f for f in reward_funcs]
+                        if isinstance(f, str) else f for f in list(reward_funcs)]
         reward_processing_classes = reward_tokenizers(reward_funcs, reward_processing_classes,
                                                       args.trust_remote_code)
         self.reward_funcs = reward_funcs
