@@ -45,8 +45,6 @@ def _run_checked(options, config, config_path: str, assignments: list[str],
     from flows import console
     from infra.stages import check_config
     from infra.tracking import check_reachable
-    # before MLflow creates its tables: third-party lines go to pipeline.log
-    console.quiet(config.run_root)
     check_config(config, read_rows=False)  # the rows: in the dataset stage, which reads them anyway
     local_store = config.tracking_uri.startswith("sqlite:")
     if not local_store:
@@ -54,6 +52,8 @@ def _run_checked(options, config, config_path: str, assignments: list[str],
     from infra.writer import wait_until_free
     # the flow holds the lock; this fails (or waits) early
     wait_until_free(config.run_dir, options.if_running)
+    # valid: third-party lines go to pipeline.log from now on (before MLflow creates its tables)
+    console.quiet(config.run_root)
     api.start(config.run_root)  # (already started when the run root was known early)
     if local_store:  # a new SQLite store creates its tables here (seconds), while the API starts
         check_reachable(config.tracking_uri)

@@ -45,10 +45,12 @@ async def rloo_pipeline(
 ) -> dict:
     """The RLOO pipeline: dataset, model, train, evaluate.
 
-    Args: recipe: A pipeline config (configs/*.yaml; from the command line, any path). settings:
-    What people change between runs; empty fields keep the recipe's value. overrides: More key=value
-    settings, e.g. training.save_steps=10 or data.eval_size=100. if_running: When another run is
-    writing this run's directory (same config): refuse, or wait for it.
+    Args:
+        recipe: A pipeline config (configs/*.yaml; from the command line, any path).
+        settings: What people change between runs; empty fields keep the recipe's value.
+        overrides: More key=value settings, e.g. training.save_steps=10 or data.eval_size=100.
+        if_running: When another run is writing this run's directory (same config): refuse, or
+            wait for it.
     """
     config = load_run_config(recipe, overrides)
     if changed := settings.assignments(config):
