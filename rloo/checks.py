@@ -8,6 +8,7 @@ reward function before it has real completions and the live `TrainerState`."""
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 from datasets import Dataset, IterableDataset
@@ -32,7 +33,8 @@ def reward_columns(dataset: Any, remove_unused_columns: bool | None) -> list[str
     if columns is None:
         return None
     if remove_unused_columns:
-        return []  # only prompt (and images, refused for now) survive the column filter
+        # only prompt and the images survive the column filter
+        return [column for column in IMAGE_COLUMNS if column in columns]
     return [
         column for column in columns if column not in ("prompt", "completion", "completion_ids")
     ]
@@ -79,16 +81,28 @@ def check_reward_signature(func: Any, index: int, columns: list[str] | None) -> 
             "the trainer passes everything by keyword. Fix: drop the '/'.")
 
 
-def check_no_image_columns(dataset: Any, name: str) -> None:
-    """Vision-language training does not exist yet: a dataset with images must not train on its text
-    alone."""
+def check_image_columns(dataset: Any, name: str, model: Any, trust_remote_code: bool) -> None:
+    """Images (an `image` or `images` column) need a vision-language model: a text model would train
+    on the text alone. Told before any weight loads (the model's config alone)."""
     columns = getattr(dataset, "column_names", None) or []
     found = [column for column in IMAGE_COLUMNS if column in columns]
-    if found:
+    if not found:
+        return
+    from rloo.vision import is_vision_config
+    config = getattr(model, "config", None)
+    if isinstance(model, str):
+        from transformers import AutoConfig
+        try:
+            config = AutoConfig.from_pretrained(os.path.expanduser(model),
+                                                trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            return  # the model's own load says what is wrong with it
+    if config is not None and not is_vision_config(config):
         raise ValueError(
-            f"`{name}` has a column {found[0]!r}: image inputs are not supported yet (the policy "
-            "would train on the text alone). Fix: remove the column, or, if it is meant only for "
-            f"your reward functions, rename it (e.g. dataset.rename_column({found[0]!r}, "
+            f"`{name}` has a column {found[0]!r} but the model is a text-only "
+            f"{type(config).__name__}: it would train on the text alone. Fix: a vision-language "
+            "model (e.g. Qwen/Qwen2.5-VL-3B-Instruct), or, if the images are meant only for your "
+            f"reward functions, rename the column (dataset.rename_column({found[0]!r}, "
             f"'reward_{found[0]}')).")
 
 
@@ -102,7 +116,7 @@ def check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_process
         raise TypeError("train_dataset must be a datasets.Dataset or IterableDataset, got "
                         f"{type(train_dataset).__name__}. Fix: datasets.Dataset.from_list(rows).")
     check_prompt_dataset(train_dataset, "train_dataset")
-    check_no_image_columns(train_dataset, "train_dataset")
+    check_image_columns(train_dataset, "train_dataset", model, args.trust_remote_code)
     if peft_config is not None and is_peft_model(model):
         raise ValueError(
             "model is already a PeftModel and peft_config is also given: pass one of them (the "
@@ -142,7 +156,7 @@ def check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_process
         for name, dataset in named:
             label = name if name == "eval_dataset" else f"eval_dataset[{name!r}]"
             check_prompt_dataset(dataset, label)
-            check_no_image_columns(dataset, label)
+            check_image_columns(dataset, label, model, args.trust_remote_code)
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs:
         raise ValueError(

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rloo import vision
 from rloo.engine import shared_prompts
 
 
@@ -47,7 +48,7 @@ class TokenLogps(NamedTuple):
 
 def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     logits_to_keep: int, temperature: float, with_entropy: bool = False,
-                    share_prompts: bool = False) -> TokenLogps:
+                    share_prompts: bool = False, media: list[dict] | None = None) -> TokenLogps:
     """log pi(token_t | tokens_<t) / temperature-scaled, for the last `logits_to_keep` tokens of
     each row.
 
@@ -55,16 +56,22 @@ def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     included) is the same, e.g. the num_generations completions of one prompt, run that prompt
     through the model once: its KV cache is copied to each of its rows and only the completions go
     through the model per row. The same positions, mask and logits as one forward over the whole
-    rows; the prompt's compute is done once."""
+    rows; the prompt's compute is done once.
+
+    `media`: a VLM's other inputs, one dict per row (rloo.vision); such rows take one plain
+    forward."""
     outputs, logits = None, None
-    if share_prompts and logits_to_keep > 0 and shared_prompts.can_share_prompts(model):
+    extra = {} if media is None else vision.forward_media(media, attention_mask, logits_to_keep,
+                                                          input_ids.device)
+    if (share_prompts and media is None and logits_to_keep > 0
+            and shared_prompts.can_share_prompts(model)):
         found = shared_prompts.shared_prompt_logits(model, input_ids, attention_mask,
                                                     logits_to_keep)
         if found is not None:
             logits, outputs = found
     if logits is None:
         outputs = model(input_ids=input_ids, attention_mask=attention_mask,
-                        logits_to_keep=logits_to_keep + 1, use_cache=False)
+                        logits_to_keep=logits_to_keep + 1, use_cache=False, **extra)
         logits = outputs.logits[:, :-1, :][:, -logits_to_keep:, :]
     if temperature != 1.0:  # (x / 1.0 is x: no vocabulary-wide copy)
         logits = logits / temperature

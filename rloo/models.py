@@ -111,10 +111,16 @@ def load_reward_model(name: str, model_init_kwargs: dict | None,
                             "reward_funcs entry", num_labels=1, **kwargs)
 
 
-def load_tokenizer(name: str, trust_remote_code: bool,
-                   revision: str | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer (or processor's tokenizer) of a model id or path; `revision` as for the model
-    (the spec: model_init_kwargs' revision is also used for the processing class)."""
+def load_tokenizer(name: str, trust_remote_code: bool, revision: str | None = None,
+                   config: Any = None) -> PreTrainedTokenizerBase:
+    """The processing class of a model id or path: for a vision-language model (`config`, the
+    model's), its processor (AutoProcessor, rloo.vision), else its tokenizer (AutoTokenizer);
+    `revision` as for the model (the spec: model_init_kwargs' revision is also used for the
+    processing class)."""
+    from rloo import vision
+    if config is not None and vision.is_vision_config(config):
+        check_model_source(name, "processing_class source")
+        return vision.load_processor(os.path.expanduser(name), config, trust_remote_code, revision)
     kwargs = {"revision": revision} if revision is not None else {}
     return _from_pretrained(AutoTokenizer.from_pretrained, name, "processing_class source",
                             trust_remote_code=trust_remote_code, **kwargs)

@@ -27,13 +27,14 @@ from rloo.data import as_completion, is_conversational, pad_rows, tokenize_promp
 from rloo.metrics import nanmean, nanstd_value, tensor_stats
 from rloo.models import text_tokenizer_of
 from rloo.timing import NULL_TIMER, StepTimer
+from rloo.vision import process_prompts, row_images
 
 logger = logging.getLogger(__name__)
 
 # Fields holding one entry per local row, in order: what a micro-batch slice takes.
 ROW_FIELDS = ("prompts", "completions", "completion_texts", "prompt_ids", "prompt_mask",
               "completion_ids", "completion_mask", "truncated", "advantages", "old_logps",
-              "sampler_logps", "ref_logps", "row_index")
+              "sampler_logps", "ref_logps", "row_index", "media")
 
 
 class PiOld(NamedTuple):
@@ -88,6 +89,8 @@ class RolloutSettings:
     chat_template_kwargs: dict | None = None
     # where pi_old's log-probs come from (the table in PiOld)
     pi_old: PiOld = PiOld(kept=False, kl="rollout")
+    # a vision-language model: prompts and their images go through the processor (rloo.vision)
+    vision: bool = False
 
 
 @dataclass
@@ -127,6 +130,8 @@ class Rollout:
     pending: tuple[RolloutSettings, int] | None = None
     ref_logps: torch.Tensor | None = None
     row_index: torch.Tensor | None = None
+    # a VLM's other inputs per row (pixel_values, image_grid_thw, ...: rloo.vision), else None
+    media: list[dict] | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -184,9 +189,18 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     log-prob and reward sections."""
     prompts = [row["prompt"] for row in rows]
     conversational = is_conversational(prompts[0])
-    prompt_id_lists = tokenize_prompts(processing_class, prompts, settings.chat_template_kwargs)
+    media = None
+    if settings.vision:
+        prompt_id_lists, media = process_prompts(processing_class, prompts,
+                                                 [row_images(row) for row in rows],
+                                                 settings.chat_template_kwargs)
+    else:
+        prompt_id_lists = tokenize_prompts(processing_class, prompts,
+                                           settings.chat_template_kwargs)
+    # the images' tensors travel beside the ids (only for VLMs: text callers never see them)
+    with_media = {} if media is None else {"media": media}
     with timer.section("generation"):
-        completion_id_lists = generate(prompt_id_lists)
+        completion_id_lists = generate(prompt_id_lists, **with_media)
 
     pad, multiple = settings.pad_token_id, settings.pad_to_multiple_of
     prompt_ids, prompt_mask = (t.to(device)
@@ -216,9 +230,10 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
             width = min(decoded.size(1), completion_ids.size(1))
             old_per_token[:, :width] = decoded[:, :width].to(device)
         elif (kept or settings.beta != 0.0) and not defer:
-            old_per_token = policy_logps(input_ids, attention_mask, logits_to_keep)
+            old_per_token = policy_logps(input_ids, attention_mask, logits_to_keep, **with_media)
         if settings.beta != 0.0:
-            ref_per_token = reference_logps(input_ids, attention_mask, logits_to_keep)
+            ref_per_token = reference_logps(input_ids, attention_mask, logits_to_keep,
+                                            **with_media)
 
     texts = text_tokenizer_of(processing_class).batch_decode(completion_id_lists,
                                                              skip_special_tokens=True)
@@ -254,7 +269,7 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
         reward_metrics=_average_reward_metrics(extra.metrics,
                                                gather_object), extra_columns=extra.columns,
         pending=(settings, start) if defer else None, ref_logps=ref_per_token if defer else None,
-        row_index=torch.arange(len(rows), device=device) if defer else None)
+        row_index=torch.arange(len(rows), device=device) if defer else None, media=media)
 
 
 def _advantages(rewards_per_func: torch.Tensor, settings: RolloutSettings,

@@ -39,6 +39,7 @@ from rloo.rollout import (Rollout, RolloutSettings, build_rollout, complete_roll
                           global_masked_mean, pi_old_plan, rollout_metrics)
 from rloo.sampling import shuffle_rows, split_rows
 from rloo.timing import StepTimingCallback, device_timer
+from rloo.vision import is_vision_config
 from rloo.zero import gathered_parameters, prepare_frozen, single_process_ddp, zero_stage
 
 logger = logging.getLogger(__name__)
@@ -71,11 +72,12 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
         model, init_kwargs = load_policy(model, args, quantization_config)
         self._model_identity = model_identity(model)
 
-        # Tokenizer / processor.
+        # Tokenizer, or processor for a vision-language model (rloo.vision).
+        self._vision = is_vision_config(model.config)
         if processing_class is None:
             processing_class = load_tokenizer(
                 model.config._name_or_path, args.trust_remote_code,
-                revision=(args.model_init_kwargs or {}).get("revision"))
+                revision=(args.model_init_kwargs or {}).get("revision"), config=model.config)
         processing_class = prepare_tokenizer(processing_class)
         tokenizer = text_tokenizer_of(processing_class)
         self.pad_token_id = tokenizer.pad_token_id
@@ -114,8 +116,8 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
                          callbacks=callbacks, optimizers=optimizers)
         # torchrun with one CPU process: no DDP wrapper (rloo.zero)
         single_process_ddp(self.accelerator)
-        # the speed layer on, or the reference path (rloo.engine)
-        self._fast = engine.is_fast(args.engine)
+        # the speed layer on, or the reference path (rloo.engine): always for images
+        self._fast = engine.is_fast(args.engine) and not self._vision
         engine.keep_freed_memory(self._fast)
         self._gather_object = gather_object if self.accelerator.num_processes > 1 else None
 
@@ -157,10 +159,11 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
 
         self.generator = make_generation_backend(args, self.accelerator, self.model, tokenizer,
                                                  self.pad_token_id, self.eos_token_ids,
-                                                 zero3=self._zero3)
+                                                 zero3=self._zero3, fast=self._fast)
         self._metrics, self._timer = MetricBuffer(), device_timer(self.accelerator.device)
         self.generator.timer = self._timer
-        logger.info(engine.describe(self._fast, self.model, self.generator, self.ref_model))
+        logger.info(engine.describe(self._fast, self.model, self.generator, self.ref_model,
+                                    self._vision))
         self.add_callback(StepTimingCallback(self._timer, self._metrics))
         self._logs = CompletionLog(args.generation_batch_size)
         self._logs_fresh = False
@@ -218,12 +221,12 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
         # own copy.
         gather_weights = self._zero3 and args.ds3_gather_for_generation and not args.use_vllm
 
-        def generate(prompt_ids):
+        def generate(prompt_ids, **media):  # media: a VLM's images (rloo.vision)
             with contextlib.ExitStack() as stack:
                 with self._timer.section("weight_sync"):
                     stack.enter_context(gathered_parameters(unwrapped, gather_weights))
                 return self.generator.generate(unwrapped, prompt_ids, num_generations,
-                                               self.state.global_step)
+                                               self.state.global_step, **media)
 
         chunk = (args.per_device_train_batch_size if mode == "train"
                  else args.per_device_eval_batch_size)
@@ -234,13 +237,16 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
             normalize_advantages=args.normalize_advantages,
             mask_truncated_completions=args.mask_truncated_completions,
             pad_to_multiple_of=args.pad_to_multiple_of,
-            chat_template_kwargs=args.chat_template_kwargs, pi_old=self._pi_old if
+            chat_template_kwargs=args.chat_template_kwargs, vision=self._vision,
+            pi_old=self._pi_old if
             mode == "train" or self._pi_old.kl != "loss" else self._pi_old._replace(kl="rollout"))
         rollout = build_rollout(
             rows, settings, generate=generate, processing_class=self.processing_class,
             reward_runner=self.reward_runner, trainer_state=self.state,
-            policy_logps=lambda *batch: self._chunked_logps(unwrapped, *batch, chunk),
-            reference_logps=lambda *batch: self._reference_logps(unwrapped, *batch, chunk),
+            policy_logps=lambda *batch, media=None: self._chunked_logps(unwrapped, *batch, chunk,
+                                                                        media),
+            reference_logps=lambda *batch, media=None: self._reference_logps(
+                unwrapped, *batch, chunk, media),
             gather=accelerator.gather, gather_object=self._gather_object,
             process_index=accelerator.process_index, device=accelerator.device, timer=self._timer)
         for name, value in self.generator.pop_metrics().items():
@@ -263,8 +269,8 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
             self._logs.record_rollout(rows, self.reward_func_names, self._gather_object)
             self._logs_fresh = True
 
-    def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep,
-                       chunk) -> torch.Tensor:
+    def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk,
+                       media=None) -> torch.Tensor:
         unwrap = self.accelerator.unwrap_model
         share = self._fast and kl_forwards_share_prompts(unwrap(self.model), self.ref_model)
         if self._pi_old.kl == "loss" and self.model.training:  # as the loss's forward (no wrapper)
@@ -272,20 +278,22 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
         return torch.cat([
             per_token_logps(model, input_ids[start:start + chunk],
                             attention_mask[start:start + chunk], logits_to_keep,
-                            self.args.temperature, share_prompts=share).logps
+                            self.args.temperature, share_prompts=share,
+                            media=media and media[start:start + chunk]).logps
             for start in range(0, input_ids.size(0), chunk)
         ], dim=0)
 
-    def _reference_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep,
-                         chunk) -> torch.Tensor:
+    def _reference_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, chunk,
+                         media=None) -> torch.Tensor:
         if self.ref_model is not None:
             # its pages go (rloo.engine.mapped)
             with mapped.paged_out_after(self.accelerator.unwrap_model(self.ref_model)):
                 return self._chunked_logps(self.ref_model, input_ids, attention_mask,
-                                           logits_to_keep, chunk)
+                                           logits_to_keep, chunk, media)
         # PEFT: base (or frozen copy) is the reference
         with reference_adapter(unwrapped, self._trainable_adapter):
-            return self._chunked_logps(unwrapped, input_ids, attention_mask, logits_to_keep, chunk)
+            return self._chunked_logps(unwrapped, input_ids, attention_mask, logits_to_keep, chunk,
+                                       media)
 
     def compute_loss(self, model, inputs: Rollout, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
@@ -300,7 +308,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
             token_logps, entropy, aux_loss = per_token_logps(
                 model, input_ids, attention_mask, inputs.completion_ids.size(1),
                 self.args.temperature, with_entropy=True, share_prompts=self._fast and
-                unwrapped is model)
+                unwrapped is model, media=inputs.media)
         # the step's stage where this forward is the KL's pi_old (PiOld "loss")
         if inputs.pending is not None:
             inputs = complete_rollout(inputs, token_logps, self.accelerator.gather)

@@ -1,8 +1,8 @@
 """The reward-function contract: called only on real completions with the live TrainerState; a wrong signature
 fails at construction without a call; a bad output or an exception at the first real call names function and row;
 NaN/inf refused naming function and row (or read as None on request); a call that hangs past reward_timeout is an
-error naming the function and the prompts (async ones cancelled); image columns are refused until vision-language
-training exists."""
+error naming the function and the prompts (async ones cancelled); image columns with a text-only model are refused
+before any weight loads (vision-language models: tests/test_vision.py)."""
 
 import asyncio
 import math
@@ -159,8 +159,8 @@ def test_reward_settings_reach_the_trainer(tmp_path, tokenizer, model):
 
 
 @pytest.mark.parametrize("column", ["image", "images"])
-def test_image_columns_are_refused(tmp_path, tokenizer, model, column):
+def test_image_columns_need_a_vision_language_model(tmp_path, tokenizer, model, column):
     dataset = Dataset.from_list([{"prompt": "the dog", column: "pixels"}] * 4)
-    with pytest.raises(ValueError, match=f"column '{column}': image inputs are not supported yet.*rename"):
+    with pytest.raises(ValueError, match=f"column '{column}' but the model is a text-only LlamaConfig.*rename"):
         build(tmp_path, model, tokenizer, lambda completions, **kwargs: [0.0] * len(completions), dataset=dataset)
     assert not os.path.exists(tmp_path / "out")

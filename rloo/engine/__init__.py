@@ -58,9 +58,14 @@ def keep_freed_memory(fast: bool) -> None:
         heap.keep_freed_memory()
 
 
-def describe(fast: bool, model: nn.Module, generator: object, reference: nn.Module | None) -> str:
-    """One line: each part of the speed layer, on or off and why, for this model and machine."""
+def describe(fast: bool, model: nn.Module, generator: object, reference: nn.Module | None,
+             vision: bool = False) -> str:
+    """One line: each part of the speed layer, on or off and why, for this model and machine
+    (`vision`: a vision-language model, which takes the reference path)."""
     model, reference = _unwrapped(model), reference and _unwrapped(reference)
+    if vision:
+        return ("rloo engine: reference (a vision-language model: the speed layer's decode loop "
+                "and forwards take no images): model.generate and plain forwards")
     if not fast:
         return (f"rloo engine: reference ({ENVIRONMENT}=reference or engine='reference'): "
                 "model.generate and plain forwards; no fast path on")

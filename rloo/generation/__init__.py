@@ -29,10 +29,11 @@ def in_process_generator(generation_config, pad_token_id: int, eos_token_ids: li
 
 
 def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: int,
-                            eos_token_ids: list[int], zero3: bool = False) -> GenerationBackend:
+                            eos_token_ids: list[int], zero3: bool = False,
+                            fast: bool = True) -> GenerationBackend:
     """The backend RLOOConfig asks for: a vLLM server (`use_vllm`, `vllm_mode='server'`), an
     in-process vLLM engine (`vllm_mode='colocate'`), transformers' continuous batching, or in
-    process (in_process_generator)."""
+    process (in_process_generator; `fast`: the speed layer may take it)."""
     if args.use_vllm and args.vllm_mode == "server":
         from rloo.generation.vllm_server import VLLMServerGenerator
         return VLLMServerGenerator(args, accelerator, model, eos_token_ids, zero3=zero3)
@@ -42,13 +43,16 @@ def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: i
                                      zero3=zero3)
     generation_config = build_generation_config(args, pad_token_id, tokenizer.bos_token_id,
                                                 eos_token_ids)
+    from rloo.vision import is_vision_config, placeholder_token_ids
+    if is_vision_config(model.config):  # completions never hold an image placeholder
+        generation_config.suppress_tokens = (list(generation_config.suppress_tokens or []) +
+                                             placeholder_token_ids(model.config))
     if args.use_transformers_continuous_batching:
         return ContinuousBatchingGenerator(generation_config, eos_token_ids,
                                            args.transformers_continuous_batching_config)
     generator = in_process_generator(generation_config, pad_token_id, eos_token_ids, model,
                                      args.pad_to_multiple_of, synced=zero3 and
-                                     not args.ds3_gather_for_generation,
-                                     fast=engine.is_fast(args.engine))
+                                     not args.ds3_gather_for_generation, fast=fast)
     # pi_old for the KL from the decode loop, not a second forward
     if args.kl_logps_from_generation:
         keep_policy_logprobs(generator, model, args.temperature)

@@ -9,6 +9,7 @@ from rloo.algorithm import completion_mask_after_eos
 from rloo.data import pad_rows
 from rloo.generation.base import Completions, GenerationBackend
 from rloo.models import eval_mode
+from rloo.vision import forward_media
 
 
 def build_generation_config(args, pad_token_id: int, bos_token_id: int | None,
@@ -44,13 +45,16 @@ class TransformersGenerator(GenerationBackend):
 
     @torch.no_grad()
     def generate(self, model: PreTrainedModel, prompt_ids: list[list[int]],
-                 num_generations: int = 1, step: int = 0) -> list[list[int]]:
+                 num_generations: int = 1, step: int = 0,
+                 media: list[dict] | None = None) -> list[list[int]]:
+        """`media`: a VLM's other inputs per row (rloo.vision), passed to `generate`."""
         device = next(model.parameters()).device
         input_ids, attention_mask = pad_rows(prompt_ids, self.pad_token_id, "left",
                                              self.pad_to_multiple_of)
+        extra = {} if media is None else forward_media(media, attention_mask, 0, device)
         with eval_mode(model):
             completions, logps = self._completions(model, input_ids.to(device),
-                                                   attention_mask.to(device))
+                                                   attention_mask.to(device), **extra)
         completions = completions.cpu()
         if completions.size(1) == 0:
             return [[] for _ in prompt_ids]
@@ -60,10 +64,10 @@ class TransformersGenerator(GenerationBackend):
             return ids
         return Completions(ids, policy_logprobs=logps * mask.to(logps.device, logps.dtype))
 
-    def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     **media) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(rows, new tokens) after the left-padded prompts, pad after a row's end; and the policy's
         log-probs of those tokens where this backend computes them (else None)."""
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                generation_config=self.generation_config)
+                                generation_config=self.generation_config, **media)
         return output[:, input_ids.size(1):], None

@@ -1,0 +1,232 @@
+"""Vision-language models: telling one from a text model, and loading its processor (also where
+transformers cannot build the stock one because torchvision is missing)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def is_vision_config(config: Any) -> bool:
+    """A VLM's config has a vision tower's config (Qwen2-VL, Gemma3, LLaVA(-NeXT), Idefics3,
+    SmolVLM, ...)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+@functools.cache
+def images_only(processor_class: type) -> type:
+    """`processor_class` without its video processor, under the same name (so that a saved folder
+    names the stock class). transformers builds Qwen2-VL-style processors only with a video
+    processor, and its video processors need torchvision; images alone need neither."""
+    attributes = [name for name in processor_class.get_attributes() if name != "video_processor"]
+
+    def get_attributes(cls):
+        return list(attributes)
+
+    return type(processor_class.__name__, (processor_class, ), {
+        "get_attributes": classmethod(get_attributes),
+        "__module__": processor_class.__module__,
+        "__doc__": f"{processor_class.__name__} for images only (no video processor)."
+    })
+
+
+def has_image_processor(processing_class: Any) -> bool:
+    return getattr(processing_class, "image_processor", None) is not None
+
+
+def load_processor(name: str, config: Any, trust_remote_code: bool, revision: str | None = None):
+    """AutoProcessor for a VLM; where transformers falls back to the bare tokenizer because the
+    processor's video part needs torchvision, the same processor for images only (one log line)."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.utils import is_torchvision_available
+    kwargs = dict(trust_remote_code=trust_remote_code)
+    if revision is not None:
+        kwargs["revision"] = revision
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    class_name = PROCESSOR_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    processor_class = getattr(transformers, class_name or "", None)
+    # transformers without torchvision: the stock processor cannot be built (its video part)
+    images_alone = (processor_class is not None and not is_torchvision_available()
+                    and "video_processor" in processor_class.get_attributes())
+    try:
+        processor = AutoProcessor.from_pretrained(name, **kwargs)
+    except (OSError, TypeError, ValueError):
+        if not images_alone:
+            raise
+        processor = None
+    if has_image_processor(processor):
+        return processor
+    if not images_alone:
+        raise ValueError(
+            f"{name!r} is a vision-language model ({type(config).__name__}) but its processor "
+            f"could not be loaded (AutoProcessor gave a {type(processor).__name__}). Fix: make "
+            "sure the folder or repo has its processor_config.json / preprocessor_config.json, or "
+            "pass processing_class=AutoProcessor.from_pretrained(...) yourself.")
+    image_processor = AutoImageProcessor.from_pretrained(name, backend="pil", **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
+    logger.info(
+        "rloo: torchvision is not installed, so %s is built for images only (no video "
+        "processor, PIL image backend).", class_name)
+    return images_only(processor_class)(image_processor=image_processor, tokenizer=tokenizer,
+                                        chat_template=tokenizer.chat_template)
+
+
+def row_images(row: dict) -> list:
+    """A dataset row's images: its `images` list, or its one `image` (None: no image)."""
+    if row.get("images") is not None:
+        images = row["images"]
+        return list(images) if isinstance(images, (list, tuple)) else [images]
+    return [] if row.get("image") is None else [row["image"]]
+
+
+def _image_parts(content: Any) -> int:
+    if isinstance(content, list):
+        return sum(1 for part in content if isinstance(part, dict) and part.get("type") == "image")
+    return 0
+
+
+def multimodal_messages(prompt: list[dict], num_images: int, row: int) -> list[dict]:
+    """A conversational prompt as a processor's chat template takes it: string contents become text
+    parts, and the first user message starts with one `{"type": "image"}` part per image (as TRL
+    does), unless the prompt already has image parts, which must then match the images."""
+    placed = sum(_image_parts(message.get("content")) for message in prompt)
+    if placed and placed != num_images:
+        raise ValueError(
+            f"row {row}: the prompt has {placed} {{'type': 'image'}} part(s) but the row has "
+            f"{num_images} image(s). Fix: one image part per image, or plain string contents "
+            "(the images are then put at the start of the first user message).")
+    messages, first_user = [], not placed and num_images > 0
+    for message in prompt:
+        content = message.get("content")
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+            if first_user and message.get("role") == "user":
+                content = [{"type": "image"} for _ in range(num_images)] + content
+                first_user = False
+        messages.append({**message, "content": content})
+    if first_user:
+        raise ValueError(
+            f"row {row}: the row has {num_images} image(s) but its prompt has no user message "
+            "with text content to put them in. Fix: add a user message.")
+    return messages
+
+
+def process_prompts(processor: Any, prompts: list, images: list[list],
+                    chat_template_kwargs: dict | None) -> tuple[list[list[int]], list[dict]]:
+    """Prompts and their images through a VLM's processor, one row at a time: (prompt token ids
+    with the image tokens expanded, per row; the model's other inputs per row, e.g. pixel_values,
+    image_grid_thw, token_type_ids, as a batch of one). Rows with the same prompt and images (the
+    num_generations copies of one prompt) are processed once."""
+    from rloo.data import is_conversational
+    ids, media, seen = [], [], {}
+    for index, (prompt, row_images_) in enumerate(zip(prompts, images)):
+        key = (id(prompt), tuple(id(image) for image in row_images_))
+        if key not in seen:
+            seen[key] = _process_one(processor, prompt, row_images_, index, chat_template_kwargs,
+                                     is_conversational(prompt))
+        row_ids, row_media = seen[key]
+        ids.append(row_ids)
+        media.append(row_media)
+    return ids, media
+
+
+def _process_one(processor, prompt, images: list, row: int, chat_template_kwargs: dict | None,
+                 conversational: bool) -> tuple[list[int], dict]:
+    if conversational:
+        text = processor.apply_chat_template(
+            multimodal_messages(prompt, len(images), row), add_generation_prompt=True,
+            tokenize=False, **(chat_template_kwargs or {}))
+    else:
+        token = getattr(processor, "image_token", None)
+        if images and (token is None or prompt.count(token) != len(images)):
+            raise ValueError(
+                f"row {row}: a plain string prompt with {len(images)} image(s) and "
+                f"{prompt.count(token) if token else 0} image token(s) ({token!r}) in it. Fix: "
+                "a conversational prompt ([{'role': 'user', 'content': ...}]), whose chat template "
+                "places the images, or one image token per image in the string.")
+        text = prompt
+    try:
+        encoded = processor(text=[text], images=[images] if images else None,
+                            return_tensors="pt", add_special_tokens=not conversational)
+    except Exception as err:  # the processor's own message, with the row it came from
+        raise ValueError(f"row {row}: the processor could not take this prompt and its "
+                         f"{len(images)} image(s): {err}") from err
+    row_ids = encoded["input_ids"][0][encoded["attention_mask"][0].bool()].tolist()
+    width = encoded["input_ids"].size(1)
+    media = {}
+    for key, value in encoded.items():
+        if key in ("input_ids", "attention_mask") or not isinstance(value, torch.Tensor):
+            continue
+        # per-token inputs (token_type_ids, mm_token_type_ids): unpadded, like the ids
+        if is_per_token(key, value, width):
+            value = value[:, encoded["attention_mask"][0].bool()]
+        media[key] = value
+    return row_ids, media
+
+
+def is_per_token(key: str, value: torch.Tensor, ids_length: int) -> bool:
+    """token_type_ids, mm_token_type_ids: one entry per prompt token."""
+    return (key.endswith("_ids") and value.dim() == 2 and value.size(0) == 1
+            and value.size(1) == ids_length)
+
+
+def collate_media(media: list[dict], prompt_lengths: list[int], prompt_width: int,
+                  completion_width: int = 0) -> dict[str, torch.Tensor]:
+    """The model's extra inputs for these rows as one batch: per-token inputs left-padded like the
+    prompts (zeros over padding and over `completion_width` completion tokens); images' tensors
+    concatenated in row order (the first dimension counts images, tiles or patches), other
+    dimensions zero-padded to the largest (LLaVA-NeXT's tiles), as the processors pad a batch."""
+    keys = sorted({key for row in media for key in row})
+    batch = {}
+    for key in keys:
+        per_token = [
+            is_per_token(key, row[key], length) for row, length in zip(media, prompt_lengths)
+            if key in row
+        ]
+        if all(per_token):
+            out = torch.zeros((len(media), prompt_width + completion_width),
+                              dtype=next(row[key] for row in media if key in row).dtype)
+            for index, (row, length) in enumerate(zip(media, prompt_lengths)):
+                if key in row:
+                    out[index, prompt_width - length:prompt_width] = row[key][0]
+            batch[key] = out
+            continue
+        values = [row[key] for row in media if key in row]
+        shape = [max(value.size(d) for value in values) for d in range(values[0].dim())]
+        padded = []
+        for value in values:
+            if list(value.shape[1:]) != shape[1:]:
+                grown = value.new_zeros([value.size(0)] + shape[1:])
+                grown[tuple(slice(0, size) for size in value.shape)] = value
+                value = grown
+            padded.append(value)
+        batch[key] = torch.cat(padded, dim=0)
+    return batch
+
+
+def forward_media(media: list[dict], attention_mask: torch.Tensor, completion_width: int,
+                  device: Any) -> dict[str, torch.Tensor]:
+    """collate_media for a forward over prompt + completion rows (`attention_mask` covers both, the
+    last `completion_width` columns being the completion), on `device`."""
+    prompt_width = attention_mask.size(1) - completion_width
+    lengths = attention_mask[:, :prompt_width].sum(dim=1).tolist()
+    batch = collate_media(media, lengths, prompt_width, completion_width)
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+def placeholder_token_ids(config: Any) -> list[int]:
+    """The ids a VLM's forward takes as "an image (or video) goes here". Sampled into a completion,
+    one would make the training forward fail (more placeholders than images), so generation never
+    samples them: `suppress_tokens`."""
+    ids = []
+    for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value not in ids:
+            ids.append(value)
+    return ids

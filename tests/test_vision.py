@@ -1,0 +1,161 @@
+"""Vision-language training: tiny random VLMs of three families (tests/tiny_vlms.py) take their
+images through the processor, generation, every forward and the gradient."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import make_args
+from tiny_vlms import FAMILIES, random_image, save_vlm
+
+from rloo import RLOOTrainer
+from rloo.data import pad_rows
+from rloo.vision import collate_media, process_prompts
+
+QUESTION = "what is two plus two ?"
+
+
+def vlm_dataset(count: int = 4, seed: int = 0, column: str = "image") -> Dataset:
+    rows = []
+    for i in range(count):
+        images = random_image(seed + i, 16 + 4 * i, 20)
+        rows.append({"prompt": [{"role": "user", "content": QUESTION}],
+                     column: [images, random_image(seed + 100 + i)] if column == "images"
+                     else images})
+    return Dataset.from_list(rows)
+
+
+def position_reward(completion_ids, **kwargs):
+    return [float(i) for i in range(len(completion_ids))]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_batch_of_rows_equals_each_row_alone(family):
+    """Rows processed one at a time and collated (left padding, LLaVA-NeXT's tiles padded, a row
+    with two images) give each row the logits it has alone."""
+    model, processor = FAMILIES[family]()
+    model.eval()
+    images = [[random_image(1)], [random_image(2, 40, 16)], [random_image(3, 16, 30),
+                                                             random_image(4)]]
+    prompts = [[{"role": "user", "content": text}] for text in (QUESTION, "the cat", "one")]
+    ids, media = process_prompts(processor, prompts, images, None)
+    input_ids, mask = pad_rows(ids, 2, "left")
+    with torch.no_grad():
+        batch = model(input_ids=input_ids, attention_mask=mask,
+                      **collate_media(media, [len(i) for i in ids], input_ids.size(1))).logits
+        for row in range(3):
+            alone = model(input_ids=torch.tensor([ids[row]]),
+                          **collate_media(media[row:row + 1], [len(ids[row])], len(ids[row])))
+            torch.testing.assert_close(batch[row, -len(ids[row]):], alone.logits[0], atol=1e-5,
+                                       rtol=1e-5)
+
+
+def _independent_update(before, processor, recorded, lr, group):
+    """lr * grad of (1/B) sum_i A_i log pi(o_i | q_i, image_i), one unpadded sequence at a time
+    through the processor (the images placed by hand), in float64 where it sums."""
+    rewards = recorded["rewards"]
+    advantages = [
+        r - sum(rewards[j] for j in range((i // group) * group, (i // group + 1) * group)
+                if j != i) / (group - 1) for i, r in enumerate(rewards)
+    ]
+    objective = 0.0
+    for image, completion, advantage in zip(recorded["image"], recorded["completion_ids"],
+                                            advantages):
+        messages = [{"role": "user", "content": [{"type": "image"},
+                                                 {"type": "text", "text": QUESTION}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = processor(text=[text], images=[[image]], return_tensors="pt",
+                           add_special_tokens=False)
+        prompt_length = inputs["input_ids"].size(1)
+        ids = torch.cat([inputs.pop("input_ids"), torch.tensor([completion])], dim=1)
+        inputs.pop("attention_mask")
+        for key in ("token_type_ids", "mm_token_type_ids"):
+            if key in inputs:
+                inputs[key] = torch.cat([inputs[key], torch.zeros(1, len(completion),
+                                                                  dtype=inputs[key].dtype)], 1)
+        logits = before(input_ids=ids, **inputs).logits[0, prompt_length - 1:-1]
+        logp = torch.log_softmax(logits.double(), -1).gather(
+            -1, torch.tensor(completion).unsqueeze(-1)).sum()
+        objective = objective + advantage * logp / len(rewards)
+    objective.backward()
+    return {name: lr * parameter.grad for name, parameter in before.named_parameters()
+            if parameter.grad is not None}
+
+
+def _train_one_step(tmp_path, model, processor, dataset, recorded, lr=0.1):
+    def reward(completion_ids, image, **kwargs):
+        rewards = [float(len(ids)) + 0.5 * i for i, ids in enumerate(completion_ids)]
+        recorded.update(completion_ids=completion_ids, rewards=rewards, image=image)
+        return rewards
+
+    args = make_args(tmp_path, max_steps=1, max_grad_norm=0.0, per_device_train_batch_size=6,
+                     num_generations=3, max_completion_length=5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    trainer = RLOOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=processor, optimizers=(optimizer, scheduler))
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gradient_is_leave_one_out_reinforce_conditioned_on_the_image(tmp_path, family):
+    """One SGD step of a tiny VLM equals the independently computed leave-one-out policy gradient,
+    each completion conditioned on its own prompt's image; the vision tower learns too."""
+    model, processor = FAMILIES[family]()
+    before, recorded = copy.deepcopy(model), {}
+    _train_one_step(tmp_path, model, processor, vlm_dataset(2), recorded)
+    expected = _independent_update(before, processor, recorded, 0.1, 3)
+    vision = [name for name in expected if "vision" in name or "visual" in name]
+    assert vision and any(expected[name].abs().max() > 0 for name in vision)
+    for (name, p0), p1 in zip(before.named_parameters(), model.parameters()):
+        step = p1.detach() - p0.detach()
+        torch.testing.assert_close(step, expected.get(name, torch.zeros_like(step)).float(),
+                                   atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_other_images_give_another_update(tmp_path):
+    """Same prompts, same sampled completions' rewards, other images: the update differs (the images
+    reach the loss's forward, not only generation)."""
+    steps = []
+    for seed in (0, 50):
+        model, processor = FAMILIES["qwen2_vl"]()
+        before = copy.deepcopy(model)
+        torch.manual_seed(0)
+        _train_one_step(tmp_path / str(seed), model, processor, vlm_dataset(2, seed=seed), {})
+        steps.append(torch.cat([(p1.detach() - p0.detach()).flatten() for p0, p1 in zip(
+            before.parameters(), model.parameters())]))
+    assert not torch.allclose(steps[0], steps[1])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_lora_trains_a_vlm_from_its_folder(tmp_path, family, caplog):
+    """Loaded by path (the processor by AutoProcessor, or for images only where torchvision is
+    missing), several images per row, LoRA with the adapter disabled as the reference (beta > 0):
+    the adapter moves, the base does not, the engine says it takes the reference path."""
+    from peft import LoraConfig
+    model, processor = FAMILIES[family]()
+    path = save_vlm(str(tmp_path / "vlm"), model, processor)
+    seen = []
+
+    def reward(completions, images, **kwargs):
+        seen.extend(len(row) for row in images)
+        return position_reward(completions)
+
+    args = make_args(tmp_path, max_steps=2, beta=0.1, learning_rate=0.1)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    with caplog.at_level(logging.INFO, logger="rloo"):
+        trainer = RLOOTrainer(model=path, reward_funcs=reward, args=args,
+                              train_dataset=vlm_dataset(4, column="images"), peft_config=config)
+    assert "rloo engine: reference (a vision-language model" in caplog.text
+    base = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    moved = {name for name, p in trainer.model.named_parameters()
+             if not torch.equal(base[name], p.detach())}
+    assert moved and all("lora_" in name for name in moved)
+    assert seen and set(seen) == {2}
+    assert trainer.state.log_history[0]["kl"] == pytest.approx(0.0, abs=1e-6)

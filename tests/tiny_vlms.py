@@ -1,0 +1,164 @@
+"""Tiny random vision-language models of three families with different image mechanics, built here
+(nothing is downloaded), with their processors:
+
+- Qwen2-VL: M-RoPE positions, patches of every image in one `pixel_values` matrix and
+  `image_grid_thw` saying which rows belong to which image;
+- Gemma3: a fixed number of soft tokens per image, bidirectional attention over them
+  (`token_type_ids`);
+- LLaVA-NeXT: any-resolution tiles (`pixel_values` of shape images x tiles x C x H x W) and
+  `image_sizes`.
+
+The processors use transformers' PIL image backends; Qwen2-VL's is built without its video part
+(`rloo.vision.images_only`) because its stock video processor needs torchvision, which has no
+build on PyPI that matches this project's CPU torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from rloo.tiny import WORDS
+
+BASE_SPECIALS = ["<pad>", "<unk>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+
+def _tokenizer(image_specials: list[str], image_markup: str,
+               extra_special_tokens: dict | None = None) -> PreTrainedTokenizerFast:
+    """The word-level tokenizer of rloo.tiny plus a family's image tokens, and a chat template
+    that renders `{"type": "image"}` parts as `image_markup`."""
+    specials = BASE_SPECIALS + image_specials
+    vocab = {token: i for i, token in enumerate(specials + WORDS + list("0123456789+-=?.,"))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.add_special_tokens(specials)
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Punctuation(),
+        pre_tokenizers.Digits(True)
+    ])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                        eos_token="<|end|>", pad_token="<|end|>",
+                                        padding_side="left",
+                                        extra_special_tokens=extra_special_tokens or {})
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|> {% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+        + image_markup + "{% else %}{{ p['text'] }}{% endif %} {% endfor %}{% endif %} <|end|> "
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    return tokenizer
+
+
+def _text(vocab_size: int) -> dict:
+    return dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                eos_token_id=2, pad_token_id=2, bos_token_id=None)
+
+
+def tiny_qwen2_vl(seed: int = 0):
+    """(model, processor): Qwen2-VL with 4-pixel patches merged 2x2, images of 16x16 to 32x32."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
+        Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+
+    from rloo.vision import images_only
+    tokenizer = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+                           "<|vision_start|><|image_pad|><|vision_end|>")
+    ids = tokenizer.convert_tokens_to_ids
+    text = _text(len(tokenizer))
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 1, 1],
+                               "rope_theta": 10000.0}
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2,
+                                             patch_size=4, spatial_merge_size=2,
+                                             temporal_patch_size=2, mlp_ratio=2),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=2, pad_token_id=2, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 16 * 16,
+                                                     "longest_edge": 32 * 32},
+                                               patch_size=4, merge_size=2, temporal_patch_size=2)
+    processor = images_only(Qwen2VLProcessor)(image_processor=image_processor, tokenizer=tokenizer,
+                                              chat_template=tokenizer.chat_template)
+    return _finish(model, tokenizer), processor
+
+
+def tiny_gemma3(seed: int = 0):
+    """(model, processor): Gemma3 with 32x32 images, 4 soft tokens each."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    tokenizer = _tokenizer(["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
+                           "<start_of_image>", {"boi_token": "<start_of_image>",
+                                                "image_token": "<image_soft_token>",
+                                                "eoi_token": "<end_of_image>"})
+    ids = tokenizer.convert_tokens_to_ids
+    text = _text(len(tokenizer))
+    text.update(head_dim=8, query_pre_attn_scalar=8, sliding_window=64)
+    config = Gemma3Config(
+        text_config=text, vision_config=dict(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=32, patch_size=8),
+        mm_tokens_per_image=4, boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>"), image_token_index=ids("<image_soft_token>"),
+        eos_token_id=2, pad_token_id=2, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    # transformers initialises the projection to zeros: no image would reach the text model
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
+    image_processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                chat_template=tokenizer.chat_template, image_seq_length=4)
+    return _finish(model, tokenizer), processor
+
+
+def tiny_llava_next(seed: int = 0):
+    """(model, processor): LLaVA-NeXT with 16x16 tiles of 8-pixel patches, grids up to 2x2."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import \
+        LlavaNextImageProcessorPil
+    tokenizer = _tokenizer(["<image>"], "<image>")
+    config = LlavaNextConfig(
+        text_config={"model_type": "llama", **_text(len(tokenizer))},
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=16,
+                           patch_size=8, projection_dim=32),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]], vision_feature_layer=-1,
+        image_seq_length=4, eos_token_id=2, pad_token_id=2, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config)
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+        image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]])
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                   chat_template=tokenizer.chat_template, patch_size=8,
+                                   vision_feature_select_strategy="default",
+                                   num_additional_image_tokens=1)
+    return _finish(model, tokenizer), processor
+
+
+FAMILIES = {"qwen2_vl": tiny_qwen2_vl, "gemma3": tiny_gemma3, "llava_next": tiny_llava_next}
+
+
+def _finish(model, tokenizer):
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def save_vlm(directory: str, model, processor) -> str:
+    """Model and processor in one folder, as a Hub VLM repo holds them."""
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
+
+
+def random_image(seed: int, width: int = 24, height: int = 20) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
