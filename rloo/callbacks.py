@@ -89,6 +89,17 @@ class PreemptionCallback(TrainerCallback):
             self.stopped_at = state.global_step
 
 
+def image_columns(rows: list[dict]) -> dict[str, list]:
+    """The rows' images (log_multimodal) as table columns of one image per cell, which is what
+    MLflow's tables take: `image` for each row's first, `image_2`, ... as far as every row has
+    one."""
+    if not rows or "images" not in rows[0]:
+        return {}
+    shared = min(len(row["images"]) for row in rows)
+    return {("image" if k == 0 else f"image_{k + 1}"): [row["images"][k] for row in rows]
+            for k in range(shared)}
+
+
 class MLflowCompletionsCallback(TrainerCallback):
     """report_to has mlflow: each completion table goes to the active run as
     `completions/step_<N>.json` (mlflow.log_table). A tracking outage is a warning, never a failed
@@ -103,7 +114,9 @@ class MLflowCompletionsCallback(TrainerCallback):
                 return
             def cell(value):
                 return None if isinstance(value, float) and math.isnan(value) else value
-            columns = {key: [cell(row[key]) for row in rows] for key in rows[0]}
+            columns = {key: [cell(row[key]) for row in rows] for key in rows[0]
+                       if key != "images"}
+            columns.update(image_columns(rows))
             mlflow.log_table(data=columns,
                              artifact_file=f"completions/step_{state.global_step:07d}.json")
         except Exception as err:  # ImportError included: report_to already needs mlflow installed

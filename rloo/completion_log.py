@@ -4,7 +4,9 @@ to read.
 The trainer records the gathered rows of every generation; at each log step the main process prints
 them as a rich table in the terminal and hands them to every callback with an `on_completions`
 method (with `report_to` including mlflow, rloo.callbacks.MLflowCompletionsCallback logs them with
-`mlflow.log_table`; TRL only sends them to wandb/trackio)."""
+`mlflow.log_table`; with wandb or trackio, rloo.callbacks.TrackerCompletionsCallback logs a table
+to them as TRL does). A vision-language model's rows carry their images (`log_multimodal`): a
+placeholder in the terminal, image columns in the trackers' tables."""
 
 from __future__ import annotations
 
@@ -35,13 +37,16 @@ class CompletionLog:
         self.rewards: dict[str, deque] = {}
         self.advantages: deque = deque(maxlen=maxlen)
         self.extra: dict[str, deque] = {}
+        self.images: deque = deque(maxlen=maxlen)
 
     def __getitem__(self, key: str):  # TRL code reads trainer._logs["extra"] etc.
         return getattr(self, key)
 
     def record(self, prompts: list, completions: list, rewards: dict[str, list[float]],
-               advantages: list[float], extra: dict[str, list]) -> None:
+               advantages: list[float], extra: dict[str, list],
+               images: list[list] | None = None) -> None:
         self.prompt.extend(as_text(p) for p in prompts)
+        self.images.extend(images if images is not None else [[] for _ in prompts])
         self.completion.extend(as_text(c) for c in completions)
         for name, values in rewards.items():
             self.rewards.setdefault(name, deque(maxlen=self.maxlen)).extend(values)
@@ -54,10 +59,11 @@ class CompletionLog:
         processes, None for one), with each reward function's values, the advantages and the
         log_extra columns."""
         prompts, texts = list(rollout.prompts), list(rollout.completion_texts)
+        images = list(rollout.images or [[] for _ in prompts])
         per_rank = [(len(rollout), rollout.extra_columns)]
         if gather_object is not None:
             prompts, texts = gather_object(prompts), gather_object(texts)
-            per_rank = gather_object(per_rank)
+            per_rank, images = gather_object(per_rank), gather_object(images)
         keys = sorted({key for _, columns in per_rank for key in columns})
         extra = {key: [value for rows, columns in per_rank
                        for value in (columns.get(key) or [None] * rows)] for key in keys}
@@ -65,9 +71,13 @@ class CompletionLog:
             name: rollout.rewards_per_func[:, index].tolist()
             for index, name in enumerate(reward_names)
         }
-        self.record(prompts, texts, rewards, rollout.all_advantages.tolist(), extra)
+        self.record(prompts, texts, rewards, rollout.all_advantages.tolist(), extra, images)
 
-    def rows(self, step: int, unique_prompts: bool = False) -> list[dict]:
+    def rows(self, step: int, unique_prompts: bool = False,
+             multimodal: bool = True) -> list[dict]:
+        """The table's rows; with `multimodal` (log_multimodal) and images in the batch, each row's
+        images (a list) under "images"."""
+        with_images = multimodal and any(self.images)
         rows, seen = [], set()
         for index, prompt in enumerate(self.prompt):
             if unique_prompts:
@@ -75,6 +85,8 @@ class CompletionLog:
                     continue
                 seen.add(prompt)
             row = {"step": step, "prompt": prompt, "completion": self.completion[index]}
+            if with_images:
+                row["images"] = list(self.images[index])
             for name, values in self.rewards.items():
                 row[name] = values[index] if index < len(values) else None
             for column, values in self.extra.items():
@@ -85,6 +97,8 @@ class CompletionLog:
 
 
 def _cell(value: Any) -> str:
+    if isinstance(value, list):  # a row's images: the terminal shows how many
+        return f"<{len(value)} image{'' if len(value) == 1 else 's'}>"
     if isinstance(value, float):
         return "None" if math.isnan(value) else f"{value:.2f}"
     return "None" if value is None else str(value)

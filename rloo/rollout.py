@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # Fields holding one entry per local row, in order: what a micro-batch slice takes.
 ROW_FIELDS = ("prompts", "completions", "completion_texts", "prompt_ids", "prompt_mask",
               "completion_ids", "completion_mask", "truncated", "advantages", "old_logps",
-              "sampler_logps", "ref_logps", "row_index", "media")
+              "sampler_logps", "ref_logps", "row_index", "media", "images")
 
 
 class PiOld(NamedTuple):
@@ -132,6 +132,7 @@ class Rollout:
     row_index: torch.Tensor | None = None
     # a VLM's other inputs per row (pixel_values, image_grid_thw, ...: rloo.vision), else None
     media: list[dict] | None = None
+    images: list[list] | None = None  # and its images as the dataset gave them (PIL), per row
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -189,10 +190,10 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     log-prob and reward sections."""
     prompts = [row["prompt"] for row in rows]
     conversational = is_conversational(prompts[0])
-    media = None
+    media = images = None
     if settings.vision:
-        prompt_id_lists, media = process_prompts(processing_class, prompts,
-                                                 [row_images(row) for row in rows],
+        images = [row_images(row) for row in rows]
+        prompt_id_lists, media = process_prompts(processing_class, prompts, images,
                                                  settings.chat_template_kwargs)
     else:
         prompt_id_lists = tokenize_prompts(processing_class, prompts,
@@ -269,7 +270,8 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
         reward_metrics=_average_reward_metrics(extra.metrics,
                                                gather_object), extra_columns=extra.columns,
         pending=(settings, start) if defer else None, ref_logps=ref_per_token if defer else None,
-        row_index=torch.arange(len(rows), device=device) if defer else None, media=media)
+        row_index=torch.arange(len(rows), device=device) if defer else None, media=media,
+        images=images)
 
 
 def _advantages(rewards_per_func: torch.Tensor, settings: RolloutSettings,

@@ -39,7 +39,7 @@ from rloo.rollout import (Rollout, RolloutSettings, build_rollout, complete_roll
                           global_masked_mean, pi_old_plan, rollout_metrics)
 from rloo.sampling import shuffle_rows, split_rows
 from rloo.timing import StepTimingCallback, device_timer
-from rloo.vision import is_vision_config
+from rloo.vision import check_image_rows, is_vision_config
 from rloo.zero import gathered_parameters, prepare_frozen, single_process_ddp, zero_stage
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
                 model.config._name_or_path, args.trust_remote_code,
                 revision=(args.model_init_kwargs or {}).get("revision"), config=model.config)
         processing_class = prepare_tokenizer(processing_class)
+        check_image_rows(train_dataset, eval_dataset, processing_class)
         tokenizer = text_tokenizer_of(processing_class)
         self.pad_token_id = tokenizer.pad_token_id
         self.eos_token_ids = eos_token_ids(tokenizer, model)
@@ -354,7 +355,8 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
         if not (args.log_completions and self.accelerator.is_main_process and self._logs_fresh):
             return
         self._logs_fresh = False
-        rows = self._logs.rows(self.state.global_step, args.log_unique_prompts)
+        rows = self._logs.rows(self.state.global_step, args.log_unique_prompts,
+                               args.log_multimodal)
         print_table(rows, self.state.global_step, args.num_completions_to_print, seed=args.seed)
         # extension point: callbacks that want the rows
         for callback in self.callback_handler.callbacks:

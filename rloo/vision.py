@@ -143,13 +143,7 @@ def _process_one(processor, prompt, images: list, row: int, chat_template_kwargs
             multimodal_messages(prompt, len(images), row), add_generation_prompt=True,
             tokenize=False, **(chat_template_kwargs or {}))
     else:
-        token = getattr(processor, "image_token", None)
-        if images and (token is None or prompt.count(token) != len(images)):
-            raise ValueError(
-                f"row {row}: a plain string prompt with {len(images)} image(s) and "
-                f"{prompt.count(token) if token else 0} image token(s) ({token!r}) in it. Fix: "
-                "a conversational prompt ([{'role': 'user', 'content': ...}]), whose chat template "
-                "places the images, or one image token per image in the string.")
+        check_string_prompt(prompt, len(images), getattr(processor, "image_token", None), row)
         text = prompt
     try:
         encoded = processor(text=[text], images=[images] if images else None,
@@ -230,3 +224,53 @@ def placeholder_token_ids(config: Any) -> list[int]:
         if isinstance(value, int) and value not in ids:
             ids.append(value)
     return ids
+
+
+def check_string_prompt(prompt: str, count: int, image_token: str | None, row: int) -> None:
+    """A plain string prompt with images must hold one image token per image."""
+    if count and (image_token is None or prompt.count(image_token) != count):
+        raise ValueError(
+            f"row {row}: a plain string prompt with {count} image(s) and "
+            f"{prompt.count(image_token) if image_token else 0} image token(s) ({image_token!r}). "
+            "Fix: a conversational prompt ([{'role': 'user', 'content': ...}]), whose chat "
+            "template places the images, or one image token per image in the string.")
+
+
+def check_image_rows(train_dataset: Any, eval_dataset: Any, processor: Any) -> None:
+    """Every row of the map-style datasets with image columns, before any model work: its images fit
+    its prompt (no more images than `{"type": "image"}` parts where it has some; a plain string
+    prompt holds one image token per image). Images are counted, not decoded."""
+    named = [("train_dataset", train_dataset)]
+    if isinstance(eval_dataset, dict):
+        named += [(f"eval_dataset[{key!r}]", value) for key, value in eval_dataset.items()]
+    elif eval_dataset is not None:
+        named.append(("eval_dataset", eval_dataset))
+    for name, dataset in named:
+        try:
+            _check_rows(dataset, getattr(processor, "image_token", None))
+        except ValueError as err:
+            raise ValueError(f"`{name}` {err}") from None
+
+
+def _check_rows(dataset: Any, image_token: str | None) -> None:
+    from datasets import Dataset
+    from datasets import Image as ImageFeature
+
+    from rloo.data import is_conversational
+    columns = [column for column in ("image", "images") if column in (dataset.column_names or [])]
+    if not isinstance(dataset, Dataset) or not columns:
+        return
+    undecoded = dataset.select_columns(["prompt"] + columns)
+    for column in columns:
+        feature = undecoded.features[column]
+        inner = getattr(feature, "feature", None)
+        if isinstance(feature, ImageFeature):
+            undecoded = undecoded.cast_column(column, ImageFeature(decode=False))
+        elif isinstance(inner, ImageFeature):
+            undecoded = undecoded.cast_column(column, type(feature)(ImageFeature(decode=False)))
+    for index, row in enumerate(undecoded):
+        count, prompt = len(row_images(row)), row["prompt"]
+        if is_conversational(prompt):
+            multimodal_messages(prompt, count, index)
+        else:
+            check_string_prompt(prompt, count, image_token, index)

@@ -98,7 +98,6 @@ def test_json_strings_and_deprecated_alias(tmp_path):
 
 # RLOOConfig fields that no module outside rloo/config.py reads, each with the reason it is allowed.
 UNREAD_ALLOWED = {
-    "log_multimodal": "images are refused until vision-language training exists (rloo.checks); nothing to log",
     "use_transformers_paged": "deprecated alias, folded into use_transformers_continuous_batching in __post_init__",
 }
 

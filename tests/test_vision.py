@@ -159,3 +159,78 @@ def test_lora_trains_a_vlm_from_its_folder(tmp_path, family, caplog):
     assert moved and all("lora_" in name for name in moved)
     assert seen and set(seen) == {2}
     assert trainer.state.log_history[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("multimodal", [True, False])
+def test_log_multimodal_puts_the_images_in_the_completion_tables(tmp_path, monkeypatch, capsys,
+                                                                 multimodal):
+    """log_multimodal=True: the terminal table shows a placeholder per row, MLflow's table has an
+    image column whose cells are the rows' images; False: neither has them."""
+    mlflow = pytest.importorskip("mlflow")
+    import json
+
+    from PIL import Image
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "vlm-tables")
+    monkeypatch.delenv("DISABLE_MLFLOW_INTEGRATION", raising=False)
+    # a process-wide setting that outranks the variable: this test's database, then none again
+    from mlflow.tracking._tracking_service import utils as tracking
+    monkeypatch.setattr(tracking, "_tracking_uri", None)
+    model, processor = FAMILIES["qwen2_vl"]()
+    args = make_args(tmp_path, max_steps=1, log_completions=True, log_multimodal=multimodal,
+                     report_to=["mlflow"], shuffle_dataset=False)
+    trainer = RLOOTrainer(model=model, reward_funcs=position_reward, args=args,
+                          train_dataset=vlm_dataset(2), processing_class=processor)
+    trainer.train()
+    out = capsys.readouterr().out
+    assert ("<1 image>" in out) == multimodal
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    run = mlflow.search_runs(experiment_names=["vlm-tables"], output_format="list")[0]
+    table_file = mlflow.artifacts.download_artifacts(
+        run_id=run.info.run_id, artifact_path="completions/step_0000001.json",
+        dst_path=str(tmp_path / "dl"))
+    with open(table_file) as handle:
+        table = json.load(handle)
+    assert ("image" in table["columns"]) == multimodal
+    if multimodal:
+        cell = table["data"][0][table["columns"].index("image")]
+        assert cell["type"] == "image"
+        logged = Image.open(mlflow.artifacts.download_artifacts(
+            run_id=run.info.run_id, artifact_path=cell["filepath"], dst_path=str(tmp_path / "i")))
+        expected = vlm_dataset(2)[0]["image"]
+        assert logged.size == expected.size
+        assert logged.convert("RGB").tobytes() == expected.convert("RGB").tobytes()
+
+
+def _prompt_with_parts(parts: int) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}] * parts + [
+        {"type": "text", "text": QUESTION}]}]
+
+
+@pytest.mark.parametrize("rows, error", [
+    ([{"prompt": _prompt_with_parts(1), "images": [random_image(0), random_image(1)]}],
+     r"`train_dataset` row 1: the prompt has 1 \{'type': 'image'\} part\(s\) but the row has 2"),
+    ([{"prompt": "what is two plus two ?", "image": random_image(0)}],
+     r"`train_dataset` row 1: a plain string prompt with 1 image\(s\) and 0 image token\(s\) "
+     r"\('<\|image_pad\|>'\).*conversational prompt"),
+])
+def test_images_that_do_not_fit_their_prompt_are_refused_before_training(tmp_path, rows, error):
+    model, processor = FAMILIES["qwen2_vl"]()
+    good = {"prompt": _prompt_with_parts(2), "images": [random_image(0), random_image(1)]}
+    if "image" in rows[0]:
+        good = {"prompt": "<|vision_start|><|image_pad|><|vision_end|> " + QUESTION,
+                "image": random_image(2)}
+    with pytest.raises(ValueError, match=error):
+        RLOOTrainer(model=model, reward_funcs=position_reward, args=make_args(tmp_path),
+                    train_dataset=Dataset.from_list([good] + rows), processing_class=processor)
+    assert not (tmp_path / "out").exists()
+
+
+def test_backends_without_images_are_refused(tmp_path):
+    model, processor = FAMILIES["qwen2_vl"]()
+    with pytest.raises(ValueError, match="vision-language model, and "
+                       "use_transformers_continuous_batching=True does not take images"):
+        RLOOTrainer(model=model, reward_funcs=position_reward,
+                    args=make_args(tmp_path, use_transformers_continuous_batching=True),
+                    train_dataset=vlm_dataset(2), processing_class=processor)

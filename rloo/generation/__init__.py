@@ -34,6 +34,14 @@ def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: i
     """The backend RLOOConfig asks for: a vLLM server (`use_vllm`, `vllm_mode='server'`), an
     in-process vLLM engine (`vllm_mode='colocate'`), transformers' continuous batching, or in
     process (in_process_generator; `fast`: the speed layer may take it)."""
+    from rloo.vision import is_vision_config, placeholder_token_ids
+    vision = is_vision_config(model.config)
+    if vision and (args.use_vllm or args.use_transformers_continuous_batching):
+        raise ValueError(
+            f"{type(model).__name__} is a vision-language model, and "
+            f"{'use_vllm' if args.use_vllm else 'use_transformers_continuous_batching'}=True "
+            "does not take images here yet: generation would see the text alone. Fix: drop it "
+            "(model.generate takes the images).")
     if args.use_vllm and args.vllm_mode == "server":
         from rloo.generation.vllm_server import VLLMServerGenerator
         return VLLMServerGenerator(args, accelerator, model, eos_token_ids, zero3=zero3)
@@ -43,8 +51,7 @@ def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: i
                                      zero3=zero3)
     generation_config = build_generation_config(args, pad_token_id, tokenizer.bos_token_id,
                                                 eos_token_ids)
-    from rloo.vision import is_vision_config, placeholder_token_ids
-    if is_vision_config(model.config):  # completions never hold an image placeholder
+    if vision:  # completions never hold an image placeholder
         generation_config.suppress_tokens = (list(generation_config.suppress_tokens or []) +
                                              placeholder_token_ids(model.config))
     if args.use_transformers_continuous_batching:
