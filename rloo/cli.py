@@ -58,6 +58,10 @@ class ScriptArguments:
         "help": "Modules LoRA adapts (default: all linear layers)."})
     load_in_4bit: bool = field(
         default=False, metadata={"help": "QLoRA: load the base in 4 bit (bitsandbytes, GPU)."})
+    dtype: str | None = field(default=None, metadata={
+        "help": "The model's weights' dtype (TRL's ModelConfig.dtype): 'auto' (the config's), "
+                "'bfloat16', 'float16' or 'float32' (the default).",
+        "choices": ["auto", "bfloat16", "float16", "float32"]})
     callbacks: list[str] | None = field(
         default=None, metadata={
             "help": "Extra TrainerCallback classes by import path ('my_module:MyCallback'), "
@@ -299,6 +303,13 @@ def build_trainer(argv: list[str]):
     tokenizer_source = script_args.tokenizer_name_or_path or alias_tokenizer
     reward_funcs = [resolve_reward(entry) for entry in script_args.reward_funcs]
     peft_config, quantization = build_peft_config(script_args)
+    if script_args.dtype is not None:
+        given = (config.model_init_kwargs or {}).get("dtype")
+        if given is not None and given != script_args.dtype:
+            raise ValueError(
+                f"--dtype {script_args.dtype} and model_init_kwargs' dtype {given!r} disagree. "
+                "Fix: give the dtype once.")
+        config.model_init_kwargs = {**(config.model_init_kwargs or {}), "dtype": script_args.dtype}
     train_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
                                         script_args.dataset_train_split,
                                         streaming=script_args.dataset_streaming)

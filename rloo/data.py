@@ -96,8 +96,10 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
     if extension in FILE_BUILDERS:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"dataset {name!r}: no such file.")
-        return load_dataset(FILE_BUILDERS[extension], data_files={split: path}, split=split,
-                            streaming=streaming)
+        from rloo.vision import with_image_files
+        loaded = load_dataset(FILE_BUILDERS[extension], data_files={split: path}, split=split,
+                              streaming=streaming)
+        return with_image_files(loaded, os.path.dirname(os.path.abspath(path)))
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")) or \
             os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
         loaded = load_from_disk(path)

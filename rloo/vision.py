@@ -274,3 +274,35 @@ def _check_rows(dataset: Any, image_token: str | None) -> None:
             multimodal_messages(prompt, count, index)
         else:
             check_string_prompt(prompt, count, image_token, index)
+
+
+def with_image_files(dataset: Any, base_dir: str) -> Any:
+    """A data file's `image` / `images` columns of file paths (relative to the file's folder) as
+    datasets.Image features, so that rows hold PIL images as with a Hub dataset. A path that is no
+    file is an error naming its row (a stream's: when the row is read)."""
+    import os
+
+    from datasets import List
+    from datasets import Image as ImageFeature
+    features = getattr(dataset, "features", None) or {}
+    for column, nested in (("image", False), ("images", True)):
+        feature = features.get(column)
+        if feature is None or (getattr(feature, "feature", feature).dtype != "string"):
+            continue
+
+        def absolute(row, index, column=column, nested=nested):
+            def one(path):
+                if path is None:
+                    return None
+                full = os.path.join(base_dir, os.path.expanduser(path))
+                if not os.path.isfile(full):
+                    raise ValueError(f"row {index}: {column} {path!r} is not a file ({full}). Fix: "
+                                     "paths relative to the data file's folder, or absolute.")
+                return full
+            value = row[column]
+            return {column: [one(p) for p in value] if nested and value is not None else
+                    one(value)}
+
+        dataset = dataset.map(absolute, with_indices=True)
+        dataset = dataset.cast_column(column, List(ImageFeature()) if nested else ImageFeature())
+    return dataset
