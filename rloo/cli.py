@@ -303,13 +303,10 @@ def build_trainer(argv: list[str]):
     tokenizer_source = script_args.tokenizer_name_or_path or alias_tokenizer
     reward_funcs = [resolve_reward(entry) for entry in script_args.reward_funcs]
     peft_config, quantization = build_peft_config(script_args)
-    if script_args.dtype is not None:
-        given = (config.model_init_kwargs or {}).get("dtype")
-        if given is not None and given != script_args.dtype:
-            raise ValueError(
-                f"--dtype {script_args.dtype} and model_init_kwargs' dtype {given!r} disagree. "
-                "Fix: give the dtype once.")
-        config.model_init_kwargs = {**(config.model_init_kwargs or {}), "dtype": script_args.dtype}
+    if (dtype := script_args.dtype) is not None:
+        if (given := (config.model_init_kwargs or {}).get("dtype", dtype)) != dtype:
+            raise ValueError(f"--dtype {dtype} and model_init_kwargs' dtype {given!r} disagree.")
+        config.model_init_kwargs = {**(config.model_init_kwargs or {}), "dtype": dtype}
     train_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
                                         script_args.dataset_train_split,
                                         streaming=script_args.dataset_streaming)
