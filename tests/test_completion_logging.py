@@ -1,4 +1,5 @@
-"""Completion tables: rich in the terminal, MLflow's log_table when report_to has mlflow; log_extra columns."""
+"""Completion tables: rich in the terminal, MLflow's log_table when report_to has mlflow, a `completions` table in
+wandb and trackio (offline); log_extra columns."""
 
 import json
 import os
@@ -69,3 +70,39 @@ def test_completion_table_logged_to_mlflow(tmp_path, tokenizer, model, monkeypat
     assert len(table["data"]) == 4
     assert run.data.metrics["half"] == 0.5 and "reward" in run.data.metrics
     assert os.path.exists(tmp_path / "mlflow.db")
+
+
+def test_completion_tables_reach_wandb_and_trackio_offline(tmp_path, monkeypatch):
+    """report_to wandb and trackio (wandb's offline mode, trackio's local SQLite): each gets the
+    `completions` table as TRL logs it, a VLM's images as each tracker's Image type."""
+    import glob
+    import sqlite3
+
+    wandb = pytest.importorskip("wandb")
+    trackio_dir = pytest.importorskip("trackio.utils").TRACKIO_DIR  # (tests/conftest.py)
+    from test_vision import FAMILIES, position_reward, vlm_dataset
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    model, processor = FAMILIES["qwen2_vl"]()
+    args = make_args(tmp_path, max_steps=1, log_completions=True, report_to=["wandb", "trackio"],
+                     run_name="tables", project=f"tables-{tmp_path.name}")
+    trainer = RLOOTrainer(model=model, reward_funcs=position_reward, args=args,
+                          train_dataset=vlm_dataset(2), processing_class=processor)
+    trainer.train()
+    wandb.finish()
+    [table_file] = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "files" / "media" / "table"
+                                 / "completions_1_*.table.json"))
+    with open(table_file) as handle:
+        table = json.load(handle)
+    assert table["columns"] == ["step", "prompt", "completion", "position_reward", "advantage",
+                                "image"]
+    assert len(table["data"]) == 4 and {row[-1] for row in table["data"]} == {"Image"}
+    [database] = glob.glob(str(trackio_dir / f"tables-{tmp_path.name}.db"))
+    logged = [json.loads(row[0]) for row in sqlite3.connect(database).execute(
+        "select metrics from metrics")]
+    [completions] = [entry["completions"] for entry in logged if "completions" in entry]
+    assert completions["_type"] == "trackio.table" and len(completions["_value"]) == 4
+    image = completions["_value"][0]["image"]
+    assert image["_type"] == "trackio.image"
+    assert glob.glob(str(trackio_dir / "**" / image["file_path"]), recursive=True)

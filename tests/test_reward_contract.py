@@ -11,6 +11,9 @@ import shutil
 import threading
 import time
 
+import numpy as np
+import torch
+
 import pytest
 from datasets import Dataset
 from transformers import TrainerState
@@ -164,3 +167,18 @@ def test_image_columns_need_a_vision_language_model(tmp_path, tokenizer, model, 
     with pytest.raises(ValueError, match=f"column '{column}' but the model is a text-only LlamaConfig.*rename"):
         build(tmp_path, model, tokenizer, lambda completions, **kwargs: [0.0] * len(completions), dataset=dataset)
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("output, mean", [
+    ([True, False, True, False], 0.5),  # `[c == answer for c in completions]`
+    (np.array([True, False, True, True]), 0.75),
+    ([np.float32(1.0), np.int64(0), np.bool_(True), None], 2 / 3),
+    (np.array([1.0, 0.0, 0.0, 0.0]), 0.25),
+    (torch.tensor([1, 0, 1, 1]), 0.75),
+], ids=["bools", "numpy-bools", "numpy-scalars", "numpy-floats", "int-tensor"])
+def test_bools_and_numpy_rewards_are_floats_as_in_trl(tmp_path, tokenizer, model, output, mean):
+    def accuracy(completions, **kwargs):
+        return output
+    trainer = build(tmp_path, model, tokenizer, accuracy, max_steps=1)
+    trainer.train()
+    assert trainer.state.log_history[0]["rewards/accuracy/mean"] == pytest.approx(mean)

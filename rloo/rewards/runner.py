@@ -2,7 +2,8 @@
 
 A reward function is called with keyword arguments `prompts`, `completions`, `completion_ids`,
 `trainer_state`, `log_extra`, `log_metric` and every dataset column except `prompt`, and returns one
-float (or None: "does not apply") per completion. `async def` functions are awaited concurrently.
+float (or None: "does not apply") per completion; bools, numpy and torch numbers count as floats
+(True is 1.0), as in TRL. `async def` functions are awaited concurrently.
 NaN or inf is refused naming the function and row (or read as None with nonfinite="none"); with a
 timeout, a call that does not return in time is an error naming the function and the prompts (an
 async one is cancelled; a sync one, run in a worker thread, is abandoned there).
@@ -92,16 +93,20 @@ def _check_output(name: str, output: Any, num_rows: int, rows_desc: Callable[[in
         raise RewardFunctionError(
             f"reward function '{name}' returned {type(output).__name__}; it must return a list "
             f"with one float (or None) per completion ({num_rows} here).")
-    values = output.tolist() if isinstance(output, torch.Tensor) else list(output)
+    # tensors and numpy arrays as Python numbers; bools (`[c == answer ...]`) are 1.0 / 0.0, as TRL
+    values = output.tolist() if hasattr(output, "tolist") and not isinstance(output, list) \
+        else list(output)
     if len(values) != num_rows:
         raise RewardFunctionError(
             f"reward function '{name}' returned {len(values)} values for {num_rows} completions; "
             "it must return exactly one float (or None) per completion, in order.")
     result = []
     for row, value in enumerate(values):
+        if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+            value = value.item()  # a numpy or torch scalar
         if value is None:
             result.append(math.nan)
-        elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        elif not isinstance(value, numbers.Real):
             raise RewardFunctionError(
                 f"reward function '{name}' returned {value!r} ({type(value).__name__}) for row "
                 f"{row} ({rows_desc(row)}); rewards must be numbers or None.")
