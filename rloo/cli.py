@@ -18,6 +18,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from rloo.config import RLOOConfig
+from rloo.config_checks import LEGACY_PARAMETERS
 
 
 @dataclass
@@ -69,12 +70,13 @@ class ScriptArguments:
         })
 
 
-FIELD_NAMES = {f.name
-               for f in fields(ScriptArguments)} | {f.name
-                                                    for f in fields(RLOOConfig) if f.init}
+FIELD_NAMES = {f.name for f in fields(ScriptArguments)} | {f.name for f in fields(RLOOConfig)
+                                                           if f.init}
 
 
 def closest(name: str) -> str:
+    if name in LEGACY_PARAMETERS:  # an old name: its replacement, not a look-alike
+        return f" It is a TRL <= 0.21 parameter; use {LEGACY_PARAMETERS[name]}."
     matches = difflib.get_close_matches(name, sorted(FIELD_NAMES), n=1, cutoff=0.6)
     return f" Did you mean '{matches[0]}'?" if matches else ""
 

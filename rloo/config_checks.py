@@ -37,6 +37,33 @@ LEGACY_PARAMETERS = {
 }
 
 
+# RLOOTrainer's TRL <= 0.21 argument names and what replaced them.
+LEGACY_TRAINER_ARGUMENTS = {
+    "config": "args (an RLOOConfig)",
+    "policy": "model (a model id, a path or a PreTrainedModel)",
+    "reward_model": "reward_funcs (a reward model or its id, a reward function, or a list of both)",
+    "ref_policy": "nothing: the reference is a frozen copy of model made when beta > 0 (with LoRA, "
+                  "the base with the adapter off); remove the argument",
+    "data_collator": "nothing: the trainer batches prompts itself; remove the argument",
+}
+
+
+def reject_legacy_trainer_arguments(init):
+    """RLOOTrainer.__init__ wrapped: a TRL <= 0.21 argument name is a TypeError naming its
+    replacement, not Python's bare 'unexpected keyword argument'."""
+    import functools
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        for name in kwargs:
+            if name in LEGACY_TRAINER_ARGUMENTS:
+                raise TypeError(
+                    f"RLOOTrainer: '{name}' is a TRL <= 0.21 argument that no longer exists; use "
+                    f"{LEGACY_TRAINER_ARGUMENTS[name]}.")
+        init(self, *args, **kwargs)
+    return checked_init
+
+
 def json_dict(value: Any, name: str) -> dict | None:
     if value is None or isinstance(value, dict):
         return value

@@ -1,5 +1,4 @@
-"""RLOOTrainer: one step = sample prompts -> generate -> score -> leave-one-out advantages ->
-clipped loss.
+"""RLOOTrainer: one step = sample prompts -> generate -> score -> leave-one-out advantages -> loss.
 
 Transformers glue only: the rollout (generate, score, advantages) is `rloo.rollout`, the mathematics
 `rloo.algorithm`, input checks `rloo.checks`, the backend choice `rloo.generation`, checkpoint state
@@ -24,6 +23,7 @@ from rloo.callbacks import SyncRefModelCallback, completion_table_callbacks
 from rloo.checks import check_inputs, prepare_for_iterable_datasets
 from rloo.completion_log import CompletionLog, print_table
 from rloo.config import RLOOConfig
+from rloo.config_checks import reject_legacy_trainer_arguments
 from rloo.engine import mapped
 from rloo.engine.shared_prompts import kl_forwards_share_prompts
 from rloo.generation import make_generation_backend
@@ -52,6 +52,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
     _tag_names = ["rloo"]
     loss_is_scaled_for_ga = False  # our loss is a per-micro-batch mean: the Trainer divides by GA
 
+    @reject_legacy_trainer_arguments  # TRL <= 0.21 names -> their replacements
     def __init__(self, model: str | PreTrainedModel, reward_funcs: Any | list,
                  args: RLOOConfig | None = None,
                  train_dataset: Dataset | IterableDataset | None = None, eval_dataset: Any = None,
@@ -93,10 +94,9 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
         self.router_aux_loss_coef = resolve_router_aux_loss_coef(model, args.router_aux_loss_coef)
 
         # Reward functions and reward models.
-        if not isinstance(reward_funcs, (list, tuple)):
-            reward_funcs = [reward_funcs]
+        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         reward_funcs = [load_reward_model(f, args.model_init_kwargs, args.trust_remote_code)
-                        if isinstance(f, str) else f for f in list(reward_funcs)]
+                        if isinstance(f, str) else f for f in funcs]
         reward_processing_classes = reward_tokenizers(reward_funcs, reward_processing_classes,
                                                       args.trust_remote_code)
         self.reward_funcs = reward_funcs

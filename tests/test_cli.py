@@ -67,6 +67,21 @@ def test_unknown_flag_suggests_the_closest(tiny_recipe):
         parse_arguments(["--config", str(tiny_recipe), "--learnign_rate", "0.1"])
 
 
+@pytest.mark.parametrize("name, replacement", [("cliprange", "use epsilon"),
+                                               ("exp_name", "use run_name"),
+                                               ("rloo_k", "use num_generations")])
+def test_old_names_in_a_recipe_or_a_flag_name_their_replacement(tmp_path, tiny_recipe, name,
+                                                                  replacement):
+    """Not a look-alike field (cliprange -> reward_clip_range, exp_name -> label_names)."""
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(tiny_recipe.read_text() + f"{name}: 1\n")
+    with pytest.raises(ValueError, match=f"unknown field '{name}'. It is a TRL <= 0.21 parameter; "
+                       f"{replacement}"):
+        parse_arguments(["--config", str(recipe)])
+    with pytest.raises(ValueError, match=f"'--{name}'. It is a TRL <= 0.21 parameter; {replacement}"):
+        parse_arguments(["--config", str(tiny_recipe), f"--{name}", "1"])
+
+
 def test_unknown_config_keyword_in_python():
     with pytest.raises(TypeError, match="unknown field 'num_generation'. Did you mean 'num_generations'"):
         RLOOConfig(num_generation=4)

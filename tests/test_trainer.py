@@ -298,3 +298,16 @@ def test_resume_from_checkpoint_continues(tmp_path, tokenizer):
     assert resumed.state.global_step == 4
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, replacement", [
+    ("config", "use args"), ("policy", "use model"), ("reward_model", "use reward_funcs"),
+    ("ref_policy", "use nothing: the reference is a frozen copy of model"),
+    ("data_collator", "use nothing: the trainer batches prompts itself"),
+])
+def test_old_trainer_arguments_name_their_replacement(tmp_path, tokenizer, model, name, replacement):
+    with pytest.raises(TypeError, match=f"RLOOTrainer: '{name}' is a TRL <= 0.21 argument that no longer "
+                       f"exists; {replacement}"):
+        RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path),
+                    train_dataset=conversational(), processing_class=tokenizer, **{name: object()})
+    assert not (tmp_path / "out").exists()
