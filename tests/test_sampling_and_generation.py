@@ -1,5 +1,6 @@
 """Sampler semantics, the generation buffer, and how RLOOConfig reaches generation."""
 
+import pytest
 import torch
 from datasets import Dataset
 
@@ -113,3 +114,24 @@ def test_chat_template_kwargs_reach_the_template():
     assert tokenizer.decode(ids[0]).startswith("<unk>")  # 'hello' is not in the tiny vocabulary -> unk first
     plain = tokenize_prompts(tokenizer, [[{"role": "user", "content": "the dog"}]], None)
     assert len(ids[0]) == len(plain[0]) + 1
+
+
+@pytest.mark.parametrize("backend", ["generate", "decode loop"])
+def test_top_k_zero_means_no_top_k_whatever_the_model_config_says(tmp_path, backend):
+    """top_k=0 (the default) is "no top-k" on every in-process backend, also for a model whose
+    generation config sets top_k (Qwen2-0.5B-Instruct's says 20; here 1, i.e. greedy): 16 samples of
+    one prompt differ. Before, model.generate read top_k=None as "the model's"."""
+    from rloo.generation import in_process_generator
+    from rloo.generation.transformers_backend import TransformersGenerator
+    tokenizer = tiny_tokenizer()
+    model = tiny_causal_lm(tokenizer)
+    model.generation_config.top_k = 1
+    args = RLOOConfig(output_dir=str(tmp_path), bf16=False, max_completion_length=6)
+    config = build_generation_config(args, tokenizer.pad_token_id, None, [tokenizer.eos_token_id])
+    generator = in_process_generator(config, tokenizer.pad_token_id, [tokenizer.eos_token_id], model,
+                                     fast=backend == "decode loop")
+    assert isinstance(generator, TransformersGenerator)
+    assert (type(generator) is TransformersGenerator) == (backend == "generate")
+    torch.manual_seed(0)
+    completions = generator.generate(model, [[5, 6, 7]] * 16, 16)
+    assert len({tuple(ids) for ids in completions}) > 8
