@@ -105,11 +105,15 @@ def check_rloo_fields(config) -> None:
     if config.num_generations_eval is not None and config.num_generations_eval < 1:
         raise ValueError(
             f"num_generations_eval={config.num_generations_eval} must be >= 1 (or None).")
-    if config.max_completion_length is None or config.max_completion_length <= 0:
+    # None: no cap of ours, completions run to EOS or the model's context (as vLLM's max_tokens)
+    if config.max_completion_length is not None and config.max_completion_length <= 0:
         raise ValueError(
             f"max_completion_length={config.max_completion_length} must be a positive number of "
-            "tokens."
-        )
+            "tokens, or None (up to the model's context).")
+    if config.max_completion_length is None and config.use_transformers_continuous_batching:
+        raise ValueError(
+            "max_completion_length=None with use_transformers_continuous_batching=True: its paged "
+            "cache is sized by the completion length. Fix: a max_completion_length.")
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name}={getattr(config, name)} must be >= 1.")

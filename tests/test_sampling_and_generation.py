@@ -135,3 +135,28 @@ def test_top_k_zero_means_no_top_k_whatever_the_model_config_says(tmp_path, back
     torch.manual_seed(0)
     completions = generator.generate(model, [[5, 6, 7]] * 16, 16)
     assert len({tuple(ids) for ids in completions}) > 8
+
+
+def test_max_completion_length_none_runs_to_the_models_context(tmp_path):
+    """max_completion_length=None (its type allows it, as in TRL): no cap of ours; a completion
+    without EOS stops where the model's context ends (vLLM's max_tokens=None does the same)."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_causal_lm(tokenizer, max_position_embeddings=40)
+    args = RLOOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, max_completion_length=None,
+                      per_device_train_batch_size=4, num_generations=2, max_steps=1, report_to="none",
+                      save_strategy="no", disable_tqdm=True, beta=0.0)
+    seen = []
+
+    def reward(prompts, completion_ids, **kwargs):
+        seen.extend(completion_ids)
+        return [float(i) for i in range(len(completion_ids))]
+
+    dataset = Dataset.from_list([{"prompt": "the cat sat on the mat"}] * 2)
+    RLOOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                processing_class=tokenizer).train()
+    prompt = len(tokenizer("the cat sat on the mat")["input_ids"])
+    assert max(len(ids) for ids in seen) <= 40 - prompt
+    assert any(len(ids) == 40 - prompt for ids in seen if tokenizer.eos_token_id not in ids)
+    with pytest.raises(ValueError, match="max_completion_length=None with use_transformers_continuous"):
+        RLOOConfig(output_dir=str(tmp_path), bf16=False, max_completion_length=None,
+                   use_transformers_continuous_batching=True)

@@ -34,6 +34,13 @@ def build_generation_config(args, pad_token_id: int, bos_token_id: int | None,
     return GenerationConfig(**settings)
 
 
+def context_length(model) -> int:
+    """How many positions the model takes (its text config's max_position_embeddings)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    return int(config.max_position_embeddings)
+
+
 class TransformersGenerator(GenerationBackend):
     """Left-pads prompts, samples, and cuts each completion after its first EOS (EOS included)."""
 
@@ -53,6 +60,12 @@ class TransformersGenerator(GenerationBackend):
         input_ids, attention_mask = pad_rows(prompt_ids, self.pad_token_id, "left",
                                              self.pad_to_multiple_of)
         extra = {} if media is None else forward_media(media, attention_mask, 0, device)
+        if self.generation_config.max_new_tokens is None:  # max_completion_length=None
+            extra["max_new_tokens"] = context_length(model) - input_ids.size(1)
+            if extra["max_new_tokens"] < 1:
+                raise ValueError(
+                    f"max_completion_length=None: the prompts ({input_ids.size(1)} tokens) fill "
+                    f"the model's context ({context_length(model)}). Fix: shorter prompts.")
         with eval_mode(model):
             completions, logps = self._completions(model, input_ids.to(device),
                                                    attention_mask.to(device), **extra)
@@ -66,9 +79,9 @@ class TransformersGenerator(GenerationBackend):
         return Completions(ids, policy_logprobs=logps * mask.to(logps.device, logps.dtype))
 
     def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     **media) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     **extra) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(rows, new tokens) after the left-padded prompts, pad after a row's end; and the policy's
         log-probs of those tokens where this backend computes them (else None)."""
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                generation_config=self.generation_config, **media)
+                                generation_config=self.generation_config, **extra)
         return output[:, input_ids.size(1):], None
