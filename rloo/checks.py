@@ -121,8 +121,9 @@ def check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_process
         raise ValueError(
             "model is already a PeftModel and peft_config is also given: pass one of them (the "
             "PeftModel keeps its adapter; peft_config adds a new one to a plain model).")
-    quantized = quantization_config is not None or "quantization_config" in (args.model_init_kwargs
-                                                                             or {})
+    # (an instantiated model: quantization_config is ignored with a warning, as the spec says)
+    quantized = isinstance(model, str) and (quantization_config is not None or
+                                            "quantization_config" in (args.model_init_kwargs or {}))
     if quantized and peft_config is None:
         raise ValueError(
             "quantization_config is set without peft_config: a 4/8-bit base model cannot be "

@@ -83,6 +83,18 @@ def test_quantization_needs_peft_and_bitsandbytes(tmp_path, tokenizer, model):
                     peft_config=LoraConfig(**LORA))
 
 
+def test_quantization_config_on_an_instantiated_model_is_ignored_with_a_warning(tmp_path, tokenizer, model):
+    """As the spec says: no PEFT, a model object: quantization_config is ignored (not refused)."""
+    from transformers import BitsAndBytesConfig
+    with pytest.warns(UserWarning, match="already instantiated: model_init_kwargs and quantization_config are "
+                      "ignored"):
+        trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, max_steps=1),
+                              train_dataset=conversational(), processing_class=tokenizer,
+                              quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    trainer.train()
+    assert next(trainer.model.parameters()).dtype == torch.float32
+
+
 def test_model_init_kwargs_and_float32_default(tmp_path, tokenizer, model):
     model_dir, _ = save_tiny(str(tmp_path / "policy"), model.to(torch.bfloat16), tokenizer)
     default = RLOOTrainer(model=model_dir, reward_funcs=length_reward, args=make_args(tmp_path),
