@@ -3,6 +3,7 @@ run in colocate mode, noise goes into every weight of the policy (embeddings inc
 stale, then match the trainer within 1e-4 after one in-place sync. Writes the measurements to argv[2]."""
 
 import json
+import os
 import sys
 
 import torch
@@ -40,6 +41,8 @@ result["metrics"] = generator.pop_metrics()
 result["log_history"] = trainer.state.log_history
 result["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
 result["tied"] = bool(model.config.tie_word_embeddings)
+# one process, no launcher: the spec's rendezvous defaults were applied
+result["rendezvous"] = [os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")]
 result["recipe"] = yaml.safe_load(open(recipe))
 with open(out, "w") as handle:
     json.dump(result, handle)

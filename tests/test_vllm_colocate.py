@@ -56,8 +56,9 @@ def _syncs(log_history: list[dict]) -> list[float]:
 def test_colocate_trains_with_verified_in_place_syncs_and_noise_reaches_the_engine(tmp_path):
     recipe = _recipe(tmp_path)
     out = tmp_path / "check.json"
+    env = {key: value for key, value in _env().items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
     result = subprocess.run([VLLM_PYTHON, os.path.join(TESTS, "colocate_check.py"), recipe, str(out)],
-                            capture_output=True, text=True, env=_env(), timeout=600)
+                            capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
     check = json.loads(out.read_text())
     syncs = _syncs(check["log_history"])
@@ -69,6 +70,7 @@ def test_colocate_trains_with_verified_in_place_syncs_and_noise_reaches_the_engi
     assert len(rewards) == 3
     assert all(record["timing/weight_sync"] > 0 for record in assert_step_timing(check["log_history"]))
     assert check["tied"]
+    assert check["rendezvous"] == ["localhost", "12345"]  # the spec's MASTER_ADDR / MASTER_PORT defaults
     assert check["after_last_step"] > 1e-2  # the engine holds the weights it generated with, not the final ones
     assert check["after_training"] < 1e-4
     assert check["stale"] > 1e-2  # noise in every weight: the engine still has the old ones...

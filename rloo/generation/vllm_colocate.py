@@ -251,6 +251,13 @@ def unlink_own_cpu_shm() -> list[str]:
     return unlinked
 
 
+def rendezvous_defaults() -> None:
+    """One process, no launcher: vLLM's own process group meets at MASTER_ADDR=localhost,
+    MASTER_PORT=12345 unless the environment says otherwise (the spec's defaults)."""
+    os.environ.setdefault("MASTER_ADDR", "localhost")
+    os.environ.setdefault("MASTER_PORT", "12345")
+
+
 def start_engine(args, model: torch.nn.Module, tokenizer, rank: int, world_size: int) -> VLLMEngine:
     """`vllm.LLM` in this process: vllm_gpu_memory_utilization, vllm_max_model_length,
     vllm_tensor_parallel_size, vllm_model_impl, vllm_enable_sleep_mode, plus vllm_engine_kwargs
@@ -275,6 +282,8 @@ def start_engine(args, model: torch.nn.Module, tokenizer, rank: int, world_size:
         # Every rank is its own vLLM "launcher"; vLLM reads the torchrun environment for its TP
         # groups.
         kwargs["distributed_executor_backend"] = "external_launcher"
+    else:
+        rendezvous_defaults()
     kwargs.update(args.vllm_engine_kwargs or {})
     try:
         engine = VLLMEngine(LLM(**kwargs))
