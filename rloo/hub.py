@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import os
 import shutil
 from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
 
 SECRET_MARKERS = ("token", "password", "secret", "api_key")
 
@@ -342,22 +345,59 @@ def wait_for_push(trainer) -> None:
 
 
 def push_checkpoint(trainer, checkpoint_folder: str) -> None:
-    """push_to_hub=True during training: upload at each save, per hub_strategy (synchronously)."""
+    """push_to_hub=True during training: upload at each save, per hub_strategy, in the background
+    as transformers does: while a push is still running, a new checkpoint is skipped unless
+    hub_always_push=True (then it is queued behind it); train() waits for the last one. The upload
+    reads a hard-linked snapshot, so checkpoint rotation cannot pull files from under it."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers.utils.hub import PushInProgress
     args = trainer.args
     strategy = getattr(args.hub_strategy, "value", args.hub_strategy)
     if not trainer.is_world_process_zero() or strategy == "end":
         return
+    pending = getattr(trainer, "push_in_progress", None)
+    if pending is not None and not pending.is_done() and not args.hub_always_push:
+        logger.info("rloo: step %d's checkpoint is not pushed: the previous push is still "
+                    "running (hub_always_push=False)", trainer.state.global_step)
+        return
     trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
-    publisher, token = get_publisher(), args.hub_token
-    message = f"Training in progress, step {trainer.state.global_step}"
-    publisher.upload_folder(
-        trainer.hub_model_id, checkpoint_folder, message, token, revision=args.hub_revision,
-        ignore_patterns=["rloo_state", "optimizer.pt", "scheduler.pt", "rng_state*"])
-    if strategy in ("checkpoint", "all_checkpoints"):
-        path = "last-checkpoint" if strategy == "checkpoint" else os.path.basename(
-            checkpoint_folder)
-        publisher.upload_folder(trainer.hub_model_id, checkpoint_folder, message + ", checkpoint",
-                                token, revision=args.hub_revision, path_in_repo=path)
+    snapshot = tempfile.mkdtemp(prefix="rloo-push-")
+    shutil.copytree(checkpoint_folder, os.path.join(snapshot, "checkpoint"),
+                    copy_function=_link_or_copy)
+    folder = os.path.join(snapshot, "checkpoint")
+    publisher, token, step = get_publisher(), args.hub_token, trainer.state.global_step
+
+    def upload():
+        message = f"Training in progress, step {step}"
+        try:
+            publisher.upload_folder(
+                trainer.hub_model_id, folder, message, token, revision=args.hub_revision,
+                ignore_patterns=["rloo_state", "optimizer.pt", "scheduler.pt", "rng_state*"])
+            if strategy in ("checkpoint", "all_checkpoints"):
+                path = "last-checkpoint" if strategy == "checkpoint" else os.path.basename(
+                    checkpoint_folder)
+                publisher.upload_folder(trainer.hub_model_id, folder, message + ", checkpoint",
+                                        token, revision=args.hub_revision, path_in_repo=path)
+        finally:
+            shutil.rmtree(snapshot, ignore_errors=True)
+
+    # one worker: queued pushes (hub_always_push) land in order
+    if getattr(trainer, "_push_executor", None) is None:
+        trainer._push_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rloo-push")
+    future = trainer._push_executor.submit(upload)
+    if pending is None or pending.is_done():
+        trainer.push_in_progress = PushInProgress([future])
+    else:
+        pending.jobs.append(future)
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:  # another filesystem, or links not allowed
+        shutil.copy2(source, destination)
 
 
 class HubMethods:

@@ -110,3 +110,36 @@ def test_push_to_hub_not_blocking_returns_while_the_upload_runs(tmp_path, tokeni
     assert future.result(timeout=30) == "0000"
     assert os.path.exists(tmp_path / "hub" / "me" / "bg" / "main" / "model.safetensors")
     assert trainer.push_to_hub() == "0001"  # blocking (the default): the commit itself
+
+
+@pytest.mark.parametrize("always", [False, True])
+def test_a_checkpoint_push_still_running_skips_the_next_unless_hub_always_push(tmp_path, tokenizer, model, hub,
+                                                                               always):
+    """Checkpoint pushes run in the background as in transformers: while step 1's upload hangs, steps 2 and 3 are
+    skipped (hub_always_push=False) or queued and pushed in order (True); train() waits for them."""
+    import threading
+
+    from transformers import TrainerCallback
+    release = threading.Event()
+    upload = hub.upload_folder
+
+    def slow_upload(*args, **kwargs):
+        assert release.wait(60)
+        return upload(*args, **kwargs)
+
+    class ReleaseAtTheLastSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                release.set()
+
+    hub.upload_folder = slow_upload
+    args = make_args(tmp_path, push_to_hub=True, hub_model_id="me/queue", hub_strategy="every_save",
+                     save_strategy="steps", save_steps=1, max_steps=3, hub_always_push=always)
+    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=conversational(),
+                          processing_class=tokenizer, callbacks=[ReleaseAtTheLastSave()])
+    trainer.train()
+    messages = [c.get("commit_message") for c in hub.calls if c["call"] == "upload_folder"]
+    steps = [1, 2, 3] if always else [1]
+    assert messages == [f"Training in progress, step {step}" for step in steps]
+    import tempfile
+    assert not [name for name in os.listdir(tempfile.gettempdir()) if name.startswith("rloo-push-")]
