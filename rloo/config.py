@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
-from rloo.config_checks import (LEGACY_PARAMETERS, check_kl_logps_from_generation,
-                                check_rloo_fields, json_dict, parse_pad_to_multiple_of,
-                                resolve_batch_sizes)
+from rloo.config_checks import (LEGACY_PARAMETERS, check_backend_combinations,
+                                check_kl_logps_from_generation, check_rloo_fields, json_dict,
+                                parse_pad_to_multiple_of, resolve_batch_sizes)
 from rloo.zero import start_deepspeed_on_cpu
 
 @dataclass
@@ -265,6 +265,7 @@ class RLOOConfig(TrainingArguments):
                 "ds3_gather_for_generation=True: the paged generation loop runs a different number "
                 "of forward passes on each rank, and sharded layers gather collectively. Fix: "
                 "ds3_gather_for_generation=True or use_transformers_continuous_batching=False.")
+        check_backend_combinations(self)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         from rloo.engine import mode

@@ -64,6 +64,25 @@ def reject_legacy_trainer_arguments(init):
     return checked_init
 
 
+def check_backend_combinations(config) -> None:
+    """Distributed and generation settings that cannot work together (after TrainingArguments has
+    parsed them)."""
+    import os
+    if config.use_vllm and not config.ds3_gather_for_generation:
+        raise ValueError(
+            "ds3_gather_for_generation=False with use_vllm=True: vLLM loads full weights, so they "
+            "are gathered for it whatever this says (the spec calls the two incompatible). Fix: "
+            "drop ds3_gather_for_generation=False, or use_vllm=False to generate layer by layer.")
+    fsdp = bool(config.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    if fsdp:
+        raise ValueError(
+            "FSDP (fsdp / fsdp_config / accelerate's FSDP plugin) is not supported: RLOO needs the "
+            "full parameters gathered for generation and the reference sharded like the policy, "
+            "which this trainer does for DeepSpeed ZeRO-3 only; under FSDP it would generate from "
+            "a shard. Fix: deepspeed='configs/deepspeed/zero3.json' (ZeRO-3, same memory "
+            "savings), or no FSDP.")
+
+
 def json_dict(value: Any, name: str) -> dict | None:
     if value is None or isinstance(value, dict):
         return value

@@ -74,6 +74,10 @@ def test_batch_math(tmp_path):
     (dict(auto_find_batch_size=True), "auto_find_batch_size"),
     (dict(reward_clip_range=(1.0, -1.0)), "reward_clip_range"),
     (dict(generation_kwargs="{not json"), "generation_kwargs"),
+    # the spec: incompatible with vLLM (which loads full weights anyway)
+    (dict(use_vllm=True, ds3_gather_for_generation=False), "ds3_gather_for_generation=False with use_vllm"),
+    # no generation gather / reference handling under FSDP: refused, ZeRO-3 named
+    (dict(fsdp="full_shard"), "FSDP .* is not supported.*ZeRO-3"),
 ])
 def test_invalid_values(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -119,3 +123,9 @@ def test_every_config_field_is_read_somewhere():
               if not any(re.search(rf"\.{name}\b|[\"']{name}[\"']", text) for text in sources)}
     assert unread == set(UNREAD_ALLOWED), f"read nowhere: {sorted(unread - set(UNREAD_ALLOWED))}; allowed but " \
                                           f"now read: {sorted(set(UNREAD_ALLOWED) - unread)}"
+
+
+def test_fsdp_from_accelerate_launch_is_refused_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="FSDP .* is not supported"):
+        config(tmp_path)
