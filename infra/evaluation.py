@@ -40,21 +40,24 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
     import torch
 
     from rloo.rollout import RolloutSettings, build_rollout, rollout_metrics
+    from rloo.vision import has_image_processor
     batch = config.evaluation.batch_size
 
-    def generate(prompt_ids):
+    def generate(prompt_ids, media=None):  # media: a VLM's images (rloo.vision)
         completions = []
         with generator.reusing_weights():  # one policy's weights for every batch
             for start in range(0, len(prompt_ids), batch):
+                with_media = {} if media is None else {"media": media[start:start + batch]}
                 completions += generator.generate(model, prompt_ids[start:start + batch], 1,
-                                                  state.global_step)
+                                                  state.global_step, **with_media)
         return completions
 
     weights = torch.tensor(
         config.recipe_value("reward_weights") or [1.0] * len(runner.names), dtype=torch.float32)
     settings = RolloutSettings(num_generations=1, pad_token_id=generator.pad_token_id,
                                eos_token_ids=generator.eos_ids, reward_weights=weights,
-                               chat_template_kwargs=config.recipe_value("chat_template_kwargs"))
+                               chat_template_kwargs=config.recipe_value("chat_template_kwargs"),
+                               vision=has_image_processor(tokenizer))
     rollout = build_rollout(rows, settings, generate=generate, processing_class=tokenizer,
                             reward_runner=runner, trainer_state=state)
     measured = rollout_metrics(rollout, runner.names, weights)
@@ -95,7 +98,8 @@ def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None,
     from rloo.cli import resolve_reward
     from rloo.generation import in_process_generator
     from rloo.models import (eos_token_ids, load_reward_model, load_tokenizer, prepare_tokenizer,
-                             reward_tokenizers)
+                             reward_tokenizers, text_tokenizer_of)
+    from rloo.vision import is_vision_config, placeholder_token_ids
     from rloo.rewards import RewardRunner
     trust = bool(config.recipe_value("trust_remote_code"))
     reward_funcs = [resolve_reward(entry) for entry in config.training["reward_funcs"]]
@@ -106,18 +110,25 @@ def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None,
                           config.recipe_value("chat_template_kwargs"),
                           config.recipe_value("reward_timeout"),
                           config.recipe_value("nonfinite_rewards"))
-    tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_name or policy, trust))
     models = {label: load_policy(policy, path, trust) for label, path in weights.items()}
-    eos = eos_token_ids(tokenizer, next(iter(models.values())))
+    first = next(iter(models.values()))
+    # a VLM: its processor, model.generate with the images, no placeholder sampled (rloo.vision)
+    vision = is_vision_config(first.config)
+    tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_name or policy, trust,
+                                                 config=first.config))
+    text_tokenizer = text_tokenizer_of(tokenizer)
+    eos = eos_token_ids(text_tokenizer, first)
     max_new = config.evaluation.max_completion_length or config.recipe_value(
         "max_completion_length")
     sampling = dict(do_sample=False) if config.evaluation.temperature == 0 else dict(
         do_sample=True, temperature=config.evaluation.temperature)
     generation_config = GenerationConfig(max_new_tokens=max_new,
-                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-                                         **sampling)
-    generator = in_process_generator(generation_config, tokenizer.pad_token_id, eos,
-                                     next(iter(models.values())))
+                                         pad_token_id=text_tokenizer.pad_token_id,
+                                         eos_token_id=eos, **sampling,
+                                         suppress_tokens=placeholder_token_ids(first.config) if
+                                         vision else None)
+    generator = in_process_generator(generation_config, text_tokenizer.pad_token_id, eos, first,
+                                     fast=False if vision else None)
     scored = {}
     for name, rows in row_sets.items():
         torch.manual_seed(config.data.seed)

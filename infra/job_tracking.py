@@ -87,13 +87,23 @@ class RunDirTrackingCallback(TrainerCallback):
     def on_completions(self, args, state, control, rows=None, **kwargs):
         if not self._active(state) or not rows:
             return
+        from rloo.callbacks import image_columns
         path = os.path.join(self.train_dir, "completions", f"step_{state.global_step:07d}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        columns = {key: [row[key] for row in rows] for key in rows[0]}
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "images"}
+        # a VLM's images (log_multimodal): PNG files beside the table, which names them
+        images = image_columns(rows)
+        for column, values in images.items():
+            columns[column] = []
+            for index, image in enumerate(values):
+                name = f"step_{state.global_step:07d}_{index}_{column}.png"
+                image.save(os.path.join(os.path.dirname(path), name))
+                columns[column].append(name)
         with open(path, "w") as handle:
             json.dump(columns, handle, default=str)
         self._send({
-            "kind": "table", "path": path, "artifact_file": f"completions/{os.path.basename(path)}"
+            "kind": "table", "path": path, "artifact_file": f"completions/{os.path.basename(path)}",
+            "image_columns": list(images)
         })
 
     def on_save(self, args, state, control, **kwargs):
@@ -184,8 +194,12 @@ def _upload(item: dict, tracking_uri: str, run_id: str) -> bool:
             log_metrics(tracking_uri, run_id, item["metrics"], item["step"], item.get("time_ms"))
         elif item["kind"] == "table":
             with open(item["path"]) as handle:
-                mlflow_client.log_table(run_id, data=json.load(handle),
-                                        artifact_file=item["artifact_file"])
+                data = json.load(handle)
+            for column in item.get("image_columns", []):  # MLflow stores PIL cells as images
+                from PIL import Image
+                folder = os.path.dirname(item["path"])
+                data[column] = [Image.open(os.path.join(folder, name)) for name in data[column]]
+            mlflow_client.log_table(run_id, data=data, artifact_file=item["artifact_file"])
         elif item["kind"] == "dict":
             mlflow_client.log_dict(run_id, item["payload"], item["artifact_file"])
         return True

@@ -23,13 +23,14 @@ def check_lora_targets(model_source: str, targets, trust_remote_code: bool) -> i
     """Build the architecture on the meta device (no weights) and check that LoRA's targets exist;
     returns the parameter count."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from rloo.adapters import linear_module_names
+    from rloo.vision import is_vision_config
     model_config = AutoConfig.from_pretrained(model_source, trust_remote_code=trust_remote_code)
+    auto = AutoModelForImageTextToText if is_vision_config(model_config) else AutoModelForCausalLM
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(model_config,
-                                                    trust_remote_code=trust_remote_code)
+        skeleton = auto.from_config(model_config, trust_remote_code=trust_remote_code)
     available = linear_module_names(skeleton)
     if targets != "all-linear":
         missing = [t for t in targets if t not in available]
@@ -51,6 +52,8 @@ def check_tokenizer_fits(policy: str, tokenizer, args, dataset_result: dict) -> 
         else model_config
     vocab = getattr(text_config, "vocab_size", None)
     context = getattr(text_config, "max_position_embeddings", None)
+    from rloo import vision
+    processor, tokenizer = tokenizer, getattr(tokenizer, "tokenizer", tokenizer)
     if vocab and len(tokenizer) > vocab:
         raise ValueError(
             f"the tokenizer ({tokenizer.name_or_path}) has {len(tokenizer)} tokens but the model "
@@ -60,13 +63,22 @@ def check_tokenizer_fits(policy: str, tokenizer, args, dataset_result: dict) -> 
         )
     if not context:
         return
-    for index, prompt in enumerate(datasets.load_from_disk(dataset_result["train_path"])["prompt"]):
-        text = prompt
-        if isinstance(prompt, list):
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                                 **(args.chat_template_kwargs or {}))
-        length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if length + args.max_completion_length > context:
+    rows = datasets.load_from_disk(dataset_result["train_path"])
+    with_images = vision.has_image_processor(processor) and vision.image_columns_of(rows)
+    for index, row in enumerate(rows):
+        prompt = text = row["prompt"]
+        if with_images:  # the image tokens count: the processor expands them per image
+            ids, _ = vision.process_prompts(processor, [prompt], [vision.row_images(row)],
+                                            args.chat_template_kwargs)
+            length = len(ids[0])
+            text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+        else:
+            if isinstance(prompt, list):
+                text = tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                     add_generation_prompt=True,
+                                                     **(args.chat_template_kwargs or {}))
+            length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if length + (args.max_completion_length or 1) > context:
             raise ValueError(
                 f"data: training prompt {index} ({str(text)[:50]!r}...) is {length} tokens; with "
                 f"training.max_completion_length={args.max_completion_length} it exceeds the "

@@ -196,8 +196,8 @@ class RunConfig(Strict):
                           description="Where runs live; default $RLOO_RUN_ROOT or ./runs.")
     data: DataSettings
     training: dict[str, Any] = Field(
-        description="An `rloo train` recipe: model_name_or_path ('smollm2', 'tiny', a "
-        "path or a Hub id), reward_funcs, LoRA keys, RLOOConfig fields.")
+        description="An `rloo train` recipe: model_name_or_path ('smollm2', 'tiny', "
+        "'tiny-vlm', a path or a Hub id), reward_funcs, LoRA keys, RLOOConfig fields.")
     launch: LaunchSettings = LaunchSettings()
     evaluation: EvalSettings = EvalSettings()
     tracking: TrackingSettings = TrackingSettings()
@@ -288,8 +288,8 @@ class RunSettings(BaseModel):
     """What people change between runs. Empty: the recipe's value."""
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(
-        None, title="Model", description="training.model_name_or_path: 'smollm2', 'tiny', a "
-        "local path or a Hub id.", json_schema_extra={"position": 0})
+        None, title="Model", description="training.model_name_or_path: 'smollm2', 'tiny', "
+        "'tiny-vlm', a local path or a Hub id.", json_schema_extra={"position": 0})
     max_steps: int | None = Field(None, ge=1, le=1_000_000,
                                   description="training.max_steps: optimizer steps.",
                                   json_schema_extra={"position": 1})

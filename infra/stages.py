@@ -95,9 +95,11 @@ def prepare_dataset(config: RunConfig) -> dict:
 
     datasets.disable_progress_bars()  # one summary line per stage, not a bar per split
     record_execution(config, "dataset")
+    from rloo.vision import embed_images
     data = config.data
     dataset, prompt_format = load_checked_rows(config)
-    shuffled = dataset.shuffle(seed=data.seed)
+    # images read from files go into the saved splits: the run directory holds its data
+    shuffled = embed_images(dataset).shuffle(seed=data.seed)
     eval_split = shuffled.select(range(data.eval_size))
     train_split = shuffled.select(range(data.eval_size, len(shuffled)))
     if data.max_train_samples is not None:
@@ -123,9 +125,13 @@ def load_checked_rows(config: RunConfig):
     """data.source loaded and every row checked (rloo.data), enough rows for data.eval_size:
     (dataset, format)."""
     from rloo.data import load_prompt_dataset, validate_prompt_rows
+    from rloo.vision import check_images_readable, check_rows_fit
     data = config.data
     dataset = load_prompt_dataset(data.source, data.config, data.split)
     prompt_format = validate_prompt_rows(dataset, data.source)
+    check_images_readable(dataset, data.source)
+    if prompt_format == "conversational":  # (a string prompt's image tokens are the model's)
+        check_rows_fit(dataset, data.source, None)
     if data.eval_size >= len(dataset):
         raise ValueError(
             f"data.eval_size={data.eval_size} leaves no training prompts ({len(dataset)} rows in "
@@ -188,9 +194,11 @@ def check_enough_prompts(config: RunConfig, args, num_train: int) -> None:
 
 def dataset_digest(*splits) -> str:
     import hashlib
+
+    from rloo.vision import undecoded
     digest = hashlib.sha256()
     for split in splits:
-        for row in split:
+        for row in undecoded(split):  # an image by its bytes, not a PIL object's repr
             digest.update(json.dumps(row, sort_keys=True, default=str).encode())
     return digest.hexdigest()[:16]
 
@@ -266,8 +274,15 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
     if script.load_in_4bit:
         check_quantization_supported(type("Q", (), {"quant_method": "bitsandbytes"})())
     rewards = [resolve_reward(entry) for entry in script.reward_funcs]
+    from transformers import AutoConfig
+
+    from rloo.checks import check_image_columns
+    model_config = AutoConfig.from_pretrained(policy, trust_remote_code=args.trust_remote_code)
+    # images need a vision-language model (told from the config, before any weight loads)
+    check_image_columns(dataset_result["columns"], "data.source", policy, args.trust_remote_code)
+    # a VLM's processor (rloo.vision), else the tokenizer
     tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_source or policy,
-                                                 args.trust_remote_code))
+                                                 args.trust_remote_code, config=model_config))
     if dataset_result["format"] == "conversational" and not getattr(tokenizer, "chat_template",
                                                                     None):
         raise ValueError(

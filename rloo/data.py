@@ -128,6 +128,15 @@ class DatasetValidationError(ValueError):
     """A dataset row that cannot be used, named by row index and column."""
 
 
+def _is_content(content: Any) -> bool:
+    """A message's content: a string, or a VLM's parts (text and image placeholders)."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(part, dict) and (part.get("type") == "image" or part.get("type") == "text"
+                                    and isinstance(part.get("text"), str)) for part in content)
+
+
 def validate_prompt_rows(dataset, source: str = "dataset") -> str:
     """Check every row's `prompt` (a non-empty string, or a list of {'role', 'content'} messages,
     the same kind in every row); returns 'standard' or 'conversational'. The first bad row is named
@@ -150,10 +159,11 @@ def validate_prompt_rows(dataset, source: str = "dataset") -> str:
                     f"{source}: row {index}, column 'prompt': empty message list.")
             for position, message in enumerate(prompt):
                 if not isinstance(message, dict) or message.get("role") not in ROLES or \
-                        not isinstance(message.get("content"), str):
+                        not _is_content(message.get("content")):
                     raise DatasetValidationError(
                         f"{source}: row {index}, column 'prompt', message {position}: expected "
-                        f"{{'role': one of {list(ROLES)}, 'content': str}}, got "
+                        f"{{'role': one of {list(ROLES)}, 'content': str or a list of "
+                        "{'type': 'text', 'text': str} / {'type': 'image'} parts}, got "
                         f"{str(message)[:80]!r}."
                     )
         else:
@@ -170,7 +180,8 @@ def validate_prompt_rows(dataset, source: str = "dataset") -> str:
         raise DatasetValidationError(f"{source}: the dataset is empty.")
     # what reward functions receive: a NaN is a missing value, not a number
     for column in dataset.column_names:
-        for index, value in enumerate(dataset[column] if column != "prompt" else ()):
+        skip = ("prompt", "image", "images")  # (images: checked by rloo.vision, never decoded here)
+        for index, value in enumerate(dataset[column] if column not in skip else ()):
             if isinstance(value, float) and math.isnan(value):
                 raise DatasetValidationError(
                     f"{source}: row {index}, column {column!r}: NaN (a missing value; reward "

@@ -1,5 +1,6 @@
-"""A tiny random Llama and a word-level tokenizer, built locally (nothing is downloaded): the
-pipeline's `tiny` model alias (configs/tiny.yaml) and the models the tests train."""
+"""A tiny random Llama and a word-level tokenizer, and a tiny random Qwen2-VL with its processor,
+built locally (nothing is downloaded): the pipeline's `tiny` and `tiny-vlm` model aliases
+(configs/tiny.yaml, configs/vlm_tiny.yaml) and the models the tests train."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ CHAT_TEMPLATE = (
     "add_generation_prompt %}<|assistant|> {% endif %}")
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer: specials, a few words, and the digits; `<|end|>` is EOS and pad."""
+def tiny_tokenizer(image_tokens: tuple[str, ...] = (), image_markup: str = "",
+                   extra_special_tokens: dict | None = None) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer: specials, a few words, and the digits; `<|end|>` is EOS and pad. With
+    `image_tokens` (a VLM's), those are specials too and the chat template renders a message's
+    `{"type": "image"}` parts as `image_markup`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    specials = ["<pad>", "<unk>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    specials = ["<pad>", "<unk>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>",
+                *image_tokens]
     vocab = {token: i for i, token in enumerate(specials + WORDS + list("0123456789+-=?.,"))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.add_special_tokens(specials)
@@ -30,8 +35,13 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     ])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
                                         eos_token="<|end|>", pad_token="<|end|>",
-                                        padding_side="left")
-    tokenizer.chat_template = CHAT_TEMPLATE
+                                        padding_side="left",
+                                        extra_special_tokens=extra_special_tokens or {})
+    tokenizer.chat_template = CHAT_TEMPLATE if not image_tokens else (
+        "{% for m in messages %}<|{{ m['role'] }}|> {% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+        + image_markup + "{% else %}{{ p['text'] }}{% endif %} {% endfor %}{% endif %} <|end|> "
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")
     return tokenizer
 
 
@@ -61,3 +71,46 @@ def save_tiny(directory: str, model, tokenizer) -> tuple[str, str]:
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(tokenizer_dir)
     return model_dir, tokenizer_dir
+
+
+def tiny_text_config(vocab_size: int) -> dict:
+    """The text model of the tiny VLMs: tiny_config's sizes."""
+    return dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                eos_token_id=2, pad_token_id=2, bos_token_id=None)
+
+
+def tiny_vision_model(seed: int = 0):
+    """(model, processor): a tiny random Qwen2-VL (M-RoPE, 4-pixel patches merged 2x2, images of
+    16x16 to 32x32 pixels), the pipeline's `tiny-vlm` alias. Its processor is built for images
+    only (rloo.vision.images_only): transformers' video processors need torchvision."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
+        Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+
+    from rloo.vision import images_only
+    tokenizer = tiny_tokenizer(("<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
+                                "<|video_pad|>"), "<|vision_start|><|image_pad|><|vision_end|>")
+    ids = tokenizer.convert_tokens_to_ids
+    text = tiny_text_config(len(tokenizer))
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 1, 1],
+                               "rope_theta": 10000.0}
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2,
+                                             patch_size=4, spatial_merge_size=2,
+                                             temporal_patch_size=2, mlp_ratio=2),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=2, pad_token_id=2, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 16 * 16,
+                                                     "longest_edge": 32 * 32},
+                                               patch_size=4, merge_size=2, temporal_patch_size=2)
+    processor = images_only(Qwen2VLProcessor)(image_processor=image_processor, tokenizer=tokenizer,
+                                              chat_template=tokenizer.chat_template)
+    return model, processor

@@ -246,29 +246,74 @@ def check_image_rows(train_dataset: Any, eval_dataset: Any, processor: Any) -> N
     elif eval_dataset is not None:
         named.append(("eval_dataset", eval_dataset))
     for name, dataset in named:
-        try:
-            _check_rows(dataset, getattr(processor, "image_token", None))
-        except ValueError as err:
-            raise ValueError(f"`{name}` {err}") from None
+        check_rows_fit(dataset, f"`{name}`", getattr(processor, "image_token", None))
+
+
+def check_rows_fit(dataset: Any, name: str, image_token: str | None) -> None:
+    """check_image_rows for one dataset, its errors starting with `name`."""
+    try:
+        _check_rows(dataset, image_token)
+    except ValueError as err:
+        raise ValueError(f"{name} {err}") from None
+
+
+def image_columns_of(dataset: Any) -> list[str]:
+    return [column for column in ("image", "images") if column in (dataset.column_names or [])]
+
+
+def undecoded(dataset: Any) -> Any:
+    """The dataset with its image columns read as {"bytes", "path"} (no image decoded)."""
+    from datasets import Image as ImageFeature
+    for column in image_columns_of(dataset):
+        feature = dataset.features[column]
+        inner = getattr(feature, "feature", None)
+        if isinstance(feature, ImageFeature):
+            dataset = dataset.cast_column(column, ImageFeature(decode=False))
+        elif isinstance(inner, ImageFeature):
+            dataset = dataset.cast_column(column, type(feature)(ImageFeature(decode=False)))
+    return dataset
+
+
+def check_images_readable(dataset: Any, source: str) -> None:
+    """Every image of a map-style dataset opens and decodes; the first that does not is an error
+    naming its row and column."""
+    import io
+
+    from PIL import Image
+    columns = image_columns_of(dataset)
+    if not columns:
+        return
+    for index, row in enumerate(undecoded(dataset.select_columns(columns))):
+        for column in columns:
+            for image in row_images({column: row[column]}):
+                try:
+                    if isinstance(image, dict):
+                        image = Image.open(io.BytesIO(image["bytes"]) if image.get("bytes")
+                                           else image["path"])
+                    image.load()
+                except Exception as err:  # PIL raises many types for a bad file
+                    raise ValueError(f"{source}: row {index}: its {column!r} cannot be read as an "
+                                     f"image ({type(err).__name__}: {err}). Fix: replace or drop "
+                                     "the row.") from None
+
+
+def embed_images(dataset: Any) -> Any:
+    """Images that the dataset references by file path stored in it as bytes, so that a saved copy
+    (save_to_disk) holds them."""
+    from datasets.table import embed_table_storage
+    if not image_columns_of(dataset):
+        return dataset
+    return dataset.with_format("arrow").map(embed_table_storage, batched=True).with_format(None)
 
 
 def _check_rows(dataset: Any, image_token: str | None) -> None:
     from datasets import Dataset
-    from datasets import Image as ImageFeature
 
     from rloo.data import is_conversational
-    columns = [column for column in ("image", "images") if column in (dataset.column_names or [])]
+    columns = image_columns_of(dataset)
     if not isinstance(dataset, Dataset) or not columns:
         return
-    undecoded = dataset.select_columns(["prompt"] + columns)
-    for column in columns:
-        feature = undecoded.features[column]
-        inner = getattr(feature, "feature", None)
-        if isinstance(feature, ImageFeature):
-            undecoded = undecoded.cast_column(column, ImageFeature(decode=False))
-        elif isinstance(inner, ImageFeature):
-            undecoded = undecoded.cast_column(column, type(feature)(ImageFeature(decode=False)))
-    for index, row in enumerate(undecoded):
+    for index, row in enumerate(undecoded(dataset.select_columns(["prompt"] + columns))):
         count, prompt = len(row_images(row)), row["prompt"]
         if is_conversational(prompt):
             multimodal_messages(prompt, count, index)
@@ -277,9 +322,9 @@ def _check_rows(dataset: Any, image_token: str | None) -> None:
 
 
 def with_image_files(dataset: Any, base_dir: str) -> Any:
-    """A data file's `image` / `images` columns of file paths (relative to the file's folder) as
-    datasets.Image features, so that rows hold PIL images as with a Hub dataset. A path that is no
-    file is an error naming its row (a stream's: when the row is read)."""
+    """A data file's `image` / `images` columns of file paths (relative to the file's folder) or of
+    encoded bytes (Parquet) as datasets.Image features, so that rows hold PIL images as with a Hub
+    dataset. A path that is no file is an error naming its row (a stream's: when it is read)."""
     import os
 
     from datasets import List
@@ -287,7 +332,11 @@ def with_image_files(dataset: Any, base_dir: str) -> Any:
     features = getattr(dataset, "features", None) or {}
     for column, nested in (("image", False), ("images", True)):
         feature = features.get(column)
-        if feature is None or (getattr(feature, "feature", feature).dtype != "string"):
+        dtype = getattr(getattr(feature, "feature", feature), "dtype", None)
+        if dtype in ("binary", "large_binary"):  # datasets.Image takes encoded bytes as they are
+            dataset = dataset.cast_column(column, List(ImageFeature()) if nested else
+                                          ImageFeature())
+        if dtype != "string":
             continue
 
         def absolute(row, index, column=column, nested=nested):

@@ -26,6 +26,10 @@ ROWS = {
     "two-rows.jsonl": [{"prompt": "2+2?"}, {"prompt": "3+3?"}],
     "nan-column.jsonl": [{"prompt": "2+2?", "answer": 4.0}, {"prompt": "3+3?", "answer": math.nan}],
     "trained-on.jsonl": [{"prompt": [{'role': 'user', 'content': 'What is 15 + 10? Answer with just the number.'}], "solution": "25"}],
+    "image-missing.jsonl": [{"prompt": [{"role": "user", "content": "how many?"}], "image": "nope.png"}],
+    "image-unreadable.jsonl": [{"prompt": [{"role": "user", "content": "how many?"}], "image": "two-rows.jsonl"}],
+    "image-parts.jsonl": [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a?"}]}],
+                           "images": ["shapes/00.png", "shapes/01.png"]}],
 }
 
 CASES = [  # (id, --set overrides or a config file's text, what the one-line error must say)
@@ -96,6 +100,11 @@ CASES = [  # (id, --set overrides or a config file's text, what the one-line err
      "evaluation.extra_sets.leaked: row 0's prompt is training prompt 0 of data.source"),
     ("reward-model-with-two-labels", ["training.reward_funcs=[{rows}/two-labels]", "training.reward_weights=null"],
      "classifies into 2 labels; a reward model has one"),
+    ("image-file-missing", ["data.source={rows}/image-missing.jsonl"], "row 0: image 'nope.png' is not a file"),
+    ("image-unreadable", ["data.source={rows}/image-unreadable.jsonl"],
+     "row 0: its 'image' cannot be read as an image"),
+    ("images-without-parts", ["data.source={rows}/image-parts.jsonl"],
+     "row 0: the prompt has 1 {'type': 'image'} part(s) but the row has 2 image(s)"),
 ]
 
 
@@ -106,6 +115,7 @@ def rows(tmp_path_factory):
     folder = tmp_path_factory.mktemp("rows")
     for name, lines in ROWS.items():
         (folder / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    shutil.copytree(os.path.join(ROOT, "data", "shapes"), folder / "shapes")
     model, _ = resolve_model_alias("tiny", str(folder / "assets"))
     shutil.copytree(model, folder / "causal-lm")
     os.makedirs(folder / "no-config")
@@ -165,7 +175,7 @@ def test_bad_train_flags_are_refused_in_one_line_and_write_nothing(case, flags, 
     assert "Traceback" not in error and not output.exists()
 
 
-MODEL_STAGE = ["tokenizer-larger-than-the-embedding", "prompt-longer-than-the-context"]
+MODEL_STAGE = ["tokenizer-larger-than-the-embedding", "prompt-longer-than-the-context", "images-with-a-text-model"]
 
 
 @pytest.mark.parametrize("case", MODEL_STAGE)
@@ -184,6 +194,9 @@ def test_the_model_stage_refuses_what_needs_the_tokenizer_before_any_weight_load
         assignments += [f"training.tokenizer_name_or_path={tmp_path}/big-tokenizer",
                         f"data.source={ROOT}/data/arithmetic.jsonl"]
         expected = "has 153 tokens but the model"
+    elif case == "images-with-a-text-model":
+        assignments += [f"data.source={ROOT}/data/shapes.jsonl"]
+        expected = "has a column 'image' but the model is a text-only LlamaConfig"
     else:
         long = [{"prompt": [{"role": "user", "content": "1+" * 200 + "1?"}]}] + [
             {"prompt": [{"role": "user", "content": f"{i}+1?"}]} for i in range(12)]

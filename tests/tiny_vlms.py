@@ -17,74 +17,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 from PIL import Image
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
-from rloo.tiny import WORDS
+from rloo.tiny import tiny_text_config, tiny_tokenizer, tiny_vision_model
 
-BASE_SPECIALS = ["<pad>", "<unk>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
-
-
-def _tokenizer(image_specials: list[str], image_markup: str,
-               extra_special_tokens: dict | None = None) -> PreTrainedTokenizerFast:
-    """The word-level tokenizer of rloo.tiny plus a family's image tokens, and a chat template
-    that renders `{"type": "image"}` parts as `image_markup`."""
-    specials = BASE_SPECIALS + image_specials
-    vocab = {token: i for i, token in enumerate(specials + WORDS + list("0123456789+-=?.,"))}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.add_special_tokens(specials)
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.WhitespaceSplit(),
-        pre_tokenizers.Punctuation(),
-        pre_tokenizers.Digits(True)
-    ])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
-                                        eos_token="<|end|>", pad_token="<|end|>",
-                                        padding_side="left",
-                                        extra_special_tokens=extra_special_tokens or {})
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|> {% if m['content'] is string %}"
-        "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
-        + image_markup + "{% else %}{{ p['text'] }}{% endif %} {% endfor %}{% endif %} <|end|> "
-        "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")
-    return tokenizer
+def _tokenizer(image_tokens: list[str], image_markup: str, extra_special_tokens: dict | None = None):
+    return tiny_tokenizer(tuple(image_tokens), image_markup, extra_special_tokens)
 
 
 def _text(vocab_size: int) -> dict:
-    return dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                eos_token_id=2, pad_token_id=2, bos_token_id=None)
+    return tiny_text_config(vocab_size)
 
 
 def tiny_qwen2_vl(seed: int = 0):
-    """(model, processor): Qwen2-VL with 4-pixel patches merged 2x2, images of 16x16 to 32x32."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
-        Qwen2VLImageProcessorPil
-    from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
-
-    from rloo.vision import images_only
-    tokenizer = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
-                           "<|vision_start|><|image_pad|><|vision_end|>")
-    ids = tokenizer.convert_tokens_to_ids
-    text = _text(len(tokenizer))
-    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 1, 1],
-                               "rope_theta": 10000.0}
-    config = Qwen2VLConfig(
-        text_config=text, vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2,
-                                             patch_size=4, spatial_merge_size=2,
-                                             temporal_patch_size=2, mlp_ratio=2),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        eos_token_id=2, pad_token_id=2, bos_token_id=None)
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
-    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 16 * 16,
-                                                     "longest_edge": 32 * 32},
-                                               patch_size=4, merge_size=2, temporal_patch_size=2)
-    processor = images_only(Qwen2VLProcessor)(image_processor=image_processor, tokenizer=tokenizer,
-                                              chat_template=tokenizer.chat_template)
-    return _finish(model, tokenizer), processor
+    """(model, processor): rloo.tiny's (the `tiny-vlm` alias)."""
+    return tiny_vision_model(seed)
 
 
 def tiny_gemma3(seed: int = 0):
