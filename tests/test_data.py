@@ -165,3 +165,17 @@ def test_cache_implementation_reaches_generation(tmp_path, tokenizer, model):
     assert trainer.generator.generation_config.cache_implementation == "static"
     trainer.train()
     assert logged(trainer, "completions/mean_length")
+
+
+def test_prompt_from_a_text_column_and_a_system_prompt():
+    """rloo train's dataset_prompt_column / system_prompt (the spec's example scripts map their data so)."""
+    from datasets import Dataset
+
+    from rloo.data import with_prompt
+    rows = Dataset.from_list([{"problem": "2+2?", "solution": "4"}])
+    assert with_prompt(rows, "problem", "think first")[0]["prompt"] == [
+        {"role": "system", "content": "think first"}, {"role": "user", "content": "2+2?"}]
+    with pytest.raises(ValueError, match=r"dataset_prompt_column='question': no such column \(columns: \['problem'"):
+        with_prompt(rows, "question", None)
+    with pytest.raises(ValueError, match="system_prompt needs conversational prompts"):
+        with_prompt(Dataset.from_list([{"prompt": "2+2?"}]), None, "think first")

