@@ -245,14 +245,22 @@ def check_image_rows(train_dataset: Any, eval_dataset: Any, processor: Any) -> N
         named += [(f"eval_dataset[{key!r}]", value) for key, value in eval_dataset.items()]
     elif eval_dataset is not None:
         named.append(("eval_dataset", eval_dataset))
+    every_row = type(processor).__name__ in EVERY_ROW_PROCESSORS
     for name, dataset in named:
-        check_rows_fit(dataset, f"`{name}`", getattr(processor, "image_token", None))
+        check_rows_fit(dataset, f"`{name}`", getattr(processor, "image_token", None), every_row,
+                       type(processor).__name__)
 
 
-def check_rows_fit(dataset: Any, name: str, image_token: str | None) -> None:
+# Processors whose pixel tensors have one entry per row of a batch (Idefics2/3, SmolVLM): a row
+# without an image has nothing there, so every row of a batch must have one.
+EVERY_ROW_PROCESSORS = ("Idefics2Processor", "Idefics3Processor", "SmolVLMProcessor")
+
+
+def check_rows_fit(dataset: Any, name: str, image_token: str | None, every_row: bool = False,
+                   processor_name: str = "") -> None:
     """check_image_rows for one dataset, its errors starting with `name`."""
     try:
-        _check_rows(dataset, image_token)
+        _check_rows(dataset, image_token, every_row, processor_name)
     except ValueError as err:
         raise ValueError(f"{name} {err}") from None
 
@@ -306,7 +314,8 @@ def embed_images(dataset: Any) -> Any:
     return dataset.with_format("arrow").map(embed_table_storage, batched=True).with_format(None)
 
 
-def _check_rows(dataset: Any, image_token: str | None) -> None:
+def _check_rows(dataset: Any, image_token: str | None, every_row: bool = False,
+                processor_name: str = "") -> None:
     from datasets import Dataset
 
     from rloo.data import is_conversational
@@ -315,6 +324,11 @@ def _check_rows(dataset: Any, image_token: str | None) -> None:
         return
     for index, row in enumerate(undecoded(dataset.select_columns(["prompt"] + columns))):
         count, prompt = len(row_images(row)), row["prompt"]
+        if every_row and count == 0:
+            raise ValueError(
+                f"row {index} has no image, but a {processor_name} batch needs an image in every "
+                "row (its pixel tensors have one entry per row). Fix: give the row an image, or "
+                "train on the rows without images separately.")
         if is_conversational(prompt):
             multimodal_messages(prompt, count, index)
         else:

@@ -278,3 +278,27 @@ def test_rloo_train_with_dtype_bfloat16_and_image_files(tmp_path, capsys):
         {"problem": QUESTION, "image": "images/missing.png"}) + "\n")
     assert main(["train", "--config", str(tmp_path / "recipe.yaml")]) != 0
     assert "row 0: image 'images/missing.png' is not a file" in capsys.readouterr().err
+
+
+def test_a_row_without_an_image_is_refused_where_the_processor_needs_one_per_row(tmp_path):
+    """Idefics3 / SmolVLM processors give pixel tensors one entry per row of a batch: a row without
+    an image is refused before training, naming it. (The three families above take such rows.)"""
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import \
+        Idefics3ImageProcessorPil
+
+    from rloo.tiny import tiny_tokenizer
+    from rloo.vision import check_image_rows
+    tokenizer = tiny_tokenizer(("<fake_token_around_image>", "<image>", "<global-img>"), "<image>",
+                               {"image_token": "<image>"})
+    processor = Idefics3Processor(image_processor=Idefics3ImageProcessorPil(), tokenizer=tokenizer,
+                                  image_seq_len=4)
+    rows = [{"prompt": [{"role": "user", "content": QUESTION}], "image": random_image(0)},
+            {"prompt": [{"role": "user", "content": QUESTION}], "image": None}]
+    with pytest.raises(ValueError, match="`train_dataset` row 1 has no image, but a "
+                       "Idefics3Processor batch needs an image in every row"):
+        check_image_rows(Dataset.from_list(rows), None, processor)
+    model, qwen = FAMILIES["qwen2_vl"]()
+    check_image_rows(Dataset.from_list(rows), None, qwen)  # Qwen2-VL takes such a row
+    RLOOTrainer(model=model, reward_funcs=position_reward, args=make_args(tmp_path, max_steps=1),
+                train_dataset=Dataset.from_list(rows * 2), processing_class=qwen).train()
