@@ -43,7 +43,7 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
     from rloo.vision import has_image_processor
     batch = config.evaluation.batch_size
 
-    def generate(prompt_ids, media=None):  # media: a VLM's images (rloo.vision)
+    def generate(prompt_ids, media=None, images=None):  # a VLM's images (rloo.vision)
         completions = []
         with generator.reusing_weights():  # one policy's weights for every batch
             for start in range(0, len(prompt_ids), batch):

@@ -198,10 +198,12 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     else:
         prompt_id_lists = tokenize_prompts(processing_class, prompts,
                                            settings.chat_template_kwargs)
-    # the images' tensors travel beside the ids (only for VLMs: text callers never see them)
+    # the images' tensors travel beside the ids (only for VLMs: text callers never see them); the
+    # images themselves go to generation too (vLLM takes them, not tensors)
     with_media = {} if media is None else {"media": media}
     with timer.section("generation"):
-        completion_id_lists = generate(prompt_id_lists, **with_media)
+        completion_id_lists = generate(prompt_id_lists, **with_media,
+                                       **({} if images is None else {"images": images}))
 
     pad, multiple = settings.pad_token_id, settings.pad_to_multiple_of
     prompt_ids, prompt_mask = (t.to(device)

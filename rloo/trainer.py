@@ -158,9 +158,9 @@ class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
                     self.reward_funcs[index] = self.accelerator.prepare_model(
                         func, evaluation_mode=True)
 
-        self.generator = make_generation_backend(args, self.accelerator, self.model, tokenizer,
-                                                 self.pad_token_id, self.eos_token_ids,
-                                                 zero3=self._zero3, fast=self._fast)
+        self.generator = make_generation_backend(
+            args, self.accelerator, self.model, tokenizer, self.pad_token_id, self.eos_token_ids,
+            zero3=self._zero3, fast=self._fast, processor=processing_class)
         self._metrics, self._timer = MetricBuffer(), device_timer(self.accelerator.device)
         self.generator.timer = self._timer
         logger.info(engine.describe(self._fast, self.model, self.generator, self.ref_model,

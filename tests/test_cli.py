@@ -142,6 +142,7 @@ def test_spec_scripts_exist_as_recipes(recipe, overrides, reward, tmp_path):
         assert script.dataset_prompt_column == "problem" and "<think>" in script.system_prompt
         assert config.learning_rate == 1e-5 and config.max_completion_length == 1024 and config.log_completions
         assert script.use_peft and script.lora_target_modules == ["q_proj", "v_proj"]
+        assert config.use_vllm and config.vllm_mode == "colocate"
     elif recipe.startswith("tldr"):
         assert script.model_name_or_path == "Qwen/Qwen2.5-72B" and config.per_device_train_batch_size == 4
         assert config.use_vllm and config.vllm_mode == "server"

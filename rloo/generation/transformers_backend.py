@@ -53,9 +53,10 @@ class TransformersGenerator(GenerationBackend):
 
     @torch.no_grad()
     def generate(self, model: PreTrainedModel, prompt_ids: list[list[int]],
-                 num_generations: int = 1, step: int = 0,
-                 media: list[dict] | None = None) -> list[list[int]]:
-        """`media`: a VLM's other inputs per row (rloo.vision), passed to `generate`."""
+                 num_generations: int = 1, step: int = 0, media: list[dict] | None = None,
+                 images: list[list] | None = None) -> list[list[int]]:
+        """`media`: a VLM's other inputs per row (rloo.vision), passed to `generate`; `images`
+        (the rows' images themselves, which vLLM backends take) are in them already."""
         device = next(model.parameters()).device
         input_ids, attention_mask = pad_rows(prompt_ids, self.pad_token_id, "left",
                                              self.pad_to_multiple_of)

@@ -30,14 +30,18 @@ import os
 import shutil
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rloo.generation.base import Completions, GenerationBackend
+from rloo.generation.vllm_shm import (CPU_SHM_MARK, SHM_DIR,  # noqa: F401 (API)
+                                       remove_stale_cpu_shm, unlink_own_cpu_shm)
 from rloo.generation.vllm_common import (cut_at_eos, full_weights, judge_sync, max_logprob_diff,
                                          sampling_of, sync_tolerance, unwarped)
 from rloo.timing import timed
+from rloo.vision import is_vision_config
 
 
 class ColocateEngine:
@@ -45,14 +49,16 @@ class ColocateEngine:
 
     sleep_available = False
 
-    def generate(self, requests: list[tuple[list[int], int, int]],
-                 sampling: dict) -> list[list[dict]]:
-        """For each (prompt ids, n, seed): n sampled completions, {"ids": token ids, "logprobs": the
-        sampler's (processed) log-prob of each of them}."""
+    def generate(self, requests: list[tuple], sampling: dict) -> list[list[dict]]:
+        """For each (prompt ids, n, seed) or, for a vision-language model, (prompt ids, n, seed,
+        images): n sampled completions, {"ids": token ids, "logprobs": the sampler's (processed)
+        log-prob of each of them}."""
         raise NotImplementedError
 
-    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
-        """The engine's log-probs (temperature 1) of `completion`'s tokens after `prompt`."""
+    def score(self, prompt: list[int], completion: list[int],
+              images: list | None = None) -> list[float]:
+        """The engine's log-probs (temperature 1) of `completion`'s tokens after `prompt` (and its
+        images)."""
         raise NotImplementedError
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -87,6 +93,15 @@ def _load_in_worker(worker, named: list[tuple[str, torch.Tensor]]) -> int:
     return len(named)
 
 
+def vllm_prompt(token_ids: list[int], images: list | None = None) -> dict:
+    """One vLLM prompt: token ids (a VLM's with its image placeholders already expanded by the
+    processor, which vLLM recognises) and the images as `multi_modal_data`."""
+    prompt = {"prompt_token_ids": list(token_ids)}
+    if images:
+        prompt["multi_modal_data"] = {"image": list(images)}
+    return prompt
+
+
 class VLLMEngine(ColocateEngine):
     def __init__(self, llm) -> None:
         from vllm.platforms import current_platform
@@ -100,8 +115,9 @@ class VLLMEngine(ColocateEngine):
         if "structured_outputs" in sampling:
             sampling["structured_outputs"] = StructuredOutputsParams(
                 **sampling["structured_outputs"])
-        params = [SamplingParams(n=n, seed=seed, logprobs=0, **sampling) for _, n, seed in requests]
-        prompts = [{"prompt_token_ids": list(prompt)} for prompt, _, _ in requests]
+        params = [SamplingParams(n=request[1], seed=request[2], logprobs=0, **sampling)
+                  for request in requests]
+        prompts = [vllm_prompt(request[0], *request[3:]) for request in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[{
             "ids": list(sample.token_ids), "logprobs": [
@@ -110,11 +126,11 @@ class VLLMEngine(ColocateEngine):
             ]
         } for sample in output.outputs] for output in outputs]
 
-    def score(self, prompt, completion):
+    def score(self, prompt, completion, images=None):
         from vllm import SamplingParams
         tokens = list(prompt) + list(completion)
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        entries = self.llm.generate([{"prompt_token_ids": tokens}], params,
+        entries = self.llm.generate([vllm_prompt(tokens, images)], params,
                                     use_tqdm=False)[0].prompt_logprobs
         return [float(entries[i][tokens[i]].logprob) for i in range(len(prompt), len(tokens))]
 
@@ -190,67 +206,6 @@ def engine_folder(model: torch.nn.Module, tokenizer, need_tokenizer: bool) -> st
     return folder
 
 
-SHM_DIR = "/dev/shm"
-CPU_SHM_MARK = "-cpushm_"  # vLLM's CPU communicator: f"{ident}-{group}-[{ranks}]-cpushm_{rank}"
-
-
-def _mapped_shm_names() -> set[str]:
-    """Names under /dev/shm that a live, readable process maps (an unreadable one, like a
-    container's init, runs no vLLM engine of ours)."""
-    mapped: set[str] = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as handle:
-                for line in handle:
-                    path = line.rstrip("\n").partition(f"{SHM_DIR}/")[2]
-                    if path:
-                        mapped.add(path.removesuffix(" (deleted)"))
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue  # exited meanwhile, or not ours to read
-    return mapped
-
-
-def remove_stale_cpu_shm() -> list[str]:
-    """Unlink vLLM CPU-communicator segments of this user that no live process maps (left by a
-    killed launch); returns their names. Call on every rank before any of them starts an engine."""
-    if not os.path.isdir(SHM_DIR) or not os.path.isdir("/proc"):
-        return []
-    ours = [name for name in os.listdir(SHM_DIR)
-            if CPU_SHM_MARK in name and os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid()]
-    mapped = _mapped_shm_names() if ours else set()
-    removed = []
-    for name in ours:
-        if name not in mapped:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass  # another rank of this launch was first
-    return removed
-
-
-def unlink_own_cpu_shm() -> list[str]:
-    """After the engine started (every rank of its TP group has mapped every segment): unlink the
-    name of this rank's segment of vLLM's CPU communicator, so nothing outlives the processes;
-    returns the names unlinked."""
-    try:
-        from vllm.distributed import parallel_state
-    except ImportError:
-        return []
-    unlinked = []
-    for group in (parallel_state._TP, parallel_state._PP):
-        communicator = getattr(group, "device_communicator", None)
-        name = getattr(getattr(communicator, "dist_module", None), "group_name", None)
-        if name:
-            segment = f"{name.lstrip('/')}_{communicator.rank_in_group}"
-            try:
-                os.unlink(os.path.join(SHM_DIR, segment))
-                unlinked.append(segment)
-            except FileNotFoundError:
-                pass
-    return unlinked
-
-
 def rendezvous_defaults() -> None:
     """One process, no launcher: vLLM's own process group meets at MASTER_ADDR=localhost,
     MASTER_PORT=12345 unless the environment says otherwise (the spec's defaults)."""
@@ -267,7 +222,8 @@ def start_engine(args, model: torch.nn.Module, tokenizer, rank: int, world_size:
     from vllm import LLM
     tp = args.vllm_tensor_parallel_size
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    need_tokenizer = bool(args.vllm_structured_outputs_regex)
+    # structured outputs read text; a VLM's multimodal processor is built from the folder
+    need_tokenizer = bool(args.vllm_structured_outputs_regex) or is_vision_config(model.config)
     folder = engine_folder(model, tokenizer, need_tokenizer)
     kwargs = dict(model=folder, load_format="dummy", dtype=dtype, tensor_parallel_size=tp,
                   gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -293,10 +249,10 @@ def start_engine(args, model: torch.nn.Module, tokenizer, rank: int, world_size:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def run_lengths(rows: list[list[int]]) -> list[tuple[list[int], int]]:
+def run_lengths(rows: list) -> list[tuple[Any, int]]:
     """Consecutive identical prompts become one request with n = their count (vLLM shares the
     prefill)."""
-    runs: list[tuple[list[int], int]] = []
+    runs: list[tuple[Any, int]] = []
     for row in rows:
         if runs and runs[-1][0] == row:
             runs[-1] = (row, runs[-1][1] + 1)
@@ -362,7 +318,10 @@ class VLLMColocateGenerator(GenerationBackend):
 
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, prompt_ids: list[list[int]], num_generations: int,
-                 step: int) -> list[list[int]]:
+                 step: int, media: list[dict] | None = None,
+                 images: list[list] | None = None) -> list[list[int]]:
+        """`media` / `images`: a VLM's rows (rloo.vision): the images go to the engine with each
+        prompt, the media to the trainer's side of the sync check."""
         synced = False
         if self.weights_asleep:
             if torch.cuda.is_available():
@@ -378,20 +337,30 @@ class VLLMColocateGenerator(GenerationBackend):
             self.sync_weights(model, step)
             synced = True
         rows = [list(p) for p in prompt_ids]
+        vision = [(image_list, row_media) for image_list, row_media in zip(images, media)] \
+            if images is not None else None
         if self.tp_group is not None:
             parts: list = [None] * self.tp
-            dist.all_gather_object(parts, rows, group=self.tp_group)
-            rows = [row for part in parts for row in part]
+            dist.all_gather_object(parts, (rows, vision), group=self.tp_group)
+            rows = [row for part in parts for row in part[0]]
+            vision = None if vision is None else [v for part in parts for v in part[1]]
         start = time.perf_counter()
         requests = []
-        for index, (prompt, n) in enumerate(run_lengths(rows)):
+        # a VLM's rows: one request per run of the same prompt with the same images
+        keys = rows if vision is None else [(row, [id(i) for i in v[0]]) for row, v in
+                                            zip(rows, vision)]
+        first = 0
+        for index, (key, n) in enumerate(run_lengths(keys)):
+            prompt = key if vision is None else key[0]
             # the same on every rank of a TP group (they run one engine); different across groups,
             # steps (a resumed run does not replay the first seeds) and calls within a step
             # (evaluation)
             seed = (self.args.seed * 1_000_003 +
                     (self.accelerator.process_index // self.tp) * 10_007 + step * 7_919 +
                     self.calls * 101 + index) % (2**31)
-            requests.append((prompt, n, seed))
+            requests.append((prompt, n, seed) if vision is None else
+                            (prompt, n, seed, vision[first][0]))
+            first += n
         self.calls += 1
         samples = [
             sample for group in self.engine.generate(requests, sampling_of(self.args))
@@ -402,7 +371,7 @@ class VLLMColocateGenerator(GenerationBackend):
             if unwarped(self.args) else None
         self.metrics["vllm/generation_seconds"] = time.perf_counter() - start
         if synced:
-            self._verify(model, rows, completions)
+            self._verify(model, rows, completions, vision)
         if self.args.vllm_enable_sleep_mode:
             self.engine.sleep(level=2)
             self.weights_asleep = True
@@ -412,7 +381,7 @@ class VLLMColocateGenerator(GenerationBackend):
 
     @timed("weight_sync")  # the check of a push is part of its cost
     def _verify(self, model: torch.nn.Module, rows: list[list[int]],
-                completions: list[list[int]]) -> None:
+                completions: list[list[int]], vision: list | None = None) -> None:
         """A few of this group's samples scored by the engine and by the trainer. Under ZeRO-3 every
         rank scores the same number (the trainer's forwards gather collectively)."""
         picks = [i for i in range(len(rows)) if completions[i]][:self.args.vllm_sync_verify_samples]
@@ -424,7 +393,9 @@ class VLLMColocateGenerator(GenerationBackend):
         if count == 0:
             return
         samples = [{"prompt": rows[i], "completion": completions[i],
-                    "vllm": self.engine.score(rows[i], completions[i])} for i in picks[:count]]
+                    "vllm": self.engine.score(rows[i], completions[i],
+                                              *([vision[i][0]] if vision else [])),
+                    **({"media": vision[i][1]} if vision else {})} for i in picks[:count]]
         worst = max_logprob_diff(model, samples)
         self.metrics["vllm/sync_max_logprob_diff"] = worst
         judge_sync(worst, self.tolerance, self.args.vllm_sync_on_mismatch, count,

@@ -84,8 +84,8 @@ def sync_tolerance(args, model: torch.nn.Module) -> float:
 @torch.no_grad()
 def max_logprob_diff(model: torch.nn.Module, samples: list[dict]) -> float:
     """The largest |trainer - vLLM| log-prob over the completion tokens of `samples` ({"prompt",
-    "completion", "vllm"}). Every rank of a ZeRO-3 run must call it with the same number of samples
-    (the forwards gather)."""
+    "completion", "vllm"}, and a VLM's "media": rloo.vision). Every rank of a ZeRO-3 run must call
+    it with the same number of samples (the forwards gather)."""
     from rloo.logps import per_token_logps
     from rloo.models import eval_mode
     device = next(model.parameters()).device
@@ -93,7 +93,9 @@ def max_logprob_diff(model: torch.nn.Module, samples: list[dict]) -> float:
     with eval_mode(model):
         for sample in samples:
             ids = torch.tensor([sample["prompt"] + sample["completion"]], device=device)
-            mine = per_token_logps(model, ids, torch.ones_like(ids), len(sample["completion"]), 1.0)
+            media = [sample["media"]] if "media" in sample else None
+            mine = per_token_logps(model, ids, torch.ones_like(ids), len(sample["completion"]), 1.0,
+                                   media=media)
             difference = mine.logps[0].float().cpu() - torch.tensor(sample["vllm"])
             worst = max(worst, difference.abs().max().item())
     return worst
