@@ -362,3 +362,23 @@ def test_vllm_colocate_requests_carry_the_images(tmp_path):
     assert vllm_prompt(ids[0], images[0]) == {"prompt_token_ids": ids[0],
                                               "multi_modal_data": {"image": [same]}}
     assert vllm_prompt(ids[0]) == {"prompt_token_ids": ids[0]}
+
+
+def test_image_columns_from_a_parquet_file_of_encoded_bytes(tmp_path):
+    """Parquet rows holding each image's encoded bytes read as PIL images, like file paths and Hub
+    datasets (the dataset stage takes all three)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rloo.data import load_prompt_dataset
+    encoded = []
+    for seed in range(2):
+        buffer = io.BytesIO()
+        random_image(seed).save(buffer, format="PNG")
+        encoded.append(buffer.getvalue())
+    table = pa.table({"prompt": [QUESTION, QUESTION], "image": pa.array(encoded, pa.binary())})
+    pq.write_table(table, tmp_path / "rows.parquet")
+    dataset = load_prompt_dataset(str(tmp_path / "rows.parquet"))
+    assert dataset[1]["image"].tobytes() == random_image(1).tobytes()
