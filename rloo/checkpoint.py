@@ -301,3 +301,38 @@ def resolve_resume(value, output_dir: str, missing_ok: bool = False):
             f"resume_from_checkpoint={value!r} cannot be resumed from: {why}. Fix: use 'latest' "
             "(the newest complete checkpoint) or another checkpoint.")
     return value
+
+
+def load_renamed_weights(model: torch.nn.Module, checkpoint: str) -> bool:
+    """Resume a full model whose checkpoint names its weights otherwise than the live model does:
+    transformers saves vision-language models (Qwen2-VL, Gemma3, LLaVA-NeXT, ...) under their
+    legacy names, and Trainer's resume loads with strict=False, so it would keep the initial
+    weights with only a warning. Such a checkpoint is loaded through from_pretrained (which renames)
+    and copied in. False where the plain load matches (then Trainer's own path runs)."""
+    from safetensors import safe_open
+    index, single = (os.path.join(checkpoint, name) for name in
+                     ("model.safetensors.index.json", "model.safetensors"))
+    if os.path.exists(index):
+        with open(index) as handle:
+            keys = set(json.load(handle)["weight_map"])
+    elif os.path.exists(single):
+        with safe_open(single, "pt") as weights:
+            keys = set(weights.keys())
+    else:
+        return False  # an adapter or a DeepSpeed checkpoint: Trainer's path
+    if keys <= set(model.state_dict()):
+        return False
+    loaded = type(model).from_pretrained(checkpoint, dtype=next(model.parameters()).dtype)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    return True
+
+
+class CheckpointLoading:
+    """Trainer's resume, with renamed checkpoints loaded whole (load_renamed_weights); mixed into
+    RLOOTrainer."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        target = self.accelerator.unwrap_model(model if model is not None else self.model)
+        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        if not (plain and load_renamed_weights(target, resume_from_checkpoint)):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)

@@ -45,7 +45,7 @@ from rloo.zero import gathered_parameters, prepare_frozen, single_process_ddp, z
 logger = logging.getLogger(__name__)
 
 
-class RLOOTrainer(GenerationBatches, HubMethods, Trainer):
+class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, Trainer):
     """Trainer for REINFORCE Leave-One-Out (Ahmadian et al., 2024), API-compatible with TRL's
     RLOOTrainer."""
 

@@ -382,3 +382,35 @@ def test_image_columns_from_a_parquet_file_of_encoded_bytes(tmp_path):
     pq.write_table(table, tmp_path / "rows.parquet")
     dataset = load_prompt_dataset(str(tmp_path / "rows.parquet"))
     assert dataset[1]["image"].tobytes() == random_image(1).tobytes()
+
+
+def test_resume_mid_buffer_with_images_matches_an_uninterrupted_run(tmp_path):
+    """A checkpoint in the middle of a generation buffer keeps each buffered row's images and
+    tensors: the resumed run ends with the uninterrupted run's weights."""
+    from transformers import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                control.should_training_stop = True
+
+    settings = dict(max_steps=2, gradient_accumulation_steps=1, generation_batch_size=8,
+                    num_generations=2, beta=0.05, num_iterations=1)
+
+    def run(folder, resume=None, interrupt=False, **extra):
+        model, processor = FAMILIES["qwen2_vl"]()
+        trainer = RLOOTrainer(model=model, reward_funcs=position_reward,
+                              args=make_args(tmp_path / folder, **settings, **extra),
+                              train_dataset=vlm_dataset(8), processing_class=processor,
+                              callbacks=[Interrupt()] if interrupt else None)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run("full")
+    run("cut", interrupt=True, save_strategy="steps", save_steps=1)
+    checkpoint = tmp_path / "cut" / "out" / "checkpoint-1"
+    state = torch.load(checkpoint / "rloo_state" / "rank0.pt", weights_only=False)
+    assert state["buffered_inputs"][1].images and state["buffered_inputs"][1].media  # mid-buffer
+    resumed = run("cut", resume=str(checkpoint), save_strategy="steps", save_steps=1)
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
