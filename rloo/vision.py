@@ -247,6 +247,11 @@ def check_image_rows(train_dataset: Any, eval_dataset: Any, processor: Any) -> N
         named.append(("eval_dataset", eval_dataset))
     every_row = type(processor).__name__ in EVERY_ROW_PROCESSORS
     for name, dataset in named:
+        if image_columns_of(dataset) and not has_image_processor(processor):
+            raise ValueError(
+                f"`{name}` has images but processing_class is a {type(processor).__name__}, which "
+                "cannot read them. Fix: the model's processor, e.g. processing_class="
+                "AutoProcessor.from_pretrained(...), or leave processing_class unset.")
         check_rows_fit(dataset, f"`{name}`", getattr(processor, "image_token", None), every_row,
                        type(processor).__name__)
 

@@ -414,3 +414,12 @@ def test_resume_mid_buffer_with_images_matches_an_uninterrupted_run(tmp_path):
     resumed = run("cut", resume=str(checkpoint), save_strategy="steps", save_steps=1)
     for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_tokenizer_in_place_of_the_processor_is_refused_before_training(tmp_path):
+    model, processor = FAMILIES["qwen2_vl"]()
+    with pytest.raises(ValueError, match=r"`train_dataset` has images but processing_class is a "
+                       r"\w+, which cannot read them.*AutoProcessor"):
+        RLOOTrainer(model=model, reward_funcs=position_reward, args=make_args(tmp_path),
+                    train_dataset=vlm_dataset(2), processing_class=processor.tokenizer)
+    assert not (tmp_path / "out").exists()
