@@ -122,8 +122,8 @@ class TrackerCompletionsCallback(TrainerCallback):
                 data = [[row[key] for key in rows[0] if key != "images"] +
                         [module.Image(images[key][index]) for key in images]
                         for index, row in enumerate(rows)]
-                module.log({"completions": module.Table(columns=columns, data=data)},
-                           **({"step": state.global_step} if name == "wandb" else {}))
+                # (no step: wandb's own is the transformers callback's, as in TRL)
+                module.log({"completions": module.Table(columns=columns, data=data)})
             except Exception as err:  # ImportError included: report_to already needs it installed
                 logger.warning("could not log the completion table to %s: %s", name, err)
 
