@@ -18,12 +18,12 @@ from rloo.data import check_prompt_dataset
 from rloo.adapters import check_quantization_supported
 from rloo.models import is_peft_model
 from rloo.rewards.runner import RewardFunctionError, reward_function_name
+from rloo.vision import IMAGE_COLUMNS
 
 # Keywords every reward function receives besides the dataset columns
 # (rloo.rewards.runner.RewardRunner).
 REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra",
                    "log_metric")
-IMAGE_COLUMNS = ("image", "images")
 
 
 def reward_columns(dataset: Any, remove_unused_columns: bool | None) -> list[str] | None:

@@ -122,15 +122,16 @@ def process_prompts(processor: Any, prompts: list, images: list[list],
     """Prompts and their images through a VLM's processor, one row at a time: (prompt token ids
     with the image tokens expanded, per row; the model's other inputs per row, e.g. pixel_values,
     image_grid_thw, token_type_ids, as a batch of one). Rows with the same prompt and images (the
-    num_generations copies of one prompt) are processed once."""
+    num_generations consecutive copies of one prompt) are processed once."""
     from rloo.data import is_conversational
-    ids, media, seen = [], [], {}
+    ids, media, previous = [], [], None
     for index, (prompt, row_images_) in enumerate(zip(prompts, images)):
-        key = (id(prompt), tuple(id(image) for image in row_images_))
-        if key not in seen:
-            seen[key] = _process_one(processor, prompt, row_images_, index, chat_template_kwargs,
-                                     is_conversational(prompt))
-        row_ids, row_media = seen[key]
+        # equal prompt and images (PIL compares pixels): the previous row's result
+        if previous is None or previous[0] != (prompt, row_images_):
+            previous = ((prompt, row_images_),
+                        _process_one(processor, prompt, row_images_, index, chat_template_kwargs,
+                                     is_conversational(prompt)))
+        row_ids, row_media = previous[1]
         ids.append(row_ids)
         media.append(row_media)
     return ids, media
@@ -270,8 +271,11 @@ def check_rows_fit(dataset: Any, name: str, image_token: str | None, every_row: 
         raise ValueError(f"{name} {err}") from None
 
 
+IMAGE_COLUMNS = ("image", "images")  # a row's one image, or its list of them
+
+
 def image_columns_of(dataset: Any) -> list[str]:
-    return [column for column in ("image", "images") if column in (dataset.column_names or [])]
+    return [column for column in IMAGE_COLUMNS if column in (dataset.column_names or [])]
 
 
 def undecoded(dataset: Any) -> Any:

@@ -346,9 +346,8 @@ class VLLMColocateGenerator(GenerationBackend):
             vision = None if vision is None else [v for part in parts for v in part[1]]
         start = time.perf_counter()
         requests = []
-        # a VLM's rows: one request per run of the same prompt with the same images
-        keys = rows if vision is None else [(row, [id(i) for i in v[0]]) for row, v in
-                                            zip(rows, vision)]
+        # a VLM's rows: one request per run of the same prompt with equal images
+        keys = rows if vision is None else [(row, v[0]) for row, v in zip(rows, vision)]
         first = 0
         for index, (key, n) in enumerate(run_lengths(keys)):
             prompt = key if vision is None else key[0]
