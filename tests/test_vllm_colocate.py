@@ -14,7 +14,8 @@ import yaml
 
 from rloo import RLOOConfig
 from rloo.generation.vllm_colocate import (CPU_SHM_MARK, SHM_DIR, ColocateEngine, VLLMColocateGenerator,
-                                           check_colocate_possible, remove_stale_cpu_shm, run_lengths)
+                                           check_colocate_possible, remove_stale_cpu_shm)
+from rloo.generation.vllm_common import run_lengths
 from tiny_models import save_servable, tiny_servable_causal_lm, tiny_tokenizer
 from helpers import assert_step_timing
 from services import VLLM_PYTHON

@@ -40,7 +40,8 @@ def server(tmp_path_factory):
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=ROOT,
                VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
     log = open(root / "server.log", "w")
-    command = vllm_cpu_server_command(model_dir, "127.0.0.1", PORT, "--enable-lora", "--max-lora-rank", "16")
+    command = vllm_cpu_server_command(model_dir, "127.0.0.1", PORT, "--enable-lora", "--max-lora-rank", "16",
+                                      "--enable-scale-out")
     # its own process group: stopping it also stops vLLM's engine-core and worker processes
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     client = VLLMServerClient(f"http://127.0.0.1:{PORT}", connect_timeout_s=400)
@@ -108,6 +109,24 @@ def _recipe(server, tmp_path, **overrides) -> str:
 
 
 @pytest.mark.slow
+def test_the_token_in_route_samples_and_scores_as_the_completions_route(server):
+    """The route that carries a VLM's images (/inference/v1/generate, `--enable-scale-out`) on the real server, with
+    a text prompt (vllm-cpu cannot load a VLM here): n completions with their sampled log-probs, `logit_bias` (how
+    image placeholders are kept out of completions) honoured, and its scores equal /v1/completions'."""
+    client = server["client"]
+    model_id = client.model_info()["id"]
+    prompt = [5, 6, 7, 8]
+    rows = client.complete_with_images(model_id, prompt, [], 3, {"max_tokens": 6, "temperature": 1.0, "seed": 3})
+    assert len(rows) == 3 and all(len(row["ids"]) == len(row["logprobs"]) > 0 for row in rows)
+    for row in rows:
+        scored = client.score_with_images(model_id, prompt, row["ids"], [])
+        assert scored == pytest.approx(client.score(model_id, prompt, row["ids"]), abs=1e-5)
+        assert row["logprobs"] == pytest.approx(scored, abs=1e-4)
+    forced = client.complete_with_images(model_id, prompt, [], 2, {"max_tokens": 4, "temperature": 1.0, "seed": 3,
+                                                                   "logit_bias": {9: 100.0}})
+    assert [row["ids"] for row in forced] == [[9, 9, 9, 9]] * 2
+
+
 def test_training_under_torchrun_with_verified_syncs(server, tmp_path):
     # 2 ranks x 2 rows, 4 generations: each group straddles both ranks; the main process asks the server.
     recipe = _recipe(server, tmp_path, per_device_train_batch_size=2, vllm_sync_tolerance=1e-4)

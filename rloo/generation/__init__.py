@@ -37,13 +37,12 @@ def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: i
     layer may take it)."""
     from rloo.vision import is_vision_config, placeholder_token_ids
     vision = is_vision_config(model.config)
-    server = args.use_vllm and args.vllm_mode == "server"
-    if vision and (server or args.use_transformers_continuous_batching):
+    if vision and args.use_transformers_continuous_batching and not args.use_vllm:
         raise ValueError(
             f"{type(model).__name__} is a vision-language model, and "
-            f"{'vllm_mode=server' if server else 'use_transformers_continuous_batching=True'} "
-            "does not take images here yet: generation would see the text alone. Fix: "
-            "vllm_mode='colocate', or no vLLM (model.generate takes the images).")
+            "use_transformers_continuous_batching=True does not take images here: generation "
+            "would see the text alone. Fix: use_transformers_continuous_batching=False "
+            "(model.generate takes the images), or use_vllm=True.")
     if args.use_vllm and args.vllm_mode == "server":
         from rloo.generation.vllm_server import VLLMServerGenerator
         return VLLMServerGenerator(args, accelerator, model, eos_token_ids, zero3=zero3)

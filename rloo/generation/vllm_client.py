@@ -1,7 +1,7 @@
 """The vLLM server's HTTP side for server mode: every route the trainer calls (health, model info,
-the weight-transfer routes, LoRA loading, completions, scoring), each with a timeout and a failure
-that names the route and the server's answer (and the server's last log lines where readable), and
-the weight source vLLM's NCCL engine reads from."""
+the weight-transfer routes, LoRA loading, completions and scoring, with images through the token-in
+route), each with a timeout and a failure that names the route and the server's answer (and the
+server's last log lines where readable), and the weight source vLLM's NCCL engine reads from."""
 
 from __future__ import annotations
 
@@ -25,6 +25,18 @@ def server_log_tail(lines: int = 20) -> str:
         return ""
     with open(path, errors="replace") as handle:
         return f"\nlast lines of the server's log {path}:\n" + "".join(handle.readlines()[-lines:])
+
+
+TOKENS_ROUTE = "/inference/v1/generate"  # vLLM's token-in route (`--enable-scale-out`)
+
+
+def image_data_url(image) -> str:
+    """A PIL image as a PNG `data:` URL, as vLLM's `image_url` content parts take it."""
+    import base64
+    import io
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 class VLLMServerError(RuntimeError):
@@ -238,6 +250,59 @@ class VLLMServerClient:
         return [
             float(entries[i][str(tokens[i])]["logprob"]) for i in range(len(prompt), len(tokens))
         ]
+
+    # ------------------------------------------------------------------ with images
+    def complete_with_images(self, model: str, prompt: list[int], images: list, n: int,
+                             sampling: dict) -> list[dict]:
+        """`n` completions of one prompt and its images, as `complete` gives them. /v1/completions
+        takes token ids but no images, so this goes through vLLM's token-in route."""
+        body = self._tokens_call(model, prompt, images, dict(sampling, n=n, logprobs=0))
+        choices = sorted(body["choices"], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise VLLMServerError(f"POST {self.base_url}{TOKENS_ROUTE} returned {len(choices)} "
+                                  f"choices for n={n}")
+        return [{"ids": list(c["token_ids"]),
+                 "logprobs": [float(entry["logprob"])
+                              for entry in (c.get("logprobs") or {}).get("content") or []]}
+                for c in choices]
+
+    def score_with_images(self, model: str, prompt: list[int], completion: list[int],
+                          images: list) -> list[float]:
+        """`score` for a prompt with images."""
+        tokens = list(prompt) + list(completion)
+        body = self._tokens_call(model, tokens, images,
+                                 {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0})
+        entries = body["prompt_logprobs"]
+        return [float(entries[i][str(tokens[i])]["logprob"])
+                for i in range(len(prompt), len(tokens))]
+
+    def _tokens_call(self, model: str, token_ids: list[int], images: list,
+                     sampling: dict) -> dict:
+        """POST /inference/v1/generate: the prompt's ids as the processor expanded them, each image
+        as a PNG data URL (lossless: the server sees our pixels). The server expands the
+        placeholders itself and echoes the ids; other ids mean another processor there."""
+        payload = {"model": model, "token_ids": list(token_ids),
+                   "content_parts": [{"type": "image_url", "url": image_data_url(image)}
+                                     for image in images],
+                   "sampling_params": sampling, "return_token_ids": True}
+        try:
+            body = self._call("POST", TOKENS_ROUTE, payload)
+        except VLLMServerError as err:
+            if " answered 403" in str(err) or " answered 404" in str(err):
+                raise VLLMServerError(
+                    f"{err}\nImages reach a vLLM server through its token-in route, served only "
+                    "with `vllm serve ... --enable-scale-out`. Fix: restart the server with "
+                    "--enable-scale-out.") from err
+            raise
+        echoed = body.get("prompt_token_ids")
+        if echoed is not None and list(echoed) != list(token_ids):
+            raise VLLMServerError(
+                f"the vLLM server made {len(echoed)} prompt tokens of a prompt with "
+                f"{len(images)} image(s) that the trainer's processor made {len(token_ids)} "
+                "tokens of: it processes images differently, so it would sample for other "
+                "inputs than the trainer trains on. Fix: serve the checkpoint folder that holds "
+                "the trainer's processor (processor_config.json / preprocessor_config.json).")
+        return body
 
     def close(self) -> None:
         self.group = None

@@ -30,7 +30,6 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,9 +38,9 @@ from rloo.generation.base import Completions, GenerationBackend
 from rloo.generation.vllm_shm import (CPU_SHM_MARK, SHM_DIR,  # noqa: F401 (API)
                                        remove_stale_cpu_shm, unlink_own_cpu_shm)
 from rloo.generation.vllm_common import (cut_at_eos, full_weights, judge_sync, max_logprob_diff,
-                                         sampling_of, sync_tolerance, unwarped)
+                                         run_lengths, sampling_of, sync_tolerance, unwarped)
 from rloo.timing import timed
-from rloo.vision import is_vision_config
+from rloo.vision import is_vision_config, placeholder_token_ids
 
 
 class ColocateEngine:
@@ -249,18 +248,6 @@ def start_engine(args, model: torch.nn.Module, tokenizer, rank: int, world_size:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def run_lengths(rows: list) -> list[tuple[Any, int]]:
-    """Consecutive identical prompts become one request with n = their count (vLLM shares the
-    prefill)."""
-    runs: list[tuple[Any, int]] = []
-    for row in rows:
-        if runs and runs[-1][0] == row:
-            runs[-1] = (row, runs[-1][1] + 1)
-        else:
-            runs.append((row, 1))
-    return runs
-
-
 class VLLMColocateGenerator(GenerationBackend):
     """Every rank generates its rows with its engine (or its TP group's), after loading the policy's
     weights in place whenever the optimizer step changed, and checks each sync on a few samples."""
@@ -295,6 +282,9 @@ class VLLMColocateGenerator(GenerationBackend):
                                                                      world)
         accelerator.wait_for_everyone()
         self.tolerance = sync_tolerance(args, model)
+        # a VLM's completions never hold an image placeholder (as with model.generate)
+        self.suppress = (placeholder_token_ids(model.config)
+                         if is_vision_config(model.config) else [])
         self.last_synced_step = -1
         self.calls = 0
         self.metrics: dict[str, float] = {}
@@ -362,7 +352,8 @@ class VLLMColocateGenerator(GenerationBackend):
             first += n
         self.calls += 1
         samples = [
-            sample for group in self.engine.generate(requests, sampling_of(self.args))
+            sample
+            for group in self.engine.generate(requests, sampling_of(self.args, self.suppress))
             for sample in group
         ]
         completions = [cut_at_eos(sample["ids"], self.eos_ids) for sample in samples]

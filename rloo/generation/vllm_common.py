@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 
-def sampling_of(args) -> dict:
+def sampling_of(args, suppress: list[int] = ()) -> dict:
     """vLLM sampling parameters (the names of vllm.SamplingParams and of /v1/completions) from
-    RLOOConfig."""
+    RLOOConfig. `suppress`: tokens never to sample (a VLM's image placeholders, rloo.vision): a bias
+    of -100 (vLLM's bound) leaves them ~e^-100 of the mass, as `suppress_tokens` leaves none."""
     sampling = {
         "max_tokens": args.max_completion_length, "temperature": args.temperature,
         "top_p": args.top_p, "top_k": args.top_k if args.top_k else -1, "min_p": args.min_p or 0.0,
@@ -20,8 +22,22 @@ def sampling_of(args) -> dict:
     }
     if args.vllm_structured_outputs_regex:
         sampling["structured_outputs"] = {"regex": args.vllm_structured_outputs_regex}
+    if suppress:
+        sampling["logit_bias"] = {int(token): -100.0 for token in suppress}
     sampling.update(args.generation_kwargs or {})
     return sampling
+
+
+def run_lengths(rows: list) -> list[tuple[Any, int]]:
+    """Consecutive identical prompts become one request with n = their count (vLLM shares the
+    prefill)."""
+    runs: list[tuple[Any, int]] = []
+    for row in rows:
+        if runs and runs[-1][0] == row:
+            runs[-1] = (row, runs[-1][1] + 1)
+        else:
+            runs.append((row, 1))
+    return runs
 
 
 def sync_weights_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -1,6 +1,8 @@
 """Server mode: a vLLM server (`vllm serve` / `python -m vllm.entrypoints.openai.api_server`)
 samples the completions, and the trainer pushes its weights through vLLM's weight-transfer routes
-before each generation whose weights changed. Only the main process talks to the server.
+before each generation whose weights changed. Only the main process talks to the server. A
+vision-language model's prompts travel with their images through vLLM's token-in route
+(`--enable-scale-out`), one request per prompt.
 
 Every HTTP call has a timeout, and a failure names the route and the server's answer. Weights
 travel over the "gloo" backend (rloo_vllm.engine, registered in the server by
@@ -14,12 +16,12 @@ import time
 import torch
 
 from rloo.generation.base import Completions, GenerationBackend
-from rloo.generation.vllm_common import (cut_at_eos, full_weights, judge_sync, max_logprob_diff,
-                                         sampling_of, sync_tolerance, sync_weights_of, unwarped)
-from rloo.timing import timed
 from rloo.generation.vllm_client import VLLMServerClient
-
-
+from rloo.generation.vllm_common import (cut_at_eos, full_weights, judge_sync, max_logprob_diff,
+                                         run_lengths, sampling_of, sync_tolerance, sync_weights_of,
+                                         unwarped)
+from rloo.timing import timed
+from rloo.vision import is_vision_config, placeholder_token_ids
 
 
 def server_url(args) -> str:
@@ -112,6 +114,9 @@ class VLLMServerGenerator(GenerationBackend):
             [self.adapter_mode, self.base_pending], from_process=0)
         self.adapter_versions: list[str] = []
         self.tolerance = sync_tolerance(args, model)
+        # a VLM's completions never hold an image placeholder (as with model.generate)
+        self.suppress = (placeholder_token_ids(model.config)
+                         if is_vision_config(model.config) else [])
 
     @timed("weight_sync")
     def sync_weights(self, model: torch.nn.Module, step: int) -> None:
@@ -126,35 +131,33 @@ class VLLMServerGenerator(GenerationBackend):
 
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, prompt_ids: list[list[int]], num_generations: int,
-                 step: int) -> list[list[int]]:
+                 step: int, media: list[dict] | None = None,
+                 images: list[list] | None = None) -> list[list[int]]:
+        """`media` / `images`: a VLM's rows (rloo.vision): the images go to the server with each
+        prompt, the media to the trainer's side of the sync check."""
         from accelerate.utils import broadcast_object_list, gather_object
         synced = step != self.last_synced_step
         if synced:
             self.sync_weights(model, step)
             self.last_synced_step = step
         everyone = gather_object([list(p) for p in prompt_ids])
+        vision = None if images is None else gather_object(list(zip(images, media)))
         result = [None]
         if self.client is not None:
             start = time.perf_counter()
-            grouped = len(everyone) % num_generations == 0 and all(
-                everyone[i] == everyone[i - i % num_generations] for i in range(len(everyone)))
-            unique, n = (everyone[::num_generations], num_generations) if grouped else (everyone, 1)
             # a seed per request: different across steps (a resumed run does not replay them) and
             # calls
             sampling = dict(
-                sampling_of(self.args),
+                sampling_of(self.args, self.suppress),
                 seed=(self.args.seed * 1_000_003 + step * 7_919 + self.requests) % (2**31))
             self.requests += 1
-            rows = [
-                row for group in self.client.complete(self.model_id, unique, n, sampling)
-                for row in group
-            ]
+            rows = self._sample(everyone, vision, num_generations, sampling)
             self.metrics["vllm/generation_seconds"] = time.perf_counter() - start
             ids = [cut_at_eos(row["ids"], self.eos_ids) for row in rows]
             logprobs = [row["logprobs"][:len(cut)]
                         for row, cut in zip(rows, ids)] if unwarped(self.args) else None
             result = [{"rows": ids, "logprobs": logprobs,
-                       "check": self._check_sample(everyone, rows) if synced else None}]
+                       "check": self._check_sample(everyone, rows, vision) if synced else None}]
         result = broadcast_object_list(result, from_process=0)[0]
         if result["check"] is not None:
             self._verify(model, result["check"])
@@ -163,6 +166,29 @@ class VLLMServerGenerator(GenerationBackend):
         logprobs = result["logprobs"]
         return Completions(result["rows"][start:start + local],
                            None if logprobs is None else logprobs[start:start + local])
+
+    def _sample(self, prompts: list[list[int]], vision: list | None, num_generations: int,
+                sampling: dict) -> list[dict]:
+        """Every row's completion from the server, in row order."""
+        if vision is None:
+            grouped = len(prompts) % num_generations == 0 and all(
+                prompts[i] == prompts[i - i % num_generations] for i in range(len(prompts)))
+            unique, n = (prompts[::num_generations], num_generations) if grouped else (prompts, 1)
+            return [row for group in self.client.complete(self.model_id, unique, n, sampling)
+                    for row in group]
+        # a VLM's rows: a request per run of the same prompt with equal images, all in flight at
+        # once (the server batches them as it batches one request's prompts)
+        from concurrent.futures import ThreadPoolExecutor
+        runs = run_lengths([(row, images) for row, (images, _) in zip(prompts, vision)])
+        seed = sampling.pop("seed")
+
+        def request(index: int) -> list[dict]:
+            (prompt, images), n = runs[index]
+            return self.client.complete_with_images(self.model_id, prompt, images, n,
+                                                    dict(sampling, seed=(seed + index) % 2**31))
+
+        with ThreadPoolExecutor(max_workers=min(16, len(runs))) as pool:
+            return [row for group in pool.map(request, range(len(runs))) for row in group]
 
     def _sync_adapter(self, model: torch.nn.Module, zero3: bool, step: int) -> None:
         """Only the LoRA adapter: written to a new folder per version (vLLM caches by path) and
@@ -192,15 +218,19 @@ class VLLMServerGenerator(GenerationBackend):
                 while len(self.adapter_versions) > 2:  # the server has loaded the newer ones
                     shutil.rmtree(self.adapter_versions.pop(0), ignore_errors=True)
 
-    def _check_sample(self, prompts: list[list[int]], rows: list[dict]) -> list[dict] | None:
+    def _check_sample(self, prompts: list[list[int]], rows: list[dict],
+                      vision: list | None = None) -> list[dict] | None:
         count = min(self.args.vllm_sync_verify_samples, len(rows))
         picks = [i for i in range(len(rows)) if rows[i]["ids"]][:count]
         if not picks:
             return None
-        return [{
-            "prompt": prompts[i], "completion": rows[i]["ids"],
-            "vllm": self.client.score(self.model_id, prompts[i], rows[i]["ids"])
-        } for i in picks]
+        if vision is None:
+            return [{"prompt": prompts[i], "completion": rows[i]["ids"],
+                     "vllm": self.client.score(self.model_id, prompts[i], rows[i]["ids"])}
+                    for i in picks]
+        return [{"prompt": prompts[i], "completion": rows[i]["ids"], "media": vision[i][1],
+                 "vllm": self.client.score_with_images(self.model_id, prompts[i], rows[i]["ids"],
+                                                       vision[i][0])} for i in picks]
 
     @timed("weight_sync")  # the check of a push is part of its cost
     def _verify(self, model: torch.nn.Module, samples: list[dict]) -> None:
