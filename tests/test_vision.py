@@ -419,6 +419,62 @@ def test_vllm_server_mode_trains_a_vlm_with_its_images(tmp_path):
             server.wait()
 
 
+TWO_RANKS = """
+import json, sys
+import torch
+from datasets import Dataset
+sys.path.insert(0, TESTS)
+from tiny_vlms import FAMILIES, random_image
+from rloo import RLOOConfig, RLOOTrainer
+model, processor = FAMILIES["qwen2_vl"]()
+# prompt k holds image k (16 + 4k pixels wide): a row's reward checks that its image came with it
+rows = [{"prompt": [{"role": "user", "content": f"picture {k}"}], "image": random_image(k, 16 + 4 * k)}
+        for k in range(4)]
+seen = []
+
+def reward(prompts, image, **kwargs):
+    for prompt, picture in zip(prompts, image):
+        k = int(prompt[-1]["content"].split()[-1])
+        assert picture.size == (16 + 4 * k, 20), (k, picture.size)
+        seen.append(k)
+    return [float(picture.size[0]) for picture in image]
+
+args = RLOOConfig(output_dir=OUT, use_cpu=True, bf16=False, per_device_train_batch_size=2,
+                  num_generations=4, max_completion_length=4, max_steps=2, learning_rate=0.05,
+                  report_to="none", save_strategy="no", disable_tqdm=True, ddp_backend="gloo")
+trainer = RLOOTrainer(model=model, reward_funcs=reward, args=args,
+                      train_dataset=Dataset.from_list(rows), processing_class=processor)
+trainer.train()
+total = sum(p.detach().double().sum().item() for p in trainer.model.parameters())
+with open(f"{OUT}-{trainer.accelerator.process_index}.json", "w") as handle:
+    json.dump({"seen": seen, "param_sum": total}, handle)
+"""
+
+
+def test_two_ranks_train_a_vlm_with_each_row_s_own_image(tmp_path):
+    """torchrun, 2 processes: a group of 4 straddles both ranks; each rank's rows reach generation,
+    the forwards and the reward functions with their own images; DDP keeps the replicas equal."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from services import free_port
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "two.py"
+    script.write_text(f"OUT = {str(tmp_path / 'out')!r}\nTESTS = {tests!r}\n" + TWO_RANKS)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests)]))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                             "2", "--master_port", str(free_port()), str(script)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.load(open(tmp_path / f"out-{rank}.json")) for rank in (0, 1)]
+    # 2 steps x 2 rows per rank; a step's group (one prompt) straddles both ranks
+    assert len(ranks[0]["seen"]) == 4 and ranks[0]["seen"] == ranks[1]["seen"]
+    assert ranks[0]["param_sum"] == pytest.approx(ranks[1]["param_sum"], rel=1e-9)
+
+
 def test_image_columns_from_a_parquet_file_of_encoded_bytes(tmp_path):
     """Parquet rows holding each image's encoded bytes read as PIL images, like file paths and Hub
     datasets (the dataset stage takes all three)."""
@@ -439,9 +495,10 @@ def test_image_columns_from_a_parquet_file_of_encoded_bytes(tmp_path):
     assert dataset[1]["image"].tobytes() == random_image(1).tobytes()
 
 
-def test_resume_mid_buffer_with_images_matches_an_uninterrupted_run(tmp_path):
+def test_a_vlm_checkpoint_resumes_mid_buffer_and_loads_as_the_best_model(tmp_path):
     """A checkpoint in the middle of a generation buffer keeps each buffered row's images and
-    tensors: the resumed run ends with the uninterrupted run's weights."""
+    tensors: the resumed run ends with the uninterrupted run's weights. The checkpoint (saved
+    under the VLM's legacy weight names) also loads whole as load_best_model_at_end's best."""
     from transformers import TrainerCallback
 
     class Interrupt(TrainerCallback):
@@ -469,6 +526,12 @@ def test_resume_mid_buffer_with_images_matches_an_uninterrupted_run(tmp_path):
     resumed = run("cut", resume=str(checkpoint), save_strategy="steps", save_steps=1)
     for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+    best = type(resumed.model).from_pretrained(checkpoint).state_dict()
+    assert any(not torch.equal(best[name], p) for name, p in resumed.model.named_parameters())
+    resumed.state.best_model_checkpoint = str(checkpoint)
+    resumed._load_best_model()  # what train() calls at the end with load_best_model_at_end
+    for name, parameter in resumed.model.named_parameters():
+        torch.testing.assert_close(parameter, best[name], atol=0, rtol=0, msg=name)
 
 
 def test_a_tokenizer_in_place_of_the_processor_is_refused_before_training(tmp_path):
