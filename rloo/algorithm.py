@@ -10,6 +10,9 @@ Notation (spec, "Olhando mais a fundo para o método RLOO"):
   A_i       r_i - b_i
   loss      -(1/B) sum_i min(rho_i A_i, clip(rho_i, 1-eps_low, 1+eps_high) A_i),
             rho_i = exp(sum_t log pi_theta(o_i,t) - sum_t log pi_old(o_i,t))
+Samples drawn by another sampler mu (vLLM: its numerics, or older weights) get an importance weight
+  w_i       exp(sum_t log pi_old(o_i,t) - log mu(o_i,t)), bounded (importance_weights), and
+  loss      -(1/B) sum_i w_i min(rho_i A_i, clip(rho_i) A_i)   (sequence modes; w detached)
 Nothing here touches models, processes or I/O.
 """
 
@@ -144,6 +147,41 @@ def completion_mask_after_eos(completion_ids: torch.Tensor,
     return (positions <= first_eos.unsqueeze(1)).int()
 
 
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_weights(old_per_token_logps: torch.Tensor, sampler_per_token_logps: torch.Tensor,
+                       completion_mask: torch.Tensor, mode: str, clip_min: float | None,
+                       clip_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler-mismatch weights (TRL's vllm_importance_sampling_mode), without gradient, and
+    where a bound changed them (bool, same shape).
+
+    sequence_*: w_i = exp(sum_t mask (log pi_old - log mu)), shape (rows,): the exact ratio of the
+      sequence's probabilities; *_truncate clamps it to [clip_min, clip_max], *_mask sets it to 0
+      outside (a None bound is no bound).
+    token_*: w_it = exp(log pi_old - log mu) per token, shape (rows, T), bounded the same way; 0
+      on masked positions.
+    """
+    with torch.no_grad():
+        difference = (old_per_token_logps.float() - sampler_per_token_logps.float()) * \
+            completion_mask
+        if mode.startswith("sequence"):
+            difference = difference.sum(dim=1)
+        ratio = torch.exp(difference)
+        low = -float("inf") if clip_min is None else clip_min
+        high = float("inf") if clip_max is None else clip_max
+        outside = (ratio < low) | (ratio > high)
+        if mode.endswith("truncate"):
+            weights = ratio.clamp(min=low, max=high)
+        elif mode.endswith("mask"):
+            weights = ratio.masked_fill(outside, 0.0)
+        else:
+            raise ValueError(f"unknown importance sampling mode {mode!r}")
+        if mode.startswith("token"):
+            weights, outside = weights * completion_mask, outside & completion_mask.bool()
+        return weights, outside
+
+
 def clipped_surrogate_loss(
     per_token_logps: torch.Tensor,
     old_logps: torch.Tensor,
@@ -151,17 +189,29 @@ def clipped_surrogate_loss(
     completion_mask: torch.Tensor,
     epsilon_low: float,
     epsilon_high: float,
+    importance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """loss = -(1/B) sum_i min(rho_i A_i, clip(rho_i, 1-eps_low, 1+eps_high) A_i).
 
     rho_i = exp(sum_t mask log pi_theta - old_logps_i): ONE ratio per sequence. Rows with an
     all-zero mask (masked truncated completions) have log pi = old = 0, rho = 1 constant: no
     gradient. Returns the loss and per-sequence clip indicators (low, high, region) for the metrics.
+
+    `importance` (importance_weights, detached): per sequence (rows,), each row's term is scaled by
+    w_i; per token (rows, T), token t's share of the gradient of row i's term is scaled by w_it
+    (rho_i and its clip keep their values: the weights enter only the gradient's path).
     """
+    if importance is not None and importance.dim() == 2:
+        weights = importance.detach().to(per_token_logps.dtype)
+        # value: exactly log pi_theta (the added term is 0); gradient: w_t d log pi_theta
+        per_token_logps = per_token_logps + (weights - 1) * (per_token_logps -
+                                                              per_token_logps.detach())
     logps = (per_token_logps * completion_mask).sum(dim=1)
     ratio = torch.exp(logps - old_logps)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     objective = torch.min(ratio * advantages, clipped * advantages)
+    if importance is not None and importance.dim() == 1:
+        objective = objective * importance.detach().to(objective.dtype)
     loss = -objective.mean()
     with torch.no_grad():
         low = (ratio < 1 - epsilon_low) & (advantages < 0)

@@ -152,6 +152,22 @@ class RLOOConfig(TrainingArguments):
             "help": "Colocate: further keyword arguments for vllm.LLM, e.g. {\"enforce_eager\": "
             "true} (a dict or a JSON string)."
         })
+    vllm_importance_sampling_correction: bool = field(
+        default=False, metadata={
+            "help": "Weight each sample by pi_old / vLLM's probability of it (vLLM's numerics, and "
+            "older weights where a generation outlives an optimizer step), bounded as "
+            "vllm_importance_sampling_mode says. Off by default: TRL's RLOOTrainer has none."
+        })
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask", metadata={
+            "help": "'sequence_mask' / 'sequence_truncate': one weight per completion, set to 0 / "
+            "clamped outside [clip_min, clip_max]; 'token_mask' / 'token_truncate': one per token, "
+            "weighting that token's share of the gradient."
+        })
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "Upper bound of the importance weights (None: none)."})
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound of the importance weights (None: none)."})
 
     # Training.
     beta: float = field(default=0.05,

@@ -73,6 +73,7 @@ def check_backend_combinations(config) -> None:
             "ds3_gather_for_generation=False with use_vllm=True: vLLM loads full weights, so they "
             "are gathered for it whatever this says (the spec calls the two incompatible). Fix: "
             "drop ds3_gather_for_generation=False, or use_vllm=False to generate layer by layer.")
+    check_importance_sampling(config)
     fsdp = bool(config.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
     if fsdp:
         raise ValueError(
@@ -81,6 +82,35 @@ def check_backend_combinations(config) -> None:
             "which this trainer does for DeepSpeed ZeRO-3 only; under FSDP it would generate from "
             "a shard. Fix: deepspeed='configs/deepspeed/zero3.json' (ZeRO-3, same memory "
             "savings), or no FSDP.")
+
+
+def check_importance_sampling(config) -> None:
+    """vllm_importance_sampling_*: a known mode, bounds in order, and a sampler whose log-probs
+    are those of the distribution the trainer computes."""
+    from rloo.algorithm import IMPORTANCE_SAMPLING_MODES
+    from rloo.generation.vllm_common import unwarped
+    mode = config.vllm_importance_sampling_mode
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode={mode!r}: one of "
+                         f"{', '.join(IMPORTANCE_SAMPLING_MODES)}.")
+    low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
+    if (low is not None and low < 0) or (high is not None and high <= 0) or (
+            low is not None and high is not None and low > high):
+        raise ValueError(
+            f"vllm_importance_sampling_clip_min={low}, vllm_importance_sampling_clip_max={high}: "
+            "the bounds of a ratio of probabilities, 0 <= clip_min <= clip_max (None: no bound).")
+    if not config.vllm_importance_sampling_correction:
+        return
+    if not config.use_vllm:
+        raise ValueError(
+            "vllm_importance_sampling_correction=True without use_vllm: the trainer samples "
+            "itself, so there is no sampler mismatch to correct. Fix: use_vllm=True, or drop it.")
+    if not unwarped(config):
+        raise ValueError(
+            "vllm_importance_sampling_correction=True with top_k / top_p / min_p / "
+            "repetition_penalty / structured outputs / generation_kwargs: vLLM then reports "
+            "log-probs of the reshaped distribution, which the trainer's are not, so the weights "
+            "would be biased. Fix: plain sampling (temperature only), or drop the correction.")
 
 
 def json_dict(value: Any, name: str) -> dict | None:

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # Fields holding one entry per local row, in order: what a micro-batch slice takes.
 ROW_FIELDS = ("prompts", "completions", "completion_texts", "prompt_ids", "prompt_mask",
               "completion_ids", "completion_mask", "truncated", "advantages", "old_logps",
-              "sampler_logps", "ref_logps", "row_index", "media", "images")
+              "sampler_logps", "old_token_logps", "ref_logps", "row_index", "media", "images")
 
 
 class PiOld(NamedTuple):
@@ -91,6 +91,8 @@ class RolloutSettings:
     pi_old: PiOld = PiOld(kept=False, kl="rollout")
     # a vision-language model: prompts and their images go through the processor (rloo.vision)
     vision: bool = False
+    # vllm_importance_sampling_correction: keep pi_old's per-token log-probs for the weights
+    importance: bool = False
 
 
 @dataclass
@@ -133,6 +135,9 @@ class Rollout:
     # a VLM's other inputs per row (pixel_values, image_grid_thw, ...: rloo.vision), else None
     media: list[dict] | None = None
     images: list[list] | None = None  # and its images as the dataset gave them (PIL), per row
+    # (rows, completion_len) pi_old per token where the rollout computed it and the sampler
+    # correction needs it (rloo.importance); else the loss's forward is pi_old
+    old_token_logps: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -273,7 +278,8 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
                                                gather_object), extra_columns=extra.columns,
         pending=(settings, start) if defer else None, ref_logps=ref_per_token if defer else None,
         row_index=torch.arange(len(rows), device=device) if defer else None, media=media,
-        images=images)
+        images=images, old_token_logps=old_per_token if settings.importance and
+        sampler_logps is not None else None)
 
 
 def _advantages(rewards_per_func: torch.Tensor, settings: RolloutSettings,

@@ -28,6 +28,7 @@ from rloo.engine import mapped
 from rloo.engine.shared_prompts import kl_forwards_share_prompts
 from rloo.generation import make_generation_backend
 from rloo.hub import HubMethods
+from rloo.importance import sampler_weights
 from rloo.logps import per_token_logps
 from rloo.metrics import MetricBuffer
 from rloo.models import (disable_dropout, dropout_active, eos_token_ids, is_peft_model, load_policy,
@@ -239,6 +240,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
             mask_truncated_completions=args.mask_truncated_completions,
             pad_to_multiple_of=args.pad_to_multiple_of,
             chat_template_kwargs=args.chat_template_kwargs, vision=self._vision,
+            importance=args.vllm_importance_sampling_correction,
             pi_old=self._pi_old if
             mode == "train" or self._pi_old.kl != "loss" else self._pi_old._replace(kl="rollout"))
         rollout = build_rollout(
@@ -317,19 +319,11 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         old_logps = inputs.old_logps
         if old_logps is None:  # on-policy: pi_old is the current policy, ratio exactly 1
             old_logps = (token_logps * mask).sum(dim=1).detach()
+        gather = self.accelerator.gather
+        importance = sampler_weights(self.args, inputs, token_logps, self._metrics, mode, gather)
         loss, clipped = algorithm.clipped_surrogate_loss(token_logps, old_logps, inputs.advantages,
                                                          mask, self.args.epsilon,
-                                                         self.args.epsilon_high)
-        gather = self.accelerator.gather
-        if inputs.sampler_logps is not None:
-            # The sampler (vLLM, its own copy of the weights) vs the trainer on the same tokens:
-            # numerical mismatch plus, when a generation outlives an optimizer step, the policy's
-            # drift since it was sampled.
-            difference = (token_logps.detach().float() - inputs.sampler_logps).abs() * mask
-            self._metrics.add(mode, "vllm/logprob_diff_mean",
-                              global_masked_mean(difference, mask, gather))
-            worst = difference.max() if difference.numel() else difference.new_zeros(())
-            self._metrics.add(mode, "vllm/logprob_diff_max", gather(worst.reshape(1)).max())
+                                                         self.args.epsilon_high, importance)
         self._metrics.add(mode, "entropy", global_masked_mean(entropy, mask, gather))
         if self.router_aux_loss_coef != 0.0 and aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * aux_loss

@@ -158,3 +158,50 @@ def test_group_std_zero_and_nanstd():
 def test_group_size_must_divide():
     with pytest.raises(ValueError, match="num_generations=4"):
         A.leave_one_out_advantages(torch.zeros(6), 4)
+
+
+def test_importance_weights_in_the_four_modes():
+    # differences log pi_old - log mu: row 0 [0.5, 0.0]; row 1 [-0.3, (masked)]
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+    sampler = torch.tensor([[-1.5, -2.0], [-0.2, -1.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    e5, e3 = math.exp(0.5), math.exp(-0.3)
+
+    def weights(mode, low=0.7, high=1.5):
+        return A.importance_weights(old, sampler, mask, mode, low, high)
+
+    w, outside = weights("sequence_truncate")
+    close(w, [1.5, e3])
+    assert outside.tolist() == [True, False]
+    w, outside = weights("sequence_mask")
+    close(w, [0.0, e3])
+    w, outside = weights("sequence_mask", low=0.9)
+    close(w, [0.0, 0.0])
+    assert outside.tolist() == [True, True]
+    w, outside = weights("token_truncate")
+    close(w, [[1.5, 1.0], [e3, 0.0]])
+    assert outside.tolist() == [[True, False], [False, False]]
+    w, _ = weights("token_mask")
+    close(w, [[0.0, 1.0], [e3, 0.0]])
+    w, outside = weights("sequence_truncate", low=None, high=None)  # no bounds: the exact ratio
+    close(w, [e5, e3])
+    assert not outside.any()
+
+
+def test_loss_with_importance_weights_per_sequence_and_per_token():
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.tensor([2.0, -1.0])
+
+    def run(importance):
+        logps = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]], requires_grad=True)
+        loss, _ = A.clipped_surrogate_loss(logps, (logps * mask).sum(1).detach(), adv, mask, 0.2, 0.2,
+                                           importance)
+        loss.backward()
+        return loss.detach(), logps.grad
+
+    loss, grad = run(torch.tensor([0.5, 3.0]))
+    close(loss, -(0.5 * 2.0 + 3.0 * -1.0) / 2)  # each row's term times its weight
+    close(grad, [[-0.5, -0.5], [1.5, 0.0]])  # -w_i A_i mask / B
+    loss, grad = run(torch.tensor([[0.5, 2.0], [3.0, 0.0]]))
+    close(loss, -(2.0 - 1.0) / 2)  # the value is the unweighted one
+    close(grad, [[-0.5, -2.0], [1.5, 0.0]])  # -A_i w_it mask / B

@@ -129,7 +129,8 @@ def test_the_token_in_route_samples_and_scores_as_the_completions_route(server):
 
 def test_training_under_torchrun_with_verified_syncs(server, tmp_path):
     # 2 ranks x 2 rows, 4 generations: each group straddles both ranks; the main process asks the server.
-    recipe = _recipe(server, tmp_path, per_device_train_batch_size=2, vllm_sync_tolerance=1e-4)
+    recipe = _recipe(server, tmp_path, per_device_train_batch_size=2, vllm_sync_tolerance=1e-4,
+                     vllm_importance_sampling_correction=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                              str(free_port()), "-m", "rloo", "train", "--config", recipe, "--ddp_backend", "gloo"],
@@ -143,6 +144,8 @@ def test_training_under_torchrun_with_verified_syncs(server, tmp_path):
         assert float(log["vllm/sync_bytes"]) > 0 and float(log["vllm/sync_seconds"]) > 0
         # every sampled token: the server's log-prob when it sampled it vs the trainer's in the loss
         assert float(log["vllm/logprob_diff_max"]) < 1e-4
+        # so the sampler correction's weights (pi_old / the server's probability) are ~1
+        assert abs(float(log["sampling/importance_sampling_ratio/mean"]) - 1) < 1e-3
     # the push (and its check) each step is timing/weight_sync, apart from the generation it precedes
     assert all(record["timing/weight_sync"] > 0 for record in assert_step_timing(logs))
     assert os.path.exists(tmp_path / "out" / "model.safetensors")

@@ -1,0 +1,51 @@
+"""The sampler side of the loss: how far the sampler's (vLLM's) log-probs of its tokens are from the
+trainer's, and, with `vllm_importance_sampling_correction`, the importance weights that correct for
+it (rloo.algorithm.importance_weights) with their metrics. pi_old for the weights is the rollout's
+per-token log-probs where it kept them (the policy moved since), else the loss's own forward (the
+policy has not moved since sampling)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from rloo import algorithm
+from rloo.metrics import MetricBuffer
+from rloo.rollout import Rollout, global_masked_mean
+
+
+def sampler_weights(args, inputs: Rollout, token_logps: torch.Tensor, metrics: MetricBuffer,
+                    mode: str, gather: Callable) -> torch.Tensor | None:
+    """The weights for clipped_surrogate_loss's `importance` (None: no correction), after adding
+    this micro-batch's sampler metrics."""
+    sampler, mask = inputs.sampler_logps, inputs.completion_mask
+    if sampler is None:
+        return None
+    # numerical mismatch, plus the policy's drift when a generation outlives an optimizer step
+    difference = (token_logps.detach().float() - sampler).abs() * mask
+    metrics.add(mode, "vllm/logprob_diff_mean", global_masked_mean(difference, mask, gather))
+    worst = difference.max() if difference.numel() else difference.new_zeros(())
+    metrics.add(mode, "vllm/logprob_diff_max", gather(worst.reshape(1)).max())
+    if not args.vllm_importance_sampling_correction:
+        return None
+    old = inputs.old_token_logps if inputs.old_token_logps is not None else token_logps.detach()
+    weights, outside = algorithm.importance_weights(
+        old, sampler, mask, args.vllm_importance_sampling_mode,
+        args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+    # over sequences, or over the completion tokens (token modes)
+    counted = torch.ones_like(weights) if weights.dim() == 1 else mask.to(weights)
+    total = gather(counted.sum().reshape(1)).sum().clamp(min=1)
+    metrics.add(mode, "sampling/importance_sampling_ratio/mean",
+                gather((weights * counted).sum().reshape(1)).sum() / total)
+    largest = torch.where(counted.bool(), weights, torch.full_like(weights, -float("inf")))
+    smallest = torch.where(counted.bool(), weights, torch.full_like(weights, float("inf")))
+    metrics.add(mode, "sampling/importance_sampling_ratio/max",
+                gather(largest.max().reshape(1) if largest.numel() else
+                       weights.new_zeros(1)).max())
+    metrics.add(mode, "sampling/importance_sampling_ratio/min",
+                gather(smallest.min().reshape(1) if smallest.numel() else
+                       weights.new_zeros(1)).min())
+    metrics.add(mode, "sampling/importance_sampling_limited_frac",
+                gather((outside.to(weights) * counted).sum().reshape(1)).sum() / total)
+    return weights
