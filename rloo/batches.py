@@ -82,3 +82,40 @@ class GenerationBatches:
         finally:
             for name, value in saved.items():
                 setattr(self.args, name, value)
+
+    # ------------------------------------------------------------------ asynchronous generation
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """One optimizer step's dataloader batches; with async_generation, also read one
+        generation batch further, so that the batch after each one starting in this step is known
+        (`_upcoming_prompt_ids`) and its prompts are sampled while this one trains. What is read
+        ahead is handed out in order later; a checkpoint keeps the batch in flight
+        (rloo.generation.vllm_async)."""
+        if not self.args.generates_ahead:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        if getattr(self, "_read_ahead_of", None) is not epoch_iterator:  # a new epoch
+            self._read_ahead_of, self._read_ahead = epoch_iterator, []
+        every = self.args.steps_per_generation * self.args.num_iterations
+        while len(self._read_ahead) < num_batches + every:
+            try:
+                self._read_ahead.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        self._window = self._read_ahead
+        batches, self._read_ahead = self._window[:num_batches], self._window[num_batches:]
+        return batches, None
+
+    def _upcoming_prompt_ids(self, rows: list[dict], mode: str) -> dict:
+        """{"upcoming": the prompt ids of the generation batch after `rows`} for the backend, where
+        it was read ahead (async_generation, training); else {}."""
+        if mode != "train" or not self.args.generates_ahead:
+            return {}
+        every = self.args.steps_per_generation * self.args.num_iterations
+        window = getattr(self, "_window", [])
+        # (by identity: the repeats of one generation batch are equal, not the same object)
+        index = next((i for i, batch in enumerate(window) if batch is rows), None)
+        if index is None or index + every >= len(window):
+            return {}
+        from rloo.data import tokenize_prompts
+        return {"upcoming": tokenize_prompts(
+            self.processing_class, [row["prompt"] for row in window[index + every]],
+            self.args.chat_template_kwargs)}

@@ -254,6 +254,8 @@ def restore_state(trainer, checkpoint_dir: str) -> None:
             "start a new run in another output_dir.")
     trainer._buffered_inputs = None if buffered is None else [part.to(trainer.accelerator.device)
                                                               for part in buffered]
+    # the backend's own: its request counter (seeds), a generation that was in flight
+    trainer.generator.restore(state.get("generator"))
 
 
 def check_compatible(checkpoint: str, state: dict, num_generations: int, generation_batch_size: int,

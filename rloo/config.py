@@ -152,11 +152,24 @@ class RLOOConfig(TrainingArguments):
             "help": "Colocate: further keyword arguments for vllm.LLM, e.g. {\"enforce_eager\": "
             "true} (a dict or a JSON string)."
         })
-    vllm_importance_sampling_correction: bool = field(
+    async_generation: bool = field(
         default=False, metadata={
+            "help": "Server mode: the server samples the next generation batch while the trainers "
+            "learn from this one (from weights up to max_staleness optimizer steps old)."
+        })
+    max_staleness: int = field(
+        default=1, metadata={
+            "help": "async_generation: how many optimizer steps a sample may lag the policy that "
+            "learns from it (0: synchronous, exactly as without async_generation; at most 1)."
+        })
+    weight_sync_steps: int = field(
+        default=1, metadata={"help": "Optimizer steps between weight pushes to vLLM (1 here)."})
+    vllm_importance_sampling_correction: bool | None = field(
+        default=None, metadata={
             "help": "Weight each sample by pi_old / vLLM's probability of it (vLLM's numerics, and "
             "older weights where a generation outlives an optimizer step), bounded as "
-            "vllm_importance_sampling_mode says. Off by default: TRL's RLOOTrainer has none."
+            "vllm_importance_sampling_mode says. None: on with async_generation (max_staleness "
+            ">= 1), off otherwise (TRL's RLOOTrainer has none)."
         })
     vllm_importance_sampling_mode: str = field(
         default="sequence_mask", metadata={
@@ -233,6 +246,12 @@ class RLOOConfig(TrainingArguments):
         default=None, metadata={"help": "Keyword arguments for ContinuousBatchingConfig."})
     use_transformers_paged: bool = field(
         default=False, metadata={"help": "Deprecated: use use_transformers_continuous_batching."})
+
+    @property
+    def generates_ahead(self) -> bool:
+        """async_generation with max_staleness >= 1: the server samples the next generation batch
+        while the trainers learn from this one."""
+        return self.async_generation and self.max_staleness > 0
 
     def __post_init__(self):
         check_rloo_fields(self)

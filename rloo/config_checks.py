@@ -99,6 +99,9 @@ def check_importance_sampling(config) -> None:
         raise ValueError(
             f"vllm_importance_sampling_clip_min={low}, vllm_importance_sampling_clip_max={high}: "
             "the bounds of a ratio of probabilities, 0 <= clip_min <= clip_max (None: no bound).")
+    check_async_generation(config)
+    if config.vllm_importance_sampling_correction is None:
+        config.vllm_importance_sampling_correction = config.generates_ahead
     if not config.vllm_importance_sampling_correction:
         return
     if not config.use_vllm:
@@ -111,6 +114,25 @@ def check_importance_sampling(config) -> None:
             "repetition_penalty / structured outputs / generation_kwargs: vLLM then reports "
             "log-probs of the reshaped distribution, which the trainer's are not, so the weights "
             "would be biased. Fix: plain sampling (temperature only), or drop the correction.")
+
+
+def check_async_generation(config) -> None:
+    """async_generation: a generation server beside the trainers, and a staleness it can keep."""
+    if config.max_staleness not in (0, 1):
+        raise ValueError(
+            f"max_staleness={config.max_staleness}: 0 or 1. A vLLM server takes new weights only "
+            "between requests, so a second batch in flight would wait for the push anyway: more "
+            "staleness, no more overlap.")
+    if config.weight_sync_steps != 1:
+        raise ValueError(
+            f"weight_sync_steps={config.weight_sync_steps}: the weights are pushed after every "
+            "optimizer step here (a longer interval would let samples lag more than "
+            "max_staleness). Fix: weight_sync_steps=1.")
+    if config.async_generation and not (config.use_vllm and config.vllm_mode == "server"):
+        raise ValueError(
+            "async_generation=True needs a generation server (use_vllm=True, vllm_mode='server'): "
+            "in-process generation runs on the trainers' own devices, so it cannot overlap their "
+            "training. Fix: use a vLLM server, or async_generation=False.")
 
 
 def json_dict(value: Any, name: str) -> dict | None:

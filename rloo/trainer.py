@@ -228,7 +228,8 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
                 with self._timer.section("weight_sync"):
                     stack.enter_context(gathered_parameters(unwrapped, gather_weights))
                 return self.generator.generate(unwrapped, prompt_ids, num_generations,
-                                               self.state.global_step, **media)
+                                               self.state.global_step, **media,
+                                               **self._upcoming_prompt_ids(rows, mode))
 
         chunk = (args.per_device_train_batch_size if mode == "train"
                  else args.per_device_eval_batch_size)
@@ -379,6 +380,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         checkpoint.save_state(
             output_dir, self.accelerator.process_index, {
                 "step": self._step, "buffered_inputs": self._buffered_inputs,
+                "generator": self.generator.checkpoint_state(),
                 "model": self._model_identity, "num_generations": self.args.num_generations,
                 "generation_batch_size": self.args.generation_batch_size
             })

@@ -1,7 +1,7 @@
 """The sampler-mismatch correction (vllm_importance_sampling_*) through the trainer: one SGD step with
 a sampler that reports other log-probs than the policy's equals the independently computed weighted
-leave-one-out gradient, in a sequence mode and a token mode; the combinations it cannot serve are
-refused."""
+leave-one-out gradient, in a sequence mode and a token mode; the combinations it (and asynchronous
+generation) cannot serve are refused; it is on by default where samples lag."""
 
 import copy
 
@@ -92,7 +92,22 @@ def test_one_step_equals_the_weighted_leave_one_out_gradient(tmp_path, tokenizer
     (dict(use_vllm=True, vllm_importance_sampling_clip_min=4.0), "0 <= clip_min <= clip_max"),
     (dict(vllm_importance_sampling_correction=True), "no sampler mismatch to correct"),
     (dict(use_vllm=True, vllm_importance_sampling_correction=True, top_p=0.9), "would be biased"),
+    (dict(async_generation=True), "needs a generation server"),
+    (dict(use_vllm=True, async_generation=True), "needs a generation server"),  # colocate
+    (dict(use_vllm=True, vllm_mode="server", async_generation=True, max_staleness=2), "0 or 1"),
+    (dict(use_vllm=True, vllm_mode="server", weight_sync_steps=2), "weight_sync_steps=1"),
 ])
-def test_what_the_correction_cannot_serve_is_refused(tmp_path, settings, error):
+def test_what_the_correction_and_async_generation_cannot_serve_is_refused(tmp_path, settings, error):
     with pytest.raises(ValueError, match=error):
         RLOOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **settings)
+
+
+def test_the_correction_is_on_by_default_only_where_samples_lag(tmp_path):
+    def correction(**settings):
+        return RLOOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_vllm=True,
+                          vllm_mode="server", **settings).vllm_importance_sampling_correction
+
+    assert correction() is False  # as TRL's RLOOTrainer
+    assert correction(async_generation=True) is True
+    assert correction(async_generation=True, max_staleness=0) is False  # synchronous, exactly
+    assert correction(async_generation=True, vllm_importance_sampling_correction=False) is False

@@ -302,6 +302,94 @@ print("contract ok", len(pairs))
     assert "contract ok" in result.stdout
 
 
+def _async_run(server, folder, callbacks=(), resume=None, **overrides):
+    """Training in async mode; returns the trainer and each reward call's (prompt, completions)."""
+    from datasets import Dataset
+    calls = []
+
+    def reward(prompts, completion_ids, **kwargs):
+        calls.append((prompts[0][-1]["content"], [list(ids) for ids in completion_ids]))
+        return [float(ids[0] % 7) if ids else 0.0 for ids in completion_ids]
+
+    words = ["the dog", "a big cat", "one two", "what is", "red blue", "up down"]
+    settings = dict(output_dir=str(folder), use_cpu=True, bf16=False, max_steps=4, per_device_train_batch_size=4,
+                    num_generations=4, max_completion_length=6, learning_rate=0.01, logging_steps=1,
+                    save_strategy="no", report_to="none", disable_tqdm=True, beta=0.1, use_vllm=True,
+                    vllm_mode="server", vllm_server_base_url=server["url"], vllm_group_port=18550,
+                    async_generation=True)
+    settings.update(overrides)
+    trainer = RLOOTrainer(model=server["model_dir"], reward_funcs=reward, args=RLOOConfig(**settings),
+                          train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": w}]}
+                                                           for w in words * 2]),
+                          processing_class=tiny_tokenizer(), callbacks=list(callbacks))
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.generator.close()
+    return trainer, calls
+
+
+@pytest.mark.slow
+def test_async_generation_samples_the_next_batch_while_the_trainers_learn(server, tmp_path):
+    """max_staleness=1: the request for batch k+1 runs inside optimizer step k, from the weights step k started
+    with; each batch after the first lags one step and carries its importance weights; every push is verified."""
+    from transformers import TrainerCallback
+    steps = {}
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            steps[state.global_step] = [time.perf_counter()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps[state.global_step - 1].append(time.perf_counter())
+
+    trainer, _ = _async_run(server, tmp_path / "out", callbacks=[Clock()])
+    assert type(trainer.generator).__name__ == "AsyncServerGenerator"
+    timeline = trainer.generator.timeline  # (version, started, finished) of each batch sampled ahead
+    assert [version for version, _, _ in timeline] == [0, 1, 2]
+    for version, started, finished in timeline:
+        begin, end = steps[version]
+        assert begin < started < end  # launched inside the step whose weights it samples from
+        assert finished <= steps[version + 1][1]  # and trained on in the next step
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert [log["async/staleness_max"] for log in logs] == [0.0, 1.0, 1.0, 1.0]
+    assert all("async/trainer_idle_s" in log and "async/generator_idle_s" in log for log in logs[1:])
+    assert all(log["vllm/sync_max_logprob_diff"] < 1e-4 for log in logs)
+    # the correction is on by default in async mode; the policy moved between sampling and training
+    assert logs[0]["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
+    assert max(log["vllm/logprob_diff_max"] for log in logs[1:]) > 1e-2
+
+
+@pytest.mark.slow
+def test_async_resume_with_a_batch_in_flight_trains_on_exactly_the_same_samples(server, tmp_path):
+    """A checkpoint waits for the batch in flight and keeps it: interrupted at step 2 and resumed, the run makes the
+    same reward calls (prompts and completions) and ends with bitwise the same weights as an uninterrupted one."""
+    from transformers import TrainerCallback
+
+    class StopAtTwo(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    saving = dict(save_strategy="steps", save_steps=2)
+    full, full_calls = _async_run(server, tmp_path / "full", **saving)
+    _, first_calls = _async_run(server, tmp_path / "cut", callbacks=[StopAtTwo()], **saving)
+    state = torch.load(tmp_path / "cut" / "checkpoint-2" / "rloo_state" / "rank0.pt", weights_only=False)
+    assert state["generator"]["pending"]["version"] == 1  # batch 3, sampled during step 2, not trained on yet
+    resumed, rest_calls = _async_run(server, tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-2"),
+                                     **saving)
+    assert first_calls + rest_calls == full_calls
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_async_generation_with_max_staleness_0_is_synchronous_training(server, tmp_path):
+    synchronous, _ = _async_run(server, tmp_path / "sync", max_steps=2, async_generation=False)
+    staleness_0, _ = _async_run(server, tmp_path / "async", max_steps=2, max_staleness=0)
+    assert type(staleness_0.generator).__name__ == "VLLMServerGenerator"
+    assert not staleness_0.args.vllm_importance_sampling_correction
+    for (name, a), b in zip(synchronous.model.named_parameters(), staleness_0.model.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.slow
 def test_server_dying_mid_run_fails_the_step_with_its_log_and_leaves_a_checkpoint(server, tmp_path, monkeypatch):
     """Runs last: it stops the module's server."""

@@ -45,6 +45,14 @@ def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: i
             "(model.generate takes the images), or use_vllm=True.")
     if args.use_vllm and args.vllm_mode == "server":
         from rloo.generation.vllm_server import VLLMServerGenerator
+        if args.generates_ahead:
+            from rloo.generation.vllm_async import AsyncServerGenerator
+            if vision:
+                raise ValueError(
+                    f"{type(model).__name__} is a vision-language model, and async_generation "
+                    "does not take images here: its rows would be sampled without them. Fix: "
+                    "async_generation=False.")
+            return AsyncServerGenerator(args, accelerator, model, eos_token_ids, zero3=zero3)
         return VLLMServerGenerator(args, accelerator, model, eos_token_ids, zero3=zero3)
     if args.use_vllm:
         from rloo.generation.vllm_colocate import VLLMColocateGenerator

@@ -26,6 +26,9 @@ class Completions(list):
         super().__init__(ids)
         self.logprobs = logprobs
         self.policy_logprobs = policy_logprobs  # (rows, longest completion), 0 after a row's end
+        # the optimizer step whose weights sampled them, where a backend samples ahead
+        # (asynchronous generation); None: the current one
+        self.policy_version: int | None = None
 
 
 class GenerationBackend:
@@ -66,6 +69,13 @@ class GenerationBackend:
     def close(self) -> None:
         """Release what the backend holds (an in-process engine, a weight-transfer group) before the
         process group goes away."""
+
+    def checkpoint_state(self) -> dict | None:
+        """What a resumed run needs to continue as this one would (every rank calls it)."""
+        return None
+
+    def restore(self, state: dict | None) -> None:
+        """Undo checkpoint_state on resume."""
 
     def pop_metrics(self) -> dict[str, float]:
         """Backend metrics since the last call (sync seconds and bytes, ...), logged with the

@@ -135,46 +135,74 @@ class VLLMServerGenerator(GenerationBackend):
                  images: list[list] | None = None) -> list[list[int]]:
         """`media` / `images`: a VLM's rows (rloo.vision): the images go to the server with each
         prompt, the media to the trainer's side of the sync check."""
-        from accelerate.utils import broadcast_object_list, gather_object
-        synced = step != self.last_synced_step
-        if synced:
-            self.sync_weights(model, step)
-            self.last_synced_step = step
+        from accelerate.utils import gather_object
+        synced = self._push(model, step)
         everyone = gather_object([list(p) for p in prompt_ids])
         vision = None if images is None else gather_object(list(zip(images, media)))
-        result = [None]
+        result = None
         if self.client is not None:
             start = time.perf_counter()
-            # a seed per request: different across steps (a resumed run does not replay them) and
-            # calls
-            sampling = dict(
-                sampling_of(self.args, self.suppress),
-                seed=(self.args.seed * 1_000_003 + step * 7_919 + self.requests) % (2**31))
-            self.requests += 1
-            rows = self._sample(everyone, vision, num_generations, sampling)
+            rows = self._sample(everyone, vision, num_generations, self._sampling(step))
             self.metrics["vllm/generation_seconds"] = time.perf_counter() - start
-            ids = [cut_at_eos(row["ids"], self.eos_ids) for row in rows]
-            logprobs = [row["logprobs"][:len(cut)]
-                        for row, cut in zip(rows, ids)] if unwarped(self.args) else None
-            result = [{"rows": ids, "logprobs": logprobs,
-                       "check": self._check_sample(everyone, rows, vision) if synced else None}]
-        result = broadcast_object_list(result, from_process=0)[0]
+            result = self._result(rows, everyone, vision, synced)
+        return self._deliver(model, result, len(prompt_ids))
+
+    def _push(self, model: torch.nn.Module, step: int) -> bool:
+        """Push the weights when the optimizer step changed since the last push (every rank)."""
+        if step == self.last_synced_step:
+            return False
+        self.sync_weights(model, step)
+        self.last_synced_step = step
+        return True
+
+    def _sampling(self, step: int) -> dict:
+        # a seed per request: different across steps and calls, and in the checkpoint
+        # (checkpoint_state), so that a resumed run draws what the uninterrupted one would have
+        seed = (self.args.seed * 1_000_003 + step * 7_919 + self.requests) % (2**31)
+        self.requests += 1
+        return dict(sampling_of(self.args, self.suppress), seed=seed)
+
+    def _result(self, rows: list[dict], everyone: list[list[int]], vision: list | None,
+                check: bool) -> dict:
+        """The main process's answer for every rank: ids cut at EOS, the sampler's log-probs where
+        they are the plain distribution's, and the samples the sync check scores."""
+        ids = [cut_at_eos(row["ids"], self.eos_ids) for row in rows]
+        logprobs = [row["logprobs"][:len(cut)]
+                    for row, cut in zip(rows, ids)] if unwarped(self.args) else None
+        return {"rows": ids, "logprobs": logprobs,
+                "check": self._check_sample(everyone, rows, vision) if check else None}
+
+    def _deliver(self, model: torch.nn.Module, result: dict | None, local: int) -> Completions:
+        """The main process's result to every rank (each takes its own rows), after the sync
+        check."""
+        from accelerate.utils import broadcast_object_list
+        result = broadcast_object_list([result], from_process=0)[0]
         if result["check"] is not None:
             self._verify(model, result["check"])
-        local = len(prompt_ids)
         start = self.accelerator.process_index * local
         logprobs = result["logprobs"]
-        return Completions(result["rows"][start:start + local],
-                           None if logprobs is None else logprobs[start:start + local])
+        completions = Completions(result["rows"][start:start + local],
+                                  None if logprobs is None else logprobs[start:start + local])
+        completions.policy_version = result.get("version")
+        return completions
+
+    def checkpoint_state(self) -> dict:
+        return {"requests": self.requests}
+
+    def restore(self, state: dict | None) -> None:
+        if state:
+            self.requests = state["requests"]
 
     def _sample(self, prompts: list[list[int]], vision: list | None, num_generations: int,
-                sampling: dict) -> list[dict]:
-        """Every row's completion from the server, in row order."""
+                sampling: dict, client: VLLMServerClient | None = None) -> list[dict]:
+        """Every row's completion from the server, in row order (through `client`, else the main
+        one)."""
+        client = client or self.client
         if vision is None:
             grouped = len(prompts) % num_generations == 0 and all(
                 prompts[i] == prompts[i - i % num_generations] for i in range(len(prompts)))
             unique, n = (prompts[::num_generations], num_generations) if grouped else (prompts, 1)
-            return [row for group in self.client.complete(self.model_id, unique, n, sampling)
+            return [row for group in client.complete(self.model_id, unique, n, sampling)
                     for row in group]
         # a VLM's rows: a request per run of the same prompt with equal images, all in flight at
         # once (the server batches them as it batches one request's prompts)
@@ -184,8 +212,8 @@ class VLLMServerGenerator(GenerationBackend):
 
         def request(index: int) -> list[dict]:
             (prompt, images), n = runs[index]
-            return self.client.complete_with_images(self.model_id, prompt, images, n,
-                                                    dict(sampling, seed=(seed + index) % 2**31))
+            return client.complete_with_images(self.model_id, prompt, images, n,
+                                               dict(sampling, seed=(seed + index) % 2**31))
 
         with ThreadPoolExecutor(max_workers=min(16, len(runs))) as pool:
             return [row for group in pool.map(request, range(len(runs))) for row in group]
