@@ -12,6 +12,22 @@ class TrainingFailed(RuntimeError):
     pass
 
 
+class TrainingStalled(TrainingFailed):
+    """The job's watchdog (rloo.watchdog) found a step making no progress: the message says where,
+    its report holds every process's stacks."""
+
+
+def stall_cause(output_dir: str, since: float) -> str | None:
+    """The first line of the training's stall report (rloo.watchdog.REPORT) if it was written
+    after `since` (epoch seconds), with the report's path; else None."""
+    from rloo.watchdog import REPORT
+    path = os.path.join(output_dir, REPORT)
+    if not os.path.exists(path) or os.path.getmtime(path) < since:
+        return None
+    with open(path, errors="replace") as handle:
+        return f"{handle.readline().strip()} (report: {path})"
+
+
 @dataclasses.dataclass
 class JobHandle:
     executor: str

@@ -388,6 +388,7 @@ async def follow_training(config: RunConfig, record: dict, on_progress=None) -> 
     cancellable)."""
     import asyncio
 
+    from infra.jobs import TrainingStalled, stall_cause
     from infra.launch import JobHandle, TrainingFailed, job_state
     handle = JobHandle.from_dict(record["handle"])
     deadline = handle.submitted_at + config.launch.timeout_min * 60 + 60
@@ -400,15 +401,19 @@ async def follow_training(config: RunConfig, record: dict, on_progress=None) -> 
             last = progress
         if state == "COMPLETED":
             break
+        stalled = stall_cause(stage_path(config, "train", "output"), handle.submitted_at)
         if state in ("FAILED", "LOST"):
+            if stalled:  # the job's watchdog said where it hung: a stalled job, retried resumes
+                raise TrainingStalled(f"training job {handle.job_id} stalled: {stalled}")
             raise TrainingFailed(f"training job {handle.job_id} {state.lower()}: {error}")
         if time.time() > deadline:
             from infra.launch import cancel
             cancel(handle)
-            raise TrainingFailed(
+            raise (TrainingStalled if stalled else TrainingFailed)(
                 f"training job {handle.job_id} exceeded "
-                f"launch.timeout_min={config.launch.timeout_min}; cancelled. It can be resumed "
-                "from its last checkpoint by retrying.")
+                f"launch.timeout_min={config.launch.timeout_min}; cancelled"
+                f"{f' after it stalled: {stalled}' if stalled else ''}. It can be resumed from "
+                "its last checkpoint by retrying.")
         await asyncio.sleep(config.launch.poll_seconds)
     output_dir = stage_path(config, "train", "output")
     result = {

@@ -328,6 +328,7 @@ def _run(trainer, script_args) -> int:
     config = trainer.args
     from rloo.checkpoint import DiskFull, latest_checkpoint, resolve_resume, save_final
     from rloo.rewards.runner import RewardFunctionError
+    from rloo.watchdog import STALLED_EXIT_CODE, TrainingStalled
     # 'latest' with nothing saved yet starts from scratch: a requeued job that was preempted before
     # its first save.
     resume = resolve_resume(config.resume_from_checkpoint, config.output_dir, missing_ok=True)
@@ -339,7 +340,7 @@ def _run(trainer, script_args) -> int:
         if preemption.stopped_at is None:
             save_final(trainer, config.output_dir)
     # the run stops at this step; what is saved stays resumable
-    except (RewardFunctionError, DiskFull) as err:
+    except (RewardFunctionError, DiskFull, TrainingStalled) as err:
         last = latest_checkpoint(config.output_dir, quiet=True)
         in_step = isinstance(err, RewardFunctionError)
         step = f" in step {trainer.state.global_step + 1}" if in_step else ""
@@ -351,7 +352,7 @@ def _run(trainer, script_args) -> int:
              "  No checkpoint was saved yet: fixing the cause and rerunning starts from the "
              "beginning."
              ), file=sys.stderr)
-        return 1
+        return STALLED_EXIT_CODE if isinstance(err, TrainingStalled) else 1
     if preemption.stopped_at is not None:
         print(
             "rloo train: pre-termination signal; checkpoint saved at step "

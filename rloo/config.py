@@ -164,6 +164,12 @@ class RLOOConfig(TrainingArguments):
         })
     weight_sync_steps: int = field(
         default=1, metadata={"help": "Optimizer steps between weight pushes to vLLM (1 here)."})
+    stall_timeout_s: float | None = field(
+        default=1800.0, metadata={
+            "help": "Fail an optimizer step in which nothing progressed for this many seconds (a "
+            "generation request, a weight push, a collective), naming what it waited for and "
+            "writing every process's stacks to <output_dir>/stall-report.txt. None: off."
+        })
     vllm_importance_sampling_correction: bool | None = field(
         default=None, metadata={
             "help": "Weight each sample by pi_old / vLLM's probability of it (vLLM's numerics, and "

@@ -128,6 +128,9 @@ def check_async_generation(config) -> None:
             f"weight_sync_steps={config.weight_sync_steps}: the weights are pushed after every "
             "optimizer step here (a longer interval would let samples lag more than "
             "max_staleness). Fix: weight_sync_steps=1.")
+    if config.stall_timeout_s is not None and config.stall_timeout_s <= 0:
+        raise ValueError(f"stall_timeout_s={config.stall_timeout_s}: a positive number of seconds, "
+                         "or None (no watchdog).")
     if config.async_generation and not (config.use_vllm and config.vllm_mode == "server"):
         raise ValueError(
             "async_generation=True needs a generation server (use_vllm=True, vllm_mode='server'): "

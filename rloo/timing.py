@@ -36,6 +36,9 @@ class StepTimer:
         self._children: list[float] = []  # per open section, the time its nested sections took
         self._step_start: float | None = None
         self._last_mark: float | None = None
+        # for the stall watchdog (rloo.watchdog): the open sections and the last change
+        self.open: list[str] = []
+        self.progress = time.monotonic()
 
     def _now(self) -> float:
         if self._synchronize is not None:
@@ -51,6 +54,8 @@ class StepTimer:
             return
         start = self._now()
         self._children.append(0.0)
+        self.open.append(name)
+        self.progress = time.monotonic()
         try:
             yield
         finally:
@@ -58,16 +63,24 @@ class StepTimer:
             self._totals[name] += elapsed - self._children.pop()
             if self._children:
                 self._children[-1] += elapsed
+            self.open.pop()
+            self.progress = time.monotonic()
 
     def begin_step(self) -> None:
         self._totals = dict.fromkeys(SECTIONS, 0.0)
-        self._children = []
+        self._children, self.open = [], []
         self._step_start = self._last_mark = self._now()
+        self.progress = time.monotonic()
+
+    @property
+    def in_step(self) -> bool:
+        return self._step_start is not None
 
     def end_micro_step(self) -> None:
         """A micro-batch's forward and backward are done: what follows until `end_step` is the
         optimizer's."""
         self._last_mark = self._now()
+        self.progress = time.monotonic()
 
     def end_step(self) -> dict[str, float]:
         """The step's `timing/<section>` seconds and its `step_time`; {} when no step was open."""

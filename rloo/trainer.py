@@ -41,6 +41,7 @@ from rloo.rollout import (Rollout, RolloutSettings, build_rollout, complete_roll
 from rloo.sampling import shuffle_rows, split_rows
 from rloo.timing import StepTimingCallback, device_timer
 from rloo.vision import check_image_rows, is_vision_config
+from rloo.watchdog import StallWatchdog, awaiting
 from rloo.zero import gathered_parameters, prepare_frozen, single_process_ddp, zero_stage
 
 logger = logging.getLogger(__name__)
@@ -167,6 +168,9 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         logger.info(engine.describe(self._fast, self.model, self.generator, self.ref_model,
                                     self._vision))
         self.add_callback(StepTimingCallback(self._timer, self._metrics))
+        if args.stall_timeout_s:  # no silent hang (rloo.watchdog)
+            self.add_callback(StallWatchdog(self._timer, args, self.accelerator.process_index,
+                                            lambda sections: awaiting(self.generator, sections)))
         self._logs = CompletionLog(args.generation_batch_size)
         self._logs_fresh = False
         self._eval_prefix = "eval"

@@ -75,3 +75,57 @@ def test_one_torchrun_process_trains_without_a_ddp_wrapper(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert "WRAPPER LlamaForCausalLM 1" in result.stdout
     assert "find_unused_parameters" not in result.stderr  # (DDP's warning in every such job's log)
+
+
+FREEZE_RANK_1 = """
+import os, signal
+from datasets import Dataset
+from transformers import TrainerCallback
+from rloo import RLOOConfig, RLOOTrainer
+from rloo.tiny import tiny_causal_lm, tiny_tokenizer
+
+class FreezeRank1(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 1 and int(os.environ["RANK"]) == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+tokenizer = tiny_tokenizer()
+data = Dataset.from_list([{"prompt": [{"role": "user", "content": w}]} for w in ["a b", "c d"] * 8])
+args = RLOOConfig(output_dir=OUT, use_cpu=True, bf16=False, per_device_train_batch_size=2, num_generations=2,
+                  max_completion_length=4, max_steps=3, report_to="none", save_strategy="no", disable_tqdm=True,
+                  ddp_backend="gloo", stall_timeout_s=3)
+trainer = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=lambda completion_ids, **k: [1.0, 2.0],
+                      args=args, train_dataset=data, processing_class=tokenizer, callbacks=[FreezeRank1()])
+trainer.train()
+"""
+
+
+def test_a_frozen_rank_fails_the_job_with_every_ranks_stack(tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at the start of step 2: rank 0, blocked in a collective, reports within
+    stall_timeout_s where it waited, with its own stack and rank 1 named as not answering, and the job exits with
+    the watchdog's code instead of hanging."""
+    import signal
+    import time
+
+    from rloo.watchdog import STALLED_EXIT_CODE
+    script = tmp_path / "freeze.py"
+    out = tmp_path / "out"
+    script.write_text(f"OUT = {str(out)!r}\n" + FREEZE_RANK_1)
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                            str(free_port()), str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    report = out / "stall-report.txt"
+    deadline = time.monotonic() + 120
+    while not report.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    try:
+        frozen = int((out / ".rloo-watchdog" / "rank1.pid").read_text().split()[1])
+        os.kill(frozen, signal.SIGCONT)  # let torchrun stop it
+    finally:
+        output = job.communicate(timeout=120)[0]
+    text = report.read_text()
+    assert "training stalled: rank 0 made no progress for 3 s (stall_timeout_s) in step 2, waiting in" in text
+    assert "--- rank0 (pid" in text and "rloo/" in text.split("--- rank1")[0]  # rank 0's own stack
+    assert f"--- rank1 (pid {frozen}): no answer within 2 s: stopped (SIGSTOP)" in text
+    assert job.returncode != 0 and (f"exitcode  : {STALLED_EXIT_CODE}" in output or "TrainingStalled" in output), \
+        output[-3000:]

@@ -129,6 +129,25 @@ def test_rerun_skips_finished_stages_and_retry_reruns_only_what_failed(prefect_a
     assert main(["compare", "--run-root", run_root]) == 0  # both runs of this module, from MLflow
 
 
+def test_a_stalled_training_job_is_reported_as_stalled_with_where_it_waited(run_root, monkeypatch):
+    """A reward call that takes longer than training.stall_timeout_s: the job's watchdog fails the step, and the
+    train stage reports a stalled job naming the section and the stack report, not a failure without a cause."""
+    from infra.jobs import TrainingStalled
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(__file__))
+    monkeypatch.setenv("RLOO_TEST_REWARD_SLEEP", "30")
+    config = load_run_config(TINY, [f"run_root={run_root}", f"data.source={ROOT}/data/arithmetic.jsonl",
+                                    "training.reward_funcs=[pipeline_rewards:slow_length_reward]",
+                                    "training.reward_weights=null", "training.stall_timeout_s=2", "name=stalled"])
+    dataset = stages.prepare_dataset(config)
+    model = stages.prepare_model(config, dataset)
+    record = stages.start_or_reattach_training(config, dataset, model, None)
+    started = time.monotonic()
+    with pytest.raises(TrainingStalled, match=r"stalled: training stalled: rank 0 made no progress for 2 s "
+                       r"\(stall_timeout_s\) in step 1, waiting in train > rewards.*\(report: .*stall-report.txt\)"):
+        asyncio.run(stages.follow_training(config, record))
+    assert time.monotonic() - started < 25  # the 30 s reward call was not waited for
+
+
 def test_reattach_then_resume_after_the_job_is_killed(run_root, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.path.dirname(__file__))
     monkeypatch.setenv("RLOO_TEST_REWARD_SLEEP", "0.7")

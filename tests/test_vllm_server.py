@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from infra.launch import stop_process_groups
+from rloo.checkpoint import is_complete as checkpoint_complete
 from rloo import RLOOConfig, RLOOTrainer
 from rloo.generation import vllm_server
 from rloo.generation.vllm_common import sampling_of
@@ -378,6 +379,35 @@ def test_async_resume_with_a_batch_in_flight_trains_on_exactly_the_same_samples(
     assert first_calls + rest_calls == full_calls
     for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_a_frozen_server_fails_the_step_naming_it_and_the_run_resumes(server, tmp_path):
+    """The server stopped (SIGSTOP) while it samples the next batch: the step waiting for it fails within
+    stall_timeout_s with a message naming the section and the server, the stacks land in stall-report.txt, and
+    the checkpoint before it is complete."""
+    from transformers import TrainerCallback
+
+    from rloo.watchdog import TrainingStalled
+    group = os.getpgid(server["process"].pid)
+
+    class FreezeAfterFirstSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            os.killpg(group, signal.SIGSTOP)
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(TrainingStalled, match=r"rank 0 made no progress for 3 s \(stall_timeout_s\) in step 2, "
+                           r"waiting in train > generation.* \(the vLLM server at http://127.0.0.1:18540\)"):
+            _async_run(server, tmp_path / "out", callbacks=[FreezeAfterFirstSave()], stall_timeout_s=3,
+                       save_strategy="steps", save_steps=1, max_steps=3, vllm_group_port=18552)
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    assert time.monotonic() - start < 120
+    report = (tmp_path / "out" / "stall-report.txt").read_text()
+    # the main thread's stack, down to the call that waits for the server
+    assert "--- rank0 (pid" in report and "rloo/generation/vllm_" in report
+    assert checkpoint_complete(str(tmp_path / "out" / "checkpoint-1"))
 
 
 @pytest.mark.slow

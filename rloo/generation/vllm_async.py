@@ -45,8 +45,15 @@ class _Request(threading.Thread):
         finally:
             self.finished = time.perf_counter()
 
-    def take(self) -> list[dict]:
-        self.join()
+    def take(self, timeout_s: float | None = None) -> list[dict]:
+        self.join(timeout_s)
+        if self.is_alive():
+            from rloo.watchdog import TrainingStalled
+            raise TrainingStalled(
+                f"the generation request for the batch sampled from step {self.version}'s weights "
+                f"made no progress for {timeout_s:g} s (stall_timeout_s) while a checkpoint waited "
+                f"for it: is the vLLM server at {self.generator.url} stopped or overloaded? The "
+                "run resumes from its last complete checkpoint.")
         if self.error is not None:
             raise self.error
         return self.rows
@@ -62,7 +69,7 @@ class _Done:
     def join(self) -> None:
         pass
 
-    def take(self) -> list[dict]:
+    def take(self, timeout_s: float | None = None) -> list[dict]:
         return self.rows
 
 
@@ -142,8 +149,8 @@ class AsyncServerGenerator(VLLMServerGenerator):
         """The request counter and the batch in flight, finished first (every rank gets it)."""
         from accelerate.utils import broadcast_object_list
         pending = None
-        if self.pending is not None:
-            rows = self.pending.take()
+        if self.pending is not None:  # (between steps: the watchdog is not looking)
+            rows = self.pending.take(self.args.stall_timeout_s)
             pending = {"prompts": self.pending.prompts, "n": self.pending.n,
                        "version": self.pending.version, "rows": rows}
         pending = broadcast_object_list([pending], from_process=0)[0]
