@@ -324,7 +324,7 @@ def cmd_serve(options) -> int:
         from infra.jobs import wait_for_health
         wait_for_health(f"{env['PREFECT_API_URL']}/health", 180, "the Prefect server",
                         alive=lambda: processes[0].poll() is None)
-        serve.deploy(env)
+        serve.deploy(env, options.stall_alert_minutes * 60)
         processes.append(serve.start_worker(env))
         ui = f"http://127.0.0.1:{options.prefect_port}"
         print(
@@ -392,6 +392,9 @@ def parser() -> argparse.ArgumentParser:
         ui.add_argument("--run-root", default=DEFAULT_ROOT)
         ui.add_argument("--prefect-port", type=int, default=4200)
         ui.add_argument("--mlflow-port", type=int, default=5000)
+        if name == "serve":
+            ui.add_argument("--stall-alert-minutes", type=float, default=30.0,
+                            help="flag a run Stalled in the UI after this long without a step")
     return root
 
 

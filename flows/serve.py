@@ -60,8 +60,9 @@ def start_servers(run_root: str, prefect_port: int, mlflow_port: int,
     return processes
 
 
-def deploy(env: dict[str, str]) -> None:
-    """The work pool and prefect.yaml's deployments on the server of `env` (both idempotent)."""
+def deploy(env: dict[str, str], stall_alert_s: float) -> None:
+    """The work pool, prefect.yaml's deployments and the stalled-run automation
+    (infra.stall_alert) on the server of `env` (all idempotent)."""
     prefect = [sys.executable, "-m", "prefect", "--no-prompt"]
     for command in (["work-pool", "create", POOL, "--type", "process",
                      "--overwrite"], ["deploy", "--all"]):
@@ -70,6 +71,12 @@ def deploy(env: dict[str, str]) -> None:
         if done.returncode:
             raise RuntimeError(
                 f"prefect {' '.join(command)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    install = ("import sys; from infra import stall_alert; "
+               "stall_alert.install(float(sys.argv[1]))")
+    done = subprocess.run([sys.executable, "-c", install, str(stall_alert_s)], env=env,
+                          cwd=REPOSITORY, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"installing the stalled-run automation failed:\n{done.stderr[-3000:]}")
 
 
 def start_worker(env: dict[str, str]) -> subprocess.Popen:

@@ -136,6 +136,15 @@ def check_async_generation(config) -> None:
             "async_generation=True needs a generation server (use_vllm=True, vllm_mode='server'): "
             "in-process generation runs on the trainers' own devices, so it cannot overlap their "
             "training. Fix: use a vLLM server, or async_generation=False.")
+    steps = config.steps_per_generation * config.num_iterations
+    if config.generates_ahead and steps > config.gradient_accumulation_steps:
+        raise ValueError(
+            f"async_generation: a generation batch here spans {steps} micro-steps "
+            f"(steps_per_generation {config.steps_per_generation} x num_iterations "
+            f"{config.num_iterations}) but an optimizer step is {config.gradient_accumulation_steps}"
+            ": sampled one step ahead, its last micro-batches would lag more than max_staleness=1. "
+            "Fix: steps_per_generation = gradient_accumulation_steps and num_iterations=1, or "
+            "async_generation=False.")
 
 
 def json_dict(value: Any, name: str) -> dict | None:

@@ -31,6 +31,8 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
     plain line that reads the same in a terminal, a pipe or the Prefect UI. The Prefect API going
     away stops the artifact updates, not the following."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    from infra import stall_alert
     artifact = create_progress_artifact(0.0, key=f"{config.name}-training-progress",
                                         description=f"Optimizer steps of {config.run_key}",
                                         _sync=True)
@@ -50,6 +52,10 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
                     "without progress updates. If this process ends, `rloo-pipeline resume RUN` "
                     "picks the job up."
                 )
+        if step != state.get("step") and not state.get("api_away"):  # the stalled-run watch
+            state["step"] = step
+            stall_alert.emit(stall_alert.STEP, config.run_key, config.name,
+                             {"step": step, "reward": reward})
         now = time.time()
         if step and state["first"] is None:
             # ETA from the pace after the first step (it includes start-up)

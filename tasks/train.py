@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from infra import job_tracking, stages, tracking
+from infra import job_tracking, stages, stall_alert, tracking
 from infra.runconfig import RunConfig, resolved_dict
 from tasks.common import cache_key, progress_reporter, say
 
@@ -21,7 +21,11 @@ async def train_task(config: RunConfig, dataset_result: dict, model_result: dict
         say("train",
             f"{how} local job {record['handle']['job_id']} (log: {record['handle']['log_path']})")
         on_progress = progress_reporter(config)
-        result = await stages.follow_training(config, record, on_progress)
+        stall_alert.emit(stall_alert.STARTED, config.run_key, config.name)
+        try:
+            result = await stages.follow_training(config, record, on_progress)
+        finally:  # however it ends: the stalled-run automation stops watching it
+            stall_alert.emit(stall_alert.FINISHED, config.run_key, config.name)
         # what MLflow refused during the run (an outage) goes now, before the run is closed
         if run_id:
             job_tracking.flush_pending(stages.train_dir(config), config.tracking_uri, run_id)

@@ -184,3 +184,45 @@ def test_the_browser_shows_the_typed_form_and_the_finished_run(served, tmp_path)
     assert finished[0]["name"] in page and "Completed" in page and "evaluate" in page
     chromium(f"--screenshot={IMAGES}/flow-run.png", run_url, profile=tmp_path / "d")
     assert os.path.getsize(f"{IMAGES}/deployment-form.png") > 20_000 and os.path.getsize(f"{IMAGES}/flow-run.png") > 20_000
+
+
+def test_serve_installs_the_stalled_run_automation_and_it_flags_a_run_without_steps(served):
+    """`rloo-pipeline serve` installs the automation (Prefect's proactive trigger, 30 minutes by default); installed
+    again with 10 s (Prefect's least), a flow run whose training emitted a start and one step, then nothing, is flagged `Stalled` by the
+    server itself, while one that said it finished is left alone."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+    from prefect.settings import PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
+
+    from infra import stall_alert
+    deadline, installed = time.monotonic() + 60, []
+    while not installed and time.monotonic() < deadline:  # serve installs it after the deployments
+        installed = [a for a in api(served["base"], "/automations/filter", {})[1]
+                     if a["name"] == stall_alert.AUTOMATION]
+        time.sleep(0.5)
+    [installed] = installed
+    assert installed["trigger"]["posture"] == "Proactive" and installed["trigger"]["within"] == 1800
+    assert installed["trigger"]["expect"] == sorted([stall_alert.STEP, stall_alert.FINISHED]) or \
+        set(installed["trigger"]["expect"]) == {stall_alert.STEP, stall_alert.FINISHED}
+
+    @flow(name="stall-watch")
+    def training(key: str, finish: bool) -> str | None:
+        stall_alert.emit(stall_alert.STARTED, key, key)
+        stall_alert.emit(stall_alert.STEP, key, key, {"step": 1})
+        if finish:
+            stall_alert.emit(stall_alert.FINISHED, key, key)
+        deadline = time.monotonic() + (30 if finish else 120)
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                state = client.read_flow_run(flow_run.id).state
+                if state.name == "Stalled":
+                    return state.message
+                time.sleep(1)
+        return None
+
+    # (no log shipping: it would outlive the server and complain at exit)
+    with temporary_settings({PREFECT_API_URL: served["base"] + "/api", PREFECT_LOGGING_TO_API_ENABLED: False}):
+        stall_alert.install(10)
+        assert training("stuck-run", False) == "no training step for 10 s (rloo)"
+        assert training("finished-run", True) is None
