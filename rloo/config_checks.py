@@ -141,8 +141,9 @@ def check_async_generation(config) -> None:
         raise ValueError(
             f"async_generation: a generation batch here spans {steps} micro-steps "
             f"(steps_per_generation {config.steps_per_generation} x num_iterations "
-            f"{config.num_iterations}) but an optimizer step is {config.gradient_accumulation_steps}"
-            ": sampled one step ahead, its last micro-batches would lag more than max_staleness=1. "
+            f"{config.num_iterations}) but an optimizer step is "
+            f"{config.gradient_accumulation_steps}: sampled one step ahead, its last micro-batches "
+            "would lag more than max_staleness=1. "
             "Fix: steps_per_generation = gradient_accumulation_steps and num_iterations=1, or "
             "async_generation=False.")
 

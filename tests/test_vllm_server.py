@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 import yaml
+from transformers import AutoModelForCausalLM
 
 from infra.launch import stop_process_groups
 from rloo.checkpoint import is_complete as checkpoint_complete
@@ -360,6 +361,72 @@ def test_async_generation_samples_the_next_batch_while_the_trainers_learn(server
 
 
 @pytest.mark.slow
+def test_an_async_step_is_the_importance_weighted_leave_one_out_gradient(server, tmp_path):
+    """max_staleness=1, one SGD step on a batch the server sampled from the previous step's weights: the update
+    equals the independently computed -(1/B) sum_i w_i A_i sum_t log pi(o_i,t), with w_i the sequence_mask weight
+    of pi (the weights this step starts from) over the log-probs the server recorded (mu), and A_i leave-one-out."""
+    import copy
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    lr, group, seen, sampled, before = 0.05, 4, [], [], {}
+    tokenizer = tiny_tokenizer()
+
+    def reward(prompts, completion_ids, **kwargs):
+        rewards = [float(ids[0] % 7) if ids else 0.0 for ids in completion_ids]
+        seen.append((prompts, completion_ids, rewards))
+        return rewards
+
+    class Snapshot(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 1:
+                before["model"] = copy.deepcopy(model)
+
+    settings = dict(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, max_steps=2, max_grad_norm=0.0,
+                    per_device_train_batch_size=8, num_generations=group, max_completion_length=6,
+                    learning_rate=lr, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                    beta=0.0, use_vllm=True, vllm_mode="server", vllm_server_base_url=server["url"],
+                    vllm_group_port=18553, async_generation=True)
+    model = AutoModelForCausalLM.from_pretrained(server["model_dir"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "one two"] * 4])
+    trainer = RLOOTrainer(model=model, reward_funcs=reward, args=RLOOConfig(**settings), train_dataset=dataset,
+                          processing_class=tokenizer, optimizers=(optimizer, scheduler), callbacks=[Snapshot()])
+    generate = trainer.generator.generate
+
+    def recording(*args, **kwargs):
+        completions = generate(*args, **kwargs)
+        sampled.append(completions)
+        return completions
+
+    trainer.generator.generate = recording
+    trainer.train()
+    trainer.generator.close()
+    assert trainer.state.log_history[1]["async/staleness_max"] == 1
+    prompts, completions, rewards = seen[1]
+    assert [list(c) for c in sampled[1]] == [list(c) for c in completions]
+    objective, weights = 0.0, []
+    for i, (prompt, completion, mu) in enumerate(zip(prompts, completions, sampled[1].logprobs)):
+        siblings = rewards[(i // group) * group:(i // group + 1) * group]
+        advantage = rewards[i] - (sum(siblings) - rewards[i]) / (group - 1)
+        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+        ids = torch.tensor([list(prompt_ids) + list(completion)])
+        logits = before["model"](input_ids=ids).logits[0, len(prompt_ids) - 1:-1]
+        logp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(completion)[:, None]).sum()
+        ratio = torch.exp(logp.detach() - sum(mu))
+        weight = ratio if ratio <= 3.0 else 0.0  # sequence_mask, vllm_importance_sampling_clip_max 3.0
+        weights.append(float(weight))
+        objective = objective + advantage * weight * logp / len(rewards)
+    assert max(abs(w - 1) for w in weights) > 1e-3  # the policy moved since the server sampled
+    objective.backward()
+    for (name, p0), p1 in zip(before["model"].named_parameters(), trainer.model.parameters()):
+        torch.testing.assert_close(p1.detach() - p0.detach(), (lr * p0.grad).float(), atol=1e-6, rtol=1e-4,
+                                   msg=name)
+
+
+@pytest.mark.slow
 def test_async_resume_with_a_batch_in_flight_trains_on_exactly_the_same_samples(server, tmp_path):
     """A checkpoint waits for the batch in flight and keeps it: interrupted at step 2 and resumed, the run makes the
     same reward calls (prompts and completions) and ends with bitwise the same weights as an uninterrupted one."""
@@ -433,7 +500,9 @@ def test_server_dying_mid_run_fails_the_step_with_its_log_and_leaves_a_checkpoin
                 process.wait(timeout=30)
 
     monkeypatch.setenv("RLOO_VLLM_SERVER_LOG", str(server["root"] / "server.log"))
-    trainer = _trainer(server, tmp_path, max_steps=3, save_strategy="steps", save_steps=1, vllm_group_port=18548)
+    # (asynchronous: the request for step 2's batch runs in a thread; its failure reaches the step)
+    trainer = _trainer(server, tmp_path, max_steps=3, save_strategy="steps", save_steps=1, vllm_group_port=18548,
+                       async_generation=True)
     trainer.add_callback(KillServerAfterFirstStep())
     with pytest.raises(Exception, match=r"(?s)127.0.0.1:18540/.* failed.*last lines of the server's log"):
         trainer.train()
