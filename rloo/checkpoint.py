@@ -169,6 +169,18 @@ def save_final(trainer, output_dir: str) -> None:
         os.rmdir(staging)
 
 
+def checked_resume(trainer, value) -> str | None:
+    """resume_from_checkpoint resolved (resolve_resume) and checked against this run
+    (check_compatible), before any weight loads."""
+    path = resolve_resume(value, trainer.args.output_dir)
+    if path:
+        state = read_state(path, trainer.accelerator.process_index)
+        if state is not None:
+            check_compatible(path, state, trainer.args.num_generations,
+                             trainer.args.generation_batch_size, trainer._model_identity)
+    return path
+
+
 def finished_run(trainer, path: str):
     """When the checkpoint is already at max_steps (a run killed after its last step, before it
     exited), the run is over: transformers would train one step past max_steps; instead load the

@@ -168,9 +168,11 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         logger.info(engine.describe(self._fast, self.model, self.generator, self.ref_model,
                                     self._vision))
         self.add_callback(StepTimingCallback(self._timer, self._metrics))
-        if args.stall_timeout_s:  # no silent hang (rloo.watchdog)
-            self.add_callback(StallWatchdog(self._timer, args, self.accelerator.process_index,
-                                            lambda sections: awaiting(self.generator, sections)))
+        self._watchdog = None  # no silent hang (rloo.watchdog)
+        if args.stall_timeout_s:
+            self._watchdog = StallWatchdog(self._timer, args, self.accelerator.process_index,
+                                           lambda sections: awaiting(self.generator, sections))
+            self.add_callback(self._watchdog)
         self._logs = CompletionLog(args.generation_batch_size)
         self._logs_fresh = False
         self._eval_prefix = "eval"
@@ -401,20 +403,17 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
               ignore_keys_for_eval=None, **kwargs):
-        # The checkpoint checked against this run before any weight loads: a mismatch is a clear
-        # error.
-        resume_from_checkpoint = checkpoint.resolve_resume(resume_from_checkpoint,
-                                                           self.args.output_dir)
-        if resume_from_checkpoint:
-            state = checkpoint.read_state(resume_from_checkpoint, self.accelerator.process_index)
-            if state is not None:
-                checkpoint.check_compatible(resume_from_checkpoint, state,
-                                            self.args.num_generations,
-                                            self.args.generation_batch_size, self._model_identity)
-            if (done := checkpoint.finished_run(self, resume_from_checkpoint)) is not None:
-                return done
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        # checked against this run before any weight loads: a mismatch is a clear error
+        resume_from_checkpoint = checkpoint.checked_resume(self, resume_from_checkpoint)
+        if resume_from_checkpoint and (done := checkpoint.finished_run(
+                self, resume_from_checkpoint)) is not None:
+            return done
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        finally:  # also when a step raised: no watchdog outlives its training
+            if self._watchdog is not None:
+                self._watchdog.close()
 
     def _load_rng_state(self, checkpoint_dir: str | None) -> None:
         # Called on every resume path (plain, DeepSpeed), after the weights: restore our own state

@@ -1,11 +1,11 @@
 """No silent hang: a watchdog thread in every training process fails the optimizer step in which
 nothing progressed for `stall_timeout_s` (no timing section entered or left: rloo.timing), with one
 message naming what the step was waiting in (e.g. `train > generation` and the vLLM server) and a
-report holding the Python stacks of every process of the job on this machine (faulthandler, on
-SIGUSR1; a stopped process is named as not answering). The step fails by an exception raised in the
-main thread (TrainingStalled); where the main thread is blocked in native code (a collective waiting
-for a frozen peer), the process exits with STALLED_EXIT_CODE after the report. Either way the run
-resumes from its last checkpoint."""
+report holding the Python stacks of every process of the job on this machine (faulthandler, on a
+real-time signal; a stopped process is named as not answering). The step fails by an exception
+raised in the main thread (TrainingStalled); where the main thread is blocked in native code (a
+collective waiting for a frozen peer), the process exits with STALLED_EXIT_CODE after the report.
+Either way the run resumes from its last checkpoint."""
 
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ from transformers import TrainerCallback
 from rloo.timing import StepTimer
 
 STALLED_EXIT_CODE = 75  # EX_TEMPFAIL: try again (resume)
+# Real-time signals nobody else uses (SIGUSR2 is SLURM's / submitit's pre-termination signal, which
+# rloo.callbacks.PreemptionCallback handles; SIGUSR1 is a common choice for the same): one asks a
+# process for its stacks, the other raises TrainingStalled in its own main thread.
+if hasattr(signal, "SIGRTMIN"):
+    DUMP_SIGNAL, RAISE_SIGNAL = signal.SIGRTMIN + 1, signal.SIGRTMIN + 2
+else:  # (macOS: no real-time signals, and no SLURM either)
+    DUMP_SIGNAL, RAISE_SIGNAL = signal.SIGUSR1, signal.SIGUSR2
 REPORT = "stall-report.txt"  # in output_dir
 ANSWER_S = 2.0  # how long the other processes get to write their stacks
 GRACE_S = 15.0  # how long the main thread gets to unwind before the process exits
@@ -45,8 +52,8 @@ def _started(pid: int) -> str:
 
 
 def collect_stacks(folder: str, wait_s: float = ANSWER_S) -> str:
-    """Every registered process on this machine dumps its Python stacks (SIGUSR1 -> faulthandler
-    into its file in `folder`); their new text, per rank."""
+    """Every registered process on this machine dumps its Python stacks (DUMP_SIGNAL ->
+    faulthandler into its file in `folder`); their new text, per rank."""
     host, processes = socket.gethostname(), []
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".pid"):
@@ -62,7 +69,7 @@ def collect_stacks(folder: str, wait_s: float = ANSWER_S) -> str:
             state = "gone"
         else:
             try:
-                os.kill(int(pid), signal.SIGUSR1)
+                os.kill(int(pid), DUMP_SIGNAL)
             except ProcessLookupError:
                 state = "gone"
         processes.append((name[:-4], int(pid), stacks, before, state))
@@ -78,6 +85,15 @@ def collect_stacks(folder: str, wait_s: float = ANSWER_S) -> str:
             state = f"no answer within {wait_s:g} s: stopped (SIGSTOP) or stuck outside Python"
         parts.append(f"--- {rank} (pid {pid}): " + (text and "\n" + text or state))
     return "\n".join(parts)
+
+
+def watchdog_folder(output_dir: str) -> str:
+    """Where a run's processes on this machine register (pid, stack file): a local temporary folder
+    per output_dir, so the output_dir holds nothing of it unless a step stalls (the report)."""
+    import hashlib
+    import tempfile
+    key = hashlib.sha1(os.path.abspath(output_dir).encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"rloo-watchdog-{key}")
 
 
 def awaiting(generator, sections: list[str]) -> str:
@@ -98,7 +114,7 @@ class StallWatchdog(TrainerCallback):
         self.timer, self.timeout_s, self.rank, self.describe = timer, args.stall_timeout_s, rank, \
             describe
         self.output_dir = args.output_dir
-        self.folder = os.path.join(args.output_dir, ".rloo-watchdog")
+        self.folder = watchdog_folder(args.output_dir)
         self.stop_event, self.delivered = threading.Event(), threading.Event()
         self.thread: threading.Thread | None = None
         self.message, self.step = "", 0
@@ -107,11 +123,11 @@ class StallWatchdog(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         os.makedirs(self.folder, exist_ok=True)
         self._stack_file = open(os.path.join(self.folder, f"rank{self.rank}.stacks"), "w")
-        faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
+        faulthandler.register(DUMP_SIGNAL, file=self._stack_file, all_threads=True)
         with open(os.path.join(self.folder, f"rank{self.rank}.pid"), "w") as handle:
             handle.write(f"{socket.gethostname()} {os.getpid()} {_started(os.getpid())}")
         if threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGUSR2, self._raise)
+            self._previous_handler = signal.signal(RAISE_SIGNAL, self._raise)
         self.stop_event.clear()
         self.thread = threading.Thread(target=self._watch, daemon=True, name="rloo-watchdog")
         self.thread.start()
@@ -128,7 +144,7 @@ class StallWatchdog(TrainerCallback):
             self.thread.join()
             self.thread = None
         if self._stack_file is not None:
-            faulthandler.unregister(signal.SIGUSR1)
+            faulthandler.unregister(DUMP_SIGNAL)
             self._stack_file.close()
             self._stack_file = None
             for suffix in (".pid", ".stacks"):
@@ -140,7 +156,7 @@ class StallWatchdog(TrainerCallback):
             except OSError:  # another rank's files are still there
                 pass
         if self._previous_handler is not None:
-            signal.signal(signal.SIGUSR2, self._previous_handler)
+            signal.signal(RAISE_SIGNAL, self._previous_handler)
             self._previous_handler = None
 
     def _watch(self) -> None:
@@ -159,12 +175,13 @@ class StallWatchdog(TrainerCallback):
             f"(stall_timeout_s) in step {self.step}, waiting in {where}{self.describe(sections)}. "
             f"The stacks of every process: {report}. The run resumes from its last checkpoint.")
         text = self.message + "\n\n" + collect_stacks(self.folder) + "\n"
+        os.makedirs(self.output_dir, exist_ok=True)
         temporary = f"{report}.rank{self.rank}.tmp"
         with open(temporary, "w") as handle:
             handle.write(text)
         os.replace(temporary, report)
         print(self.message, file=sys.stderr, flush=True)
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
+        signal.pthread_kill(threading.main_thread().ident, RAISE_SIGNAL)
         # a main thread blocked in native code runs no Python signal handler until that returns
         if not self.delivered.wait(min(GRACE_S, self.timeout_s)):
             sys.stderr.flush()

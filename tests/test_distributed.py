@@ -107,7 +107,7 @@ def test_a_frozen_rank_fails_the_job_with_every_ranks_stack(tmp_path):
     import signal
     import time
 
-    from rloo.watchdog import STALLED_EXIT_CODE
+    from rloo.watchdog import STALLED_EXIT_CODE, watchdog_folder
     script = tmp_path / "freeze.py"
     out = tmp_path / "out"
     script.write_text(f"OUT = {str(out)!r}\n" + FREEZE_RANK_1)
@@ -119,7 +119,7 @@ def test_a_frozen_rank_fails_the_job_with_every_ranks_stack(tmp_path):
     while not report.exists() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
     try:
-        frozen = int((out / ".rloo-watchdog" / "rank1.pid").read_text().split()[1])
+        frozen = int(open(os.path.join(watchdog_folder(str(out)), "rank1.pid")).read().split()[1])
         os.kill(frozen, signal.SIGCONT)  # let torchrun stop it
     finally:
         output = job.communicate(timeout=120)[0]
