@@ -27,7 +27,7 @@ class GenerationBatches:
                 dataset = dataset.shuffle(seed=args.seed)
             prompts = args.generation_batch_size // args.num_generations
             dataset = repeat_iterable(dataset, prompts, args.num_generations,
-                                      args.num_iterations * args.steps_per_generation)
+                                      args.generation_micro_steps)
         # One dataloader batch = this process's share of a whole generation batch.
         return self._get_dataloader(dataset=dataset, description="Training",
                                     batch_size=self._train_batch_size * args.steps_per_generation,
@@ -53,7 +53,7 @@ class GenerationBatches:
         args = self.args
         return RepeatSampler(len(dataset), mini_repeat_count=args.num_generations,
                              batch_size=args.generation_batch_size // args.num_generations,
-                             repeat_count=args.num_iterations * args.steps_per_generation,
+                             repeat_count=args.generation_micro_steps,
                              shuffle=args.shuffle_dataset, seed=args.seed)
 
     def _get_eval_sampler(self, eval_dataset):
@@ -94,7 +94,7 @@ class GenerationBatches:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         if getattr(self, "_read_ahead_of", None) is not epoch_iterator:  # a new epoch
             self._read_ahead_of, self._read_ahead = epoch_iterator, []
-        every = self.args.steps_per_generation * self.args.num_iterations
+        every = self.args.generation_micro_steps
         while len(self._read_ahead) < num_batches + every:
             try:
                 self._read_ahead.append(next(epoch_iterator))
@@ -109,7 +109,7 @@ class GenerationBatches:
         it was read ahead (async_generation, training); else {}."""
         if mode != "train" or not self.args.generates_ahead:
             return {}
-        every = self.args.steps_per_generation * self.args.num_iterations
+        every = self.args.generation_micro_steps
         window = getattr(self, "_window", [])
         # (by identity: the repeats of one generation batch are equal, not the same object)
         index = next((i for i, batch in enumerate(window) if batch is rows), None)

@@ -254,6 +254,12 @@ class RLOOConfig(TrainingArguments):
         default=False, metadata={"help": "Deprecated: use use_transformers_continuous_batching."})
 
     @property
+    def generation_micro_steps(self) -> int:
+        """How many micro-steps one generation batch feeds: it is split into steps_per_generation
+        micro-batches and trained on num_iterations times."""
+        return self.steps_per_generation * self.num_iterations
+
+    @property
     def generates_ahead(self) -> bool:
         """async_generation with max_staleness >= 1: the server samples the next generation batch
         while the trainers learn from this one."""

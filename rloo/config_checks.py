@@ -73,6 +73,7 @@ def check_backend_combinations(config) -> None:
             "ds3_gather_for_generation=False with use_vllm=True: vLLM loads full weights, so they "
             "are gathered for it whatever this says (the spec calls the two incompatible). Fix: "
             "drop ds3_gather_for_generation=False, or use_vllm=False to generate layer by layer.")
+    check_async_generation(config)
     check_importance_sampling(config)
     fsdp = bool(config.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
     if fsdp:
@@ -99,8 +100,7 @@ def check_importance_sampling(config) -> None:
         raise ValueError(
             f"vllm_importance_sampling_clip_min={low}, vllm_importance_sampling_clip_max={high}: "
             "the bounds of a ratio of probabilities, 0 <= clip_min <= clip_max (None: no bound).")
-    check_async_generation(config)
-    if config.vllm_importance_sampling_correction is None:
+    if config.vllm_importance_sampling_correction is None:  # on where samples lag the policy
         config.vllm_importance_sampling_correction = config.generates_ahead
     if not config.vllm_importance_sampling_correction:
         return
@@ -136,7 +136,7 @@ def check_async_generation(config) -> None:
             "async_generation=True needs a generation server (use_vllm=True, vllm_mode='server'): "
             "in-process generation runs on the trainers' own devices, so it cannot overlap their "
             "training. Fix: use a vLLM server, or async_generation=False.")
-    steps = config.steps_per_generation * config.num_iterations
+    steps = config.generation_micro_steps
     if config.generates_ahead and steps > config.gradient_accumulation_steps:
         raise ValueError(
             f"async_generation: a generation batch here spans {steps} micro-steps "

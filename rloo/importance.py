@@ -33,19 +33,18 @@ def sampler_weights(args, inputs: Rollout, token_logps: torch.Tensor, metrics: M
     weights, outside = algorithm.importance_weights(
         old, sampler, mask, args.vllm_importance_sampling_mode,
         args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
-    # over sequences, or over the completion tokens (token modes)
-    counted = torch.ones_like(weights) if weights.dim() == 1 else mask.to(weights)
-    total = gather(counted.sum().reshape(1)).sum().clamp(min=1)
+    # over sequences, or over the completion tokens (token modes); a rank with none of them takes
+    # no part in the min and max
+    counted = torch.ones_like(weights, dtype=torch.bool) if weights.dim() == 1 else mask.bool()
+    kept, limited = weights[counted], outside[counted]
+    total = gather(weights.new_tensor([kept.numel()])).sum().clamp(min=1)
     metrics.add(mode, "sampling/importance_sampling_ratio/mean",
-                gather((weights * counted).sum().reshape(1)).sum() / total)
-    largest = torch.where(counted.bool(), weights, torch.full_like(weights, -float("inf")))
-    smallest = torch.where(counted.bool(), weights, torch.full_like(weights, float("inf")))
+                gather(kept.sum().reshape(1)).sum() / total)
+    none = weights.new_tensor([float("inf")])
     metrics.add(mode, "sampling/importance_sampling_ratio/max",
-                gather(largest.max().reshape(1) if largest.numel() else
-                       weights.new_zeros(1)).max())
+                gather(kept.max().reshape(1) if kept.numel() else -none).max())
     metrics.add(mode, "sampling/importance_sampling_ratio/min",
-                gather(smallest.min().reshape(1) if smallest.numel() else
-                       weights.new_zeros(1)).min())
+                gather(kept.min().reshape(1) if kept.numel() else none).min())
     metrics.add(mode, "sampling/importance_sampling_limited_frac",
-                gather((outside.to(weights) * counted).sum().reshape(1)).sum() / total)
+                gather(limited.to(weights).sum().reshape(1)).sum() / total)
     return weights

@@ -212,7 +212,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
     def _prepare_inputs(self, generation_batch) -> Rollout:
         if not self.model.training:
             return self._rollout(generation_batch, "eval")
-        generate_every = self.args.steps_per_generation * self.args.num_iterations
+        generate_every = self.args.generation_micro_steps
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             rollout = self._rollout(generation_batch, "train")
             self._buffered_inputs = split_rows(shuffle_rows(rollout),

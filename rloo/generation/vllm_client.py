@@ -246,10 +246,7 @@ class VLLMServerClient:
             "prompt_logprobs": 0, "return_token_ids": True
         }
         entries = self._call("POST", "/v1/completions", payload)["choices"][0]["prompt_logprobs"]
-        tokens = prompt + completion
-        return [
-            float(entries[i][str(tokens[i])]["logprob"]) for i in range(len(prompt), len(tokens))
-        ]
+        return _completion_logprobs(entries, prompt, completion)
 
     # ------------------------------------------------------------------ with images
     def complete_with_images(self, model: str, prompt: list[int], images: list, n: int,
@@ -272,9 +269,7 @@ class VLLMServerClient:
         tokens = list(prompt) + list(completion)
         body = self._tokens_call(model, tokens, images,
                                  {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0})
-        entries = body["prompt_logprobs"]
-        return [float(entries[i][str(tokens[i])]["logprob"])
-                for i in range(len(prompt), len(tokens))]
+        return _completion_logprobs(body["prompt_logprobs"], prompt, completion)
 
     def _tokens_call(self, model: str, token_ids: list[int], images: list,
                      sampling: dict) -> dict:
@@ -360,3 +355,10 @@ def named_tensor_source():
             return ((name, tensor.contiguous()) for name, tensor in self.named)
 
     return NamedTensors()
+
+
+def _completion_logprobs(entries: list, prompt: list[int], completion: list[int]) -> list[float]:
+    """From vLLM's prompt log-probs (one {token id: {"logprob": ...}} per position) of prompt +
+    completion, those of the completion's tokens."""
+    tokens = list(prompt) + list(completion)
+    return [float(entries[i][str(tokens[i])]["logprob"]) for i in range(len(prompt), len(tokens))]
