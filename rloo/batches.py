@@ -85,17 +85,18 @@ class GenerationBatches:
 
     # ------------------------------------------------------------------ asynchronous generation
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """One optimizer step's dataloader batches; with async_generation, also read one
-        generation batch further, so that the batch after each one starting in this step is known
-        (`_upcoming_prompt_ids`) and its prompts are sampled while this one trains. What is read
-        ahead is handed out in order later; a checkpoint keeps the batch in flight
+        """One optimizer step's dataloader batches; with async_generation, also read
+        weight_sync_steps generation batches further, so that the batches sampled before the next
+        push are known (`_upcoming_prompt_ids`) and sampled while this one trains. What is read
+        ahead is handed out in order later; a checkpoint keeps the batches in flight
         (rloo.generation.vllm_async)."""
         if not self.args.generates_ahead:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         if getattr(self, "_read_ahead_of", None) is not epoch_iterator:  # a new epoch
             self._read_ahead_of, self._read_ahead = epoch_iterator, []
-        every = self.args.generation_micro_steps
-        while len(self._read_ahead) < num_batches + every:
+        # the generation batches sampled before the next push (one per optimizer step)
+        ahead = self.args.generation_micro_steps * self.args.weight_sync_steps
+        while len(self._read_ahead) < num_batches + ahead:
             try:
                 self._read_ahead.append(next(epoch_iterator))
             except StopIteration:
@@ -105,17 +106,35 @@ class GenerationBatches:
         return batches, None
 
     def _upcoming_prompt_ids(self, rows: list[dict], mode: str) -> dict:
-        """{"upcoming": the prompt ids of the generation batch after `rows`} for the backend, where
-        it was read ahead (async_generation, training); else {}."""
+        """{"upcoming": the generation batches read ahead after `rows`} for the backend (async
+        generation, training); else {}."""
         if mode != "train" or not self.args.generates_ahead:
             return {}
         every = self.args.generation_micro_steps
         window = getattr(self, "_window", [])
         # (by identity: the repeats of one generation batch are equal, not the same object)
         index = next((i for i, batch in enumerate(window) if batch is rows), None)
-        if index is None or index + every >= len(window):
-            return {}
+        later = [] if index is None else window[index + every::every]
+        # none past the last step: (generation batches left after this one, counted in whole
+        # optimizer steps)
+        left = (self.state.max_steps - self.state.global_step) * \
+            self.args.gradient_accumulation_steps // every - 1
+        later = later[:max(0, left)]
+        return {"upcoming": ReadAhead(self.processing_class, later, self.args.chat_template_kwargs)}
+
+
+class ReadAhead:
+    """The prompts of the generation batches read ahead of the one being generated for, in order,
+    tokenized only when the backend asks for them (at a push boundary)."""
+
+    def __init__(self, processing_class, batches: list[list[dict]], template_kwargs: dict | None):
+        self.processing_class, self.batches = processing_class, batches
+        self.template_kwargs = template_kwargs
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def first(self, count: int) -> list[list[list[int]]]:
         from rloo.data import tokenize_prompts
-        return {"upcoming": tokenize_prompts(
-            self.processing_class, [row["prompt"] for row in window[index + every]],
-            self.args.chat_template_kwargs)}
+        return [tokenize_prompts(self.processing_class, [row["prompt"] for row in rows],
+                                 self.template_kwargs) for rows in self.batches[:count]]

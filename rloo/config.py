@@ -160,10 +160,14 @@ class RLOOConfig(TrainingArguments):
     max_staleness: int = field(
         default=1, metadata={
             "help": "async_generation: how many optimizer steps a sample may lag the policy that "
-            "learns from it (0: synchronous, exactly as without async_generation; at most 1)."
+            "learns from it (0: synchronous, exactly as without async_generation). Samples lag "
+            "up to weight_sync_steps, which may not exceed it."
         })
     weight_sync_steps: int = field(
-        default=1, metadata={"help": "Optimizer steps between weight pushes to vLLM (1 here)."})
+        default=1, metadata={
+            "help": "async_generation: optimizer steps between weight pushes to the vLLM server; "
+            "the batches trained before the next push are sampled right after this one."
+        })
     stall_timeout_s: float | None = field(
         default=1800.0, metadata={
             "help": "Fail an optimizer step in which nothing progressed for this many seconds (a "

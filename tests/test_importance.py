@@ -94,9 +94,15 @@ def test_one_step_equals_the_weighted_leave_one_out_gradient(tmp_path, tokenizer
     (dict(use_vllm=True, vllm_importance_sampling_correction=True, top_p=0.9), "would be biased"),
     (dict(async_generation=True), "needs a generation server"),
     (dict(use_vllm=True, async_generation=True), "needs a generation server"),  # colocate
-    (dict(use_vllm=True, vllm_mode="server", async_generation=True, max_staleness=2), "0 or 1"),
-    (dict(use_vllm=True, vllm_mode="server", weight_sync_steps=2), "weight_sync_steps=1"),
-    (dict(use_vllm=True, vllm_mode="server", async_generation=True, num_iterations=2), "would lag more"),
+    (dict(use_vllm=True, vllm_mode="server", async_generation=True, max_staleness=-1), "0 or more"),
+    (dict(use_vllm=True, vllm_mode="server", weight_sync_steps=0), "1 or more"),
+    (dict(use_vllm=True, vllm_mode="server", weight_sync_steps=2), "without async_generation"),
+    (dict(use_vllm=True, vllm_mode="server", async_generation=True, max_staleness=0, weight_sync_steps=2),
+     "without async_generation"),
+    (dict(use_vllm=True, vllm_mode="server", async_generation=True, weight_sync_steps=2), "max_staleness >= "),
+    (dict(use_vllm=True, vllm_mode="server", async_generation=True, max_staleness=2, weight_sync_steps=2,
+          steps_per_generation=2), "feed exactly one optimizer step"),
+    (dict(use_vllm=True, vllm_mode="server", async_generation=True, num_iterations=2), "an optimizer step later"),
 ])
 def test_what_the_correction_and_async_generation_cannot_serve_is_refused(tmp_path, settings, error):
     with pytest.raises(ValueError, match=error):

