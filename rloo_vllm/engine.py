@@ -118,8 +118,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
 
 class WorkerExtension:
-    """Mixed into vLLM's worker; its import registers the backend. `rloo_loaded_weight_digest`
-    (through /collective_rpc) is a cheap check of what the worker holds."""
+    """Mixed into vLLM's worker; its import registers the backend. Through /collective_rpc:
+    `rloo_loaded_weight_digest`, a cheap check of what the worker holds, and
+    `rloo_close_abandoned_weight_update`, which closes the update session of a trainer that died
+    mid-push (vLLM's engine stops if a new session starts while one is open)."""
+
+    def rloo_close_abandoned_weight_update(self) -> dict:
+        if not getattr(self, "_weight_update_active", False):
+            return {"closed": False}
+        self.finish_weight_update()  # the layers not reloaded get their current tensors back
+        return {"closed": True}
 
     def rloo_loaded_weight_digest(self) -> dict:
         model = self.model_runner.model

@@ -5,6 +5,8 @@ server's last log lines where readable), and the weight source vLLM's NCCL engin
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from datetime import timedelta
@@ -13,7 +15,10 @@ import requests
 import torch
 import torch.distributed as dist
 
+from rloo import faults
 from rloo_vllm.wire import CHUNK_BYTES, pack, plan_chunks
+
+logger = logging.getLogger(__name__)
 
 
 def server_log_tail(lines: int = 20) -> str:
@@ -54,7 +59,8 @@ class VLLMServerClient:
         self.session = requests.Session()
         self.group = None
         self._store = None
-        self.chunk_bytes = CHUNK_BYTES
+        # (RLOO_WEIGHT_CHUNK_BYTES: smaller chunks, less memory on the server during a push)
+        self.chunk_bytes = int(os.environ.get("RLOO_WEIGHT_CHUNK_BYTES", CHUNK_BYTES))
         self.nccl = None  # vLLM's NCCL trainer engine when the server runs the "nccl" backend
         self.source = None
 
@@ -121,6 +127,7 @@ class VLLMServerClient:
                 "over 'gloo' (any device) or 'nccl' (GPUs). Restart the server with "
                 "--weight-transfer-config '{\"backend\": \"gloo\"}' --worker-extension-cls "
                 "rloo_vllm.engine.WorkerExtension.")
+        self._close_abandoned_update(config)
         workers = int(self._call("GET", "/get_world_size", timeout=30)["world_size"])
         world = workers + 1
         if backend == "nccl":
@@ -161,6 +168,22 @@ class VLLMServerClient:
         info = NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=world, rank=0)
         self.nccl = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self,
                                                                  source=self.source)
+
+    def _close_abandoned_update(self, config: dict) -> None:
+        """A trainer killed between starting a weight update and finishing it leaves the server's
+        session open (its layers waiting for weights), and vLLM's engine dies at the next start.
+        Our worker extension closes such a session (every push writes every weight, so nothing of
+        it remains); a server without the extension cannot be asked (an unknown worker method
+        would stop its engine too)."""
+        extension = str((config.get("parallel_config") or {}).get("worker_extension_cls") or "")
+        if extension != "rloo_vllm.engine.WorkerExtension":
+            return
+        results = self._call("POST", "/collective_rpc",
+                             {"method": "rloo_close_abandoned_weight_update"}, timeout=60)
+        if any((result or {}).get("closed") for result in results.get("results") or []):
+            logger.warning("The vLLM server at %s had a weight update left open by a trainer that "
+                           "stopped mid-push; it is closed, and every weight is pushed again.",
+                           self.base_url)
 
     # vLLM's trainer-side client protocol (VLLMWeightSyncClient): its NCCL engine calls these.
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -206,6 +229,7 @@ class VLLMServerClient:
                 buffer = pack([tensors[i] for i in chunk])
                 self.group.broadcast(buffer, 0).wait()
                 sent += buffer.numel() * buffer.element_size()
+                faults.point("mid-push")  # the server waits for the next chunk, or the finish
         finally:
             errors.join_and_raise()
         self.finish_weight_update()
