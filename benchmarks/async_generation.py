@@ -5,8 +5,9 @@ process) to core 1. The quick-start task (SmolLM2-135M-Instruct, LoRA r16, arith
 steps/s of each mode and their ratio, how idle each side was (the trainer waiting for generation,
 the server waiting for a request), and both reward curves.
 
-Usage: .venv/bin/python benchmarks/async_generation.py [steps]   (needs `bash scripts/setup.sh
---with-vllm` and 2 cores; ~8 min)
+Usage: .venv/bin/python benchmarks/async_generation.py [steps] [--modes sync,async]
+[--weight-sync-steps K] [--completion-length N]   (needs `bash scripts/setup.sh --with-vllm` and 2
+cores; ~15 min for 12 steps)
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def start_server(model_dir: str, log_path: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def train(mode: str, model_dir: str, steps: int, output_dir: str) -> dict:
+def train(mode: str, model_dir: str, steps: int, output_dir: str, every: int = 1,
+          completion_length: int = 24) -> dict:
     from peft import LoraConfig
 
     from rloo import RLOOConfig, RLOOTrainer
@@ -43,11 +45,12 @@ def train(mode: str, model_dir: str, steps: int, output_dir: str) -> dict:
     from rloo.rewards import number_only_format_reward, numeric_accuracy_reward
     args = RLOOConfig(
         output_dir=output_dir, use_cpu=True, bf16=False, max_steps=steps, per_device_train_batch_size=32,
-        num_generations=8, max_completion_length=24, learning_rate=2e-4, beta=0.0, temperature=1.0,
+        num_generations=8, max_completion_length=completion_length, learning_rate=2e-4, beta=0.0, temperature=1.0,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
         gradient_checkpointing=False, use_vllm=True, vllm_mode="server",
         vllm_server_base_url=f"http://127.0.0.1:{PORT}", vllm_group_port=GROUP_PORT,
-        async_generation=mode == "async", reward_weights=[1.0, 0.25])
+        async_generation=mode == "async", weight_sync_steps=every if mode == "async" else 1,
+        max_staleness=every, reward_weights=[1.0, 0.25])
     dataset = load_prompt_dataset(os.path.join(ROOT, "data", "arithmetic.jsonl"))
     trainer = RLOOTrainer(model=model_dir, reward_funcs=[numeric_accuracy_reward, number_only_format_reward],
                           args=args, train_dataset=dataset,
@@ -70,6 +73,10 @@ def train(mode: str, model_dir: str, steps: int, output_dir: str) -> dict:
     return {"mode": mode, "wall_s": wall, "steps_per_s": len(measured) / seconds,
             "trainer_idle_frac": trainer_idle / seconds, "server_idle_frac": server_idle / seconds,
             "generation_s_per_step": generation / len(measured),
+            "server_idle_s_per_step": server_idle / len(measured),
+            # the push and its check, as the trainer sees them (their share of the server's idle)
+            "push_and_check_s_per_step": sum(log.get("timing/weight_sync", 0.0)
+                                             for log in measured) / len(measured),
             "rewards": [round(log["reward"], 4) for log in logs],
             "staleness": [log.get("async/staleness_max", 0.0) for log in logs]}
 
@@ -80,7 +87,15 @@ def main() -> None:
     from rloo.assets import smollm2_path
     from rloo.generation.vllm_client import VLLMServerClient
     from infra.launch import stop_process_groups
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 16
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("steps", type=int, nargs="?", default=16)
+    parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--weight-sync-steps", type=int, default=1,
+                        help="async mode: push every k steps (max_staleness k)")
+    parser.add_argument("--completion-length", type=int, default=24)
+    options = parser.parse_args()
+    steps = options.steps
     os.sched_setaffinity(0, {TRAINER_CORE})
     import torch
     torch.set_num_threads(1)
@@ -89,16 +104,20 @@ def main() -> None:
     server = start_server(model_dir, os.path.join(work, "server.log"))
     try:
         VLLMServerClient(f"http://127.0.0.1:{PORT}", connect_timeout_s=600).wait_until_healthy()
-        results = [train(mode, model_dir, steps, os.path.join(work, mode)) for mode in ("sync", "async")]
+        results = [train(mode, model_dir, steps, os.path.join(work, mode), options.weight_sync_steps,
+                         options.completion_length) for mode in options.modes.split(",")]
     finally:
         stop_process_groups([server])
-    sync, asynchronous = results
     for result in results:
-        print(f"{result['mode']:>5}: {result['steps_per_s']:.3f} steps/s, trainer idle "
-              f"{result['trainer_idle_frac']:.0%}, server idle {result['server_idle_frac']:.0%}, "
-              f"generation {result['generation_s_per_step']:.2f} s/step")
+        print(f"{result['mode']:>5}: {result['steps_per_s']:.4f} steps/s, trainer idle "
+              f"{result['trainer_idle_frac']:.0%}, server idle {result['server_idle_frac']:.0%} "
+              f"({result['server_idle_s_per_step']:.2f} s/step; push and check "
+              f"{result['push_and_check_s_per_step']:.2f} s/step), generation "
+              f"{result['generation_s_per_step']:.2f} s/step")
         print(f"       rewards {result['rewards']}")
-    print(f"async / sync steps/s: {asynchronous['steps_per_s'] / sync['steps_per_s']:.2f}x")
+    if len(results) == 2:
+        sync, asynchronous = results
+        print(f"async / sync steps/s: {asynchronous['steps_per_s'] / sync['steps_per_s']:.2f}x")
     print(json.dumps(results))
 
 
