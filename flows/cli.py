@@ -246,9 +246,14 @@ def _paused_promotion(name: str):
 def cmd_promote(options) -> int:
     prefect_environment(options.run_root)
     from flows.promote import flow_run_name, rloo_promote
-    from infra.promotion import PromotionError, load_config
+    from infra.promotion import PromotionError, load_config, parse_checkpoint
     config_path = _run_config_file(options.run_root, options.run)
     load_config(config_path, options.set)  # a bad setting: an error now, before Prefect starts
+    try:
+        options.checkpoint = parse_checkpoint(options.checkpoint)
+    except PromotionError as err:
+        print(f"rloo-pipeline promote: error: {err}", file=sys.stderr)
+        return 2
     name = flow_run_name(options.run, options.checkpoint)
     if options.approve or options.reject:
         waiting = _paused_promotion(name)
@@ -375,8 +380,10 @@ def parser() -> argparse.ArgumentParser:
         "it to the Hub after approval")
     promote.add_argument("run")
     promote.add_argument("--run-root", default=DEFAULT_ROOT)
-    promote.add_argument("--checkpoint", type=int,
-                         help="a checkpoint's step (default: the final model)")
+    promote.add_argument(
+        "--checkpoint", default="best",
+        help="best (default: the highest held-out promotion.metric of the evaluated "
+        "checkpoints), last (the final model) or a checkpoint's step")
     answer = promote.add_mutually_exclusive_group()
     answer.add_argument("--approve", action="store_true",
                         help="answer a waiting promotion (or approve up front)")

@@ -60,15 +60,18 @@ def wait_for_approval(report: str, timeout_s: int) -> Approval:
     raise FlowPauseTimeout("nobody answered the promotion's approval in time")
 
 
-def flow_run_name(run: str, checkpoint: int | None) -> str:
-    return f"promote-{run}" + (f"-step{checkpoint}" if checkpoint is not None else "")
+def flow_run_name(run: str, checkpoint: str) -> str:
+    suffix = {"best": "", "last": "-last"}.get(str(checkpoint), f"-step{checkpoint}")
+    return f"promote-{run}{suffix}"
 
 
 @flow(name="rloo-promote", log_prints=True)
 def rloo_promote(
     config_path: str = Field(description="The run's config (runs/<run>/config.yaml)."),
-    checkpoint: int | None = Field(None, ge=1,
-                                   description="A checkpoint's step; default the final model."),
+    checkpoint: str = Field(
+        "best", pattern=r"^(best|last|[1-9][0-9]*)$",
+        description="best: the checkpoint with the highest held-out promotion.metric; last: the "
+        "final model; or a checkpoint's step."),
     approved: bool = Field(
         False, description="Approval given up front (rloo-pipeline promote --approve)."),
     comment: str = Field("", description="The approver's comment."),

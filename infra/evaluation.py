@@ -91,16 +91,19 @@ def score_policies(config: RunConfig, policy: str, tokenizer_name: str | None, r
 def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None,
                row_sets: dict[str, list[dict]], weights: dict[str, str | None],
                steps: dict[str, int], max_steps: int) -> dict[str, dict]:
-    """score_policies for several sets of rows, each model loaded once: {set: {label: {...}}}."""
+    """score_policies for several sets of rows: {set: {label: {...}}}. One model in memory at a
+    time; labels whose weights are equal (the final model and the checkpoint of the same step) are
+    scored once."""
     import torch
-    from transformers import GenerationConfig, TrainerState
+    from transformers import TrainerState
 
     from rloo.cli import resolve_reward
     from rloo.generation import in_process_generator
     from rloo.models import (eos_token_ids, load_reward_model, load_tokenizer, prepare_tokenizer,
                              reward_tokenizers, text_tokenizer_of)
-    from rloo.vision import is_vision_config, placeholder_token_ids
+    from rloo.vision import is_vision_config
     from rloo.rewards import RewardRunner
+    from infra.checkpoints import weights_digest
     trust = bool(config.recipe_value("trust_remote_code"))
     reward_funcs = [resolve_reward(entry) for entry in config.training["reward_funcs"]]
     reward_funcs = [
@@ -110,32 +113,53 @@ def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None,
                           config.recipe_value("chat_template_kwargs"),
                           config.recipe_value("reward_timeout"),
                           config.recipe_value("nonfinite_rewards"))
-    models = {label: load_policy(policy, path, trust) for label, path in weights.items()}
-    first = next(iter(models.values()))
-    # a VLM: its processor, model.generate with the images, no placeholder sampled (rloo.vision)
-    vision = is_vision_config(first.config)
-    tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_name or policy, trust,
-                                                 config=first.config))
-    text_tokenizer = text_tokenizer_of(tokenizer)
-    eos = eos_token_ids(text_tokenizer, first)
-    max_new = config.evaluation.max_completion_length or config.recipe_value(
-        "max_completion_length")
-    sampling = dict(do_sample=False) if config.evaluation.temperature == 0 else dict(
-        do_sample=True, temperature=config.evaluation.temperature)
-    generation_config = GenerationConfig(max_new_tokens=max_new,
-                                         pad_token_id=text_tokenizer.pad_token_id,
-                                         eos_token_id=eos, **sampling,
-                                         suppress_tokens=placeholder_token_ids(first.config) if
-                                         vision else None)
-    generator = in_process_generator(generation_config, text_tokenizer.pad_token_id, eos, first,
-                                     fast=False if vision else None)
-    scored = {}
-    for name, rows in row_sets.items():
-        torch.manual_seed(config.data.seed)
-        scored[name] = {label: _score(config, model, tokenizer, rows, runner, generator,
-                                      TrainerState(global_step=steps[label], max_steps=max_steps))
-                        for label, model in models.items()}
+    scored = {name: {} for name in row_sets}
+    done = {}  # weights digest -> the label scored with them
+    tokenizer = generator = None
+    for label, path in weights.items():
+        digest = None if path is None else (weights_digest(path), steps[label])
+        if digest in done:
+            for name in row_sets:
+                scored[name][label] = scored[name][done[digest]]
+            continue
+        model = load_policy(policy, path, trust)
+        if generator is None:
+            # a VLM: its processor, model.generate with the images (rloo.vision)
+            vision = is_vision_config(model.config)
+            tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_name or policy, trust,
+                                                         config=model.config))
+            text_tokenizer = text_tokenizer_of(tokenizer)
+            eos = eos_token_ids(text_tokenizer, model)
+            generator = in_process_generator(
+                generation_config(config, model, text_tokenizer.pad_token_id, eos),
+                text_tokenizer.pad_token_id, eos, model, fast=False if vision else None)
+        for name, rows in row_sets.items():
+            torch.manual_seed(config.data.seed)
+            scored[name][label] = _score(config, model, tokenizer, rows, runner, generator,
+                                         TrainerState(global_step=steps[label],
+                                                      max_steps=max_steps))
+        if digest is not None:
+            done[digest] = label
+        del model
     return scored
+
+
+def generation_config(config: RunConfig, model, pad_token_id: int, eos: list[int]):
+    """The evaluation's decoding, every sampling setting explicit: `generate` fills a setting left
+    unset from the model's own generation config (a Qwen Instruct model's top_k 20), which would
+    make the evaluation of one model decode unlike another's."""
+    from transformers import GenerationConfig
+
+    from rloo.vision import is_vision_config, placeholder_token_ids
+    settings = config.evaluation
+    sampling = dict(do_sample=False) if settings.temperature == 0 else dict(
+        do_sample=True, temperature=settings.temperature, top_p=settings.top_p,
+        top_k=settings.top_k)
+    max_new = settings.max_completion_length or config.recipe_value("max_completion_length")
+    return GenerationConfig(max_new_tokens=max_new, pad_token_id=pad_token_id, eos_token_id=eos,
+                            repetition_penalty=settings.repetition_penalty, **sampling,
+                            suppress_tokens=placeholder_token_ids(model.config)
+                            if is_vision_config(model.config) else None)
 
 
 def evaluation_fingerprint(config: RunConfig, rows: list[dict]) -> str:
@@ -186,10 +210,14 @@ def extra_set_rows(config: RunConfig, name: str, training_prompts: list) -> list
 
 def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
                     train_result: dict) -> dict:
-    """Held-out prompts (and evaluation.extra_sets), base vs trained: mean reward per function,
-    accuracy where a reward is 0/1, completion lengths; a markdown report with a table per set,
-    sample completions, the training reward curve and the step-time breakdown."""
+    """Held-out prompts (and evaluation.extra_sets): the base model, the final model and every
+    `evaluation.checkpoint_interval`-th checkpoint, each scored the same way: mean reward per
+    function, accuracy where a reward is 0/1, completion lengths; a markdown report with a table
+    per set, the checkpoints' table (the best marked), sample completions, the training reward
+    curve and the step-time breakdown."""
     from datasets import load_from_disk
+
+    from infra import checkpoints as checkpoint_models
     stages.record_execution(config, "evaluate")
     rows = held_out_rows(dataset_result)
     training = load_from_disk(
@@ -197,9 +225,12 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
     row_sets = {"held_out": rows, **{name: extra_set_rows(config, name, training)
                                      for name in config.evaluation.extra_sets}}
     step = train_result["global_step"]
+    evaluated = checkpoint_models.to_evaluate(config, train_result)
+    weights = {"base": None, **{c.name: c.path for c in evaluated}}
     scored = score_sets(config, model_result["policy"], model_result["tokenizer"], row_sets,
-                        {"base": None, "trained": train_result["output_dir"]},
-                        {"base": 0, "trained": step}, step)
+                        weights, {"base": 0, **{c.name: c.step for c in evaluated}}, step)
+    for found in scored.values():  # the final model is "trained" in the report's tables
+        found["trained"] = found.pop(checkpoint_models.FINAL)
     results = scored["held_out"]
     base_metrics, trained_metrics = results["base"]["metrics"], results["trained"]["metrics"]
     sets = {
@@ -209,13 +240,18 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
         }
         for name in config.evaluation.extra_sets
     }
+    table = [{
+        "name": c.name, "step": c.step, "model_id": c.model_id,
+        "held_out": scored["held_out"][_label(c)]["metrics"],
+        "sets": {name: scored[name][_label(c)]["metrics"] for name in config.evaluation.extra_sets}
+    } for c in evaluated]
     out = stages.stage_path(config, "eval")
     os.makedirs(out, exist_ok=True)
     plot = plot_reward_curve(train_result["metrics_path"], os.path.join(out, "reward_curve.png"))
     timing_plot = plot_step_timing(train_result["metrics_path"],
                                    os.path.join(out, "step_timing.png"))
     report = render_report(config, dataset_result, base_metrics, trained_metrics, rows, results,
-                           plot, timing_plot, sets)
+                           plot, timing_plot, sets, table)
     with open(os.path.join(out, "report.md"), "w") as handle:
         handle.write(report)
     gain = None
@@ -224,10 +260,15 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
     result = {
         "base": base_metrics, "trained": trained_metrics, "reward_gain": gain,
         "num_prompts": len(rows), "report_path": os.path.join(out, "report.md"), "plot_path": plot,
-        "timing_plot_path": timing_plot, "extra_sets": sets
+        "timing_plot_path": timing_plot, "extra_sets": sets, "checkpoints": table,
+        "eval_fingerprint": evaluation_fingerprint(config, rows)
     }
     stages.write_json(os.path.join(out, "metrics.json"), result)
     return stages.save_stage_result(config, "evaluate", result)
+
+
+def _label(checkpoint) -> str:
+    return "trained" if checkpoint.name == "final" else checkpoint.name
 
 
 def _training_records(metrics_path: str) -> list[dict]:
@@ -300,7 +341,7 @@ def _table(base: dict, trained: dict) -> list[str]:
 
 
 def render_report(config, dataset_result, base, trained, rows, results, plot, timing_plot=None,
-                  sets: dict | None = None) -> str:
+                  sets: dict | None = None, table: list[dict] | None = None) -> str:
     temperature = config.evaluation.temperature
     decoding = "greedy decoding" if temperature == 0 else f"temperature {temperature}"
     lines = [f"# Evaluation of `{config.run_key}`", "",
@@ -311,6 +352,15 @@ def render_report(config, dataset_result, base, trained, rows, results, plot, ti
             "", f"## Held-out set `{name}`", "",
             f"{found['num_prompts']} prompts from `{found['path']}`, kept out of training.", "",
             *_table(found["base"], found["trained"])
+        ]
+    if table:
+        from infra.checkpoints import render_table
+        metric = config.promotion.metric
+        lines += [
+            "", "## Checkpoints", "",
+            f"Each evaluated checkpoint on the same prompts; the best by held-out `{metric}` "
+            "(promotion.metric) is what `rloo-pipeline promote` takes by default.", "",
+            *render_table(table, metric, list(sets or {}))
         ]
     if plot:
         lines += ["", f"![training reward]({os.path.basename(plot)})"]

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 ENV_RUN_ID = "RLOO_MLFLOW_RUN_ID"  # not MLFLOW_RUN_ID: mlflow consumes and deletes that one
 ENV_TRAIN_DIR = "RLOO_TRAIN_DIR"
 PENDING = "mlflow-pending.jsonl"
+CHECKPOINTS = "checkpoints.jsonl"
 
 
 def tracking_environment(tracking_uri: str, run_id: str, train_dir: str) -> dict[str, str]:
@@ -40,7 +41,8 @@ def tracking_environment(tracking_uri: str, run_id: str, train_dir: str) -> dict
 class RunDirTrackingCallback(TrainerCallback):
     """On global rank 0: every log line goes to `<train_dir>/metrics.jsonl`, then to the MLflow run
     named by RLOO_MLFLOW_RUN_ID; completion tables to `<train_dir>/completions/` then MLflow; each
-    checkpoint is recorded as a small artifact (its location). Whatever MLflow refuses is queued in
+    checkpoint saved is recorded in `<train_dir>/checkpoints.jsonl`; system metrics go to the run
+    from every node. Whatever MLflow refuses is queued in
     `mlflow-pending.jsonl`. A resumed attempt replays the steps after its checkpoint: a log line an
     earlier attempt already wrote (same step, same keys) is not written or sent again, so every step
     is in metrics.jsonl and MLflow once."""
@@ -52,6 +54,7 @@ class RunDirTrackingCallback(TrainerCallback):
         self.logged = {_line_key(record)
                        for record in read_metrics(self.train_dir)} if self.train_dir else set()
         self.sender: Sender | None = None  # started at the first item to send
+        self.monitor = None  # MLflow's system-metrics thread on a node's local rank 0
 
     def _active(self, state) -> bool:
         return state.is_world_process_zero and self.train_dir is not None
@@ -69,6 +72,13 @@ class RunDirTrackingCallback(TrainerCallback):
         return self.sender.wait_sent(timeout) if self.sender is not None else True
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.finish()
+            # what was sampled since the last logging interval (a short run: everything) goes too
+            if last := self.monitor.aggregate_metrics():
+                self.monitor.publish_metrics(last)
+                self.monitor.mlflow_logger.flush()
+            self.monitor = None
         if self._active(state):
             # what is left (MLflow down, slow) stays queued for the stage to send
             self.wait_sent(timeout=60)
@@ -107,13 +117,29 @@ class RunDirTrackingCallback(TrainerCallback):
         })
 
     def on_save(self, args, state, control, **kwargs):
+        """Each checkpoint saved, recorded once (a resumed attempt saves none twice) in
+        `checkpoints.jsonl`: the train stage makes each a LoggedModel (infra.checkpoints), also one
+        that save_total_limit deletes later."""
         if not self._active(state):
             return
-        checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        self._send({
-            "kind": "dict", "artifact_file": f"checkpoints/checkpoint-{state.global_step}.json",
-            "payload": {"path": checkpoint, "global_step": state.global_step, "time": time.time()}
-        })
+        path = os.path.join(self.train_dir, CHECKPOINTS)
+        if any(record["step"] == state.global_step for record in read_jsonl(path)):
+            return
+        _append(path, {"step": state.global_step, "time": time.time(),
+                       "path": os.path.join(args.output_dir,
+                                            f"checkpoint-{state.global_step}")})
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """MLflow's system metrics (CPU, memory, disk, network; GPU where present) into the train
+        run, one monitor per node (its local rank 0), named by the node on a multi-node run."""
+        if not (state.is_local_process_zero and self.run_id and self.tracking_uri):
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        nodes = int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        node = f"node{os.environ.get('GROUP_RANK', 0)}" if nodes > 1 else None
+        self.monitor = SystemMetricsMonitor(self.run_id, resume_logging=True, node_id=node,
+                                            tracking_uri=self.tracking_uri)
+        self.monitor.start()
 
 
 class Sender:
@@ -158,7 +184,10 @@ class Sender:
 
 def read_metrics(train_dir: str) -> list[dict]:
     """The log lines of `<train_dir>/metrics.jsonl`, in order (none yet: [])."""
-    path = os.path.join(train_dir, "metrics.jsonl")
+    return read_jsonl(os.path.join(train_dir, "metrics.jsonl"))
+
+
+def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
     with open(path) as handle:
@@ -200,8 +229,6 @@ def _upload(item: dict, tracking_uri: str, run_id: str) -> bool:
                 folder = os.path.dirname(item["path"])
                 data[column] = [Image.open(os.path.join(folder, name)) for name in data[column]]
             mlflow_client.log_table(run_id, data=data, artifact_file=item["artifact_file"])
-        elif item["kind"] == "dict":
-            mlflow_client.log_dict(run_id, item["payload"], item["artifact_file"])
         return True
     except Exception:
         return False

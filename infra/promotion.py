@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from infra import evaluation, stages, tracking
+from infra import checkpoints, evaluation, stages, tracking
 from infra.runconfig import ConfigError, RunConfig, load_run_config
+from rloo.checkpoint import is_complete
 
 # model aliases with a public counterpart
 HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -37,6 +38,11 @@ class Candidate:
     rows: list
     eval_fingerprint: str
     parent_run_id: str
+    model_id: str  # the checkpoint's LoggedModel (the registry version points at it)
+    train_run_id: str  # the train stage's run, the LoggedModel's source
+    reason: str  # why this checkpoint: the model card and the gate's report say it
+    table: list  # every evaluated checkpoint's held-out metrics (the evaluate stage's table)
+    metrics: dict | None  # its held-out metrics, when the evaluate stage scored it
 
     @property
     def hub_tag(self) -> str:
@@ -70,9 +76,21 @@ def _uses_hub() -> bool:
     return isinstance(get_publisher(), HfHubPublisher)
 
 
-def prepare(config: RunConfig, checkpoint: int | None) -> Candidate:
-    """Everything knowable before registering: a finished evaluation, the checkpoint, the Hub repo
-    and token."""
+def parse_checkpoint(value: str | int | None) -> str:
+    """`--checkpoint`: 'best' (the default), 'last' (the final model) or a checkpoint's step."""
+    text = "best" if value is None else str(value).strip()
+    if text in ("best", "last") or (text.isdigit() and int(text) > 0):
+        return text
+    raise PromotionError(
+        f"--checkpoint {value!r}: use best (the checkpoint with the highest held-out "
+        "promotion.metric), last (the final model) or a checkpoint's step, e.g. 20.")
+
+
+def prepare(config: RunConfig, checkpoint: str | int | None = "best") -> Candidate:
+    """Everything knowable before registering: a finished evaluation, the checkpoint and why it is
+    the one (best: the highest held-out promotion.metric of the evaluated checkpoints), its
+    LoggedModel, the Hub repo and token."""
+    choice = parse_checkpoint(checkpoint)
     result = {
         stage: stages.load_stage_result(config, stage)
         for stage in ("dataset", "model", "train", "evaluate")
@@ -83,20 +101,14 @@ def prepare(config: RunConfig, checkpoint: int | None) -> Candidate:
             f"run {config.run_key} has no finished evaluation (stages not done: "
             f"{', '.join(missing)}). Fix: rloo-pipeline resume {config.run_key} --run-root "
             f"{config.run_root}, with evaluation.enabled: true.")
-    train = result["train"]
-    weights, name, step = train["output_dir"], "final", int(train["global_step"])
-    if checkpoint is not None:
-        from rloo.checkpoint import is_complete, latest_checkpoint
-        weights, name, step = os.path.join(train["output_dir"], f"checkpoint-{checkpoint}"), \
-            f"checkpoint-{checkpoint}", checkpoint
-        if not is_complete(weights):
-            found = sorted(
-                (d for d in os.listdir(train["output_dir"]) if d.startswith("checkpoint-")),
-                key=lambda d: int(d.rsplit("-", 1)[1]))
-            raise PromotionError(
-                f"--checkpoint {checkpoint}: run {config.run_key} has no complete "
-                f"checkpoint-{checkpoint} (it has: {', '.join(found) or 'none'}; latest complete: "
-                f"{os.path.basename(latest_checkpoint(train['output_dir']) or '-')}).")
+    train, table = result["train"], result["evaluate"].get("checkpoints") or []
+    metric = config.promotion.metric
+    known = sorted(result["evaluate"]["trained"])
+    if metric not in known:
+        raise PromotionError(
+            f"promotion.metric={metric!r} is not a held-out metric of run {config.run_key} (it "
+            f"has: {', '.join(known)}). Fix: --set promotion.metric=<one of them>.")
+    chosen, reason = _choose(config, train, table, choice, metric)
     settings = config.promotion
     if _uses_hub():
         if not settings.hub_repo:
@@ -114,20 +126,64 @@ def prepare(config: RunConfig, checkpoint: int | None) -> Candidate:
         raise PromotionError(
             f"run {config.run_key} has no MLflow run recorded in summary.json (did the pipeline "
             "finish?). Fix: rloo-pipeline resume it.")
+    if not chosen.model_id:
+        raise PromotionError(
+            f"{chosen.name} of run {config.run_key} is not a model in MLflow (the train stage "
+            "logs one per checkpoint). Fix: rloo-pipeline resume it with MLflow reachable.")
     rows = evaluation.held_out_rows(result["dataset"])
-    return Candidate(config=config, weights=weights, step=step, checkpoint=name,
-                     adapter=os.path.exists(os.path.join(weights, "adapter_config.json")),
+    row = next((row for row in table if row["name"] == chosen.name), None)
+    return Candidate(config=config, weights=chosen.path, step=chosen.step,
+                     checkpoint=chosen.name, adapter=chosen.adapter,
                      policy=result["model"]["policy"], tokenizer=result["model"]["tokenizer"],
                      evaluation=result["evaluate"], rows=rows,
                      eval_fingerprint=evaluation.evaluation_fingerprint(config, rows),
-                     parent_run_id=summary["mlflow_run_id"])
+                     parent_run_id=summary["mlflow_run_id"], model_id=chosen.model_id,
+                     train_run_id=train["mlflow_run_id"], reason=reason, table=table,
+                     metrics=row["held_out"] if row else None)
+
+
+def _choose(config: RunConfig, train: dict, table: list[dict], choice: str, metric: str):
+    """(the checkpoints.Checkpoint asked for, why it is the one), or a PromotionError naming what
+    exists."""
+    saved = checkpoints.saved_checkpoints(config, train)
+    final = saved[-1]
+    kept = [c for c in saved if c.name != checkpoints.FINAL and c.exists]
+    if choice == "last":
+        return final, f"the final model (step {final.step}), as asked (--checkpoint last)"
+    if choice == "best":
+        evaluated = [row for row in table if row["name"] != checkpoints.FINAL]
+        if not evaluated:
+            raise PromotionError(
+                f"--checkpoint best: run {config.run_key}'s checkpoints were not evaluated "
+                f"(evaluation.checkpoint_interval={config.evaluation.checkpoint_interval}; "
+                "evaluated: the final model only). Fix: --checkpoint last, or a step of "
+                f"{', '.join(str(c.step) for c in kept) or 'none kept'}.")
+        top = checkpoints.best(table, metric)
+        if top is None:
+            raise PromotionError(
+                f"--checkpoint best: no evaluated checkpoint of run {config.run_key} has a "
+                f"held-out {metric}. Fix: --checkpoint last or a step.")
+        chosen = next(c for c in saved if c.name == top["name"])
+        if not chosen.exists:
+            raise PromotionError(f"--checkpoint best: {chosen.name}'s folder is gone "
+                                 f"({chosen.path}). Fix: --checkpoint last or a kept step.")
+        return chosen, (
+            f"the best held-out {metric} ({top['held_out'][metric]:.4f}) of the {len(table)} "
+            f"evaluated checkpoints (--checkpoint best; never the training reward)")
+    step = int(choice)
+    chosen = next((c for c in kept if c.step == step), None)
+    if chosen is None or not is_complete(chosen.path):
+        raise PromotionError(
+            f"--checkpoint {step}: run {config.run_key} has no complete checkpoint-{step} (it "
+            f"has: {', '.join(c.name for c in kept) or 'none'}; or best, last).")
+    return chosen, f"checkpoint-{step}, as asked (--checkpoint {step})"
 
 
 def candidate_metrics(candidate: Candidate) -> dict:
-    """The final model's held-out metrics from the evaluate stage; a checkpoint's measured now, the
-    same way."""
-    if candidate.checkpoint == "final":
-        return candidate.evaluation["trained"]
+    """The candidate's held-out metrics from the evaluate stage; a checkpoint it did not score,
+    measured now, the same way."""
+    if candidate.metrics is not None:
+        return candidate.metrics
     scored = evaluation.score_policies(candidate.config, candidate.policy, candidate.tokenizer,
                                        candidate.rows, {"candidate": candidate.weights},
                                        {"candidate": candidate.step}, candidate.step)
@@ -171,11 +227,13 @@ def register(candidate: Candidate, metrics: dict) -> str:
             "rloo.weights_path": candidate.weights, "rloo.base_model": candidate.policy,
             "rloo.tokenizer": candidate.tokenizer or "",
             "rloo.adapter": str(candidate.adapter).lower(),
-            "rloo.num_prompts": str(len(candidate.rows)), **metric_tags(metrics)
+            "rloo.num_prompts": str(len(candidate.rows)), "rloo.chosen_because": candidate.reason,
+            **metric_tags(metrics)
         }
-        version = tracking.register_version(config.tracking_uri, config.tracking.experiment,
-                                            config.registered_model, candidate.parent_run_id, tags,
-                                            f"RLOO policy of run {config.run_key}")
+        version = tracking.register_version(
+            config.tracking_uri, config.registered_model, candidate.train_run_id,
+            candidate.model_id, tags,
+            f"RLOO policy of run {config.run_key}, {candidate.checkpoint}: {candidate.reason}")
     tracking.set_alias(config.tracking_uri, config.registered_model, "candidate", version)
     return version
 
@@ -240,7 +298,8 @@ def render_report(candidate: Candidate, version: str, reference_label: str, refe
         "",
         f"{len(candidate.rows)} held-out prompts (evaluation fingerprint "
         f"`{candidate.eval_fingerprint}`).",
-        "", "| metric | reference | candidate | change |", "| --- | --- | --- | --- |"
+        "", f"Why this checkpoint: {candidate.reason}. MLflow model `{candidate.model_id}`.", "",
+        "| metric | reference | candidate | change |", "| --- | --- | --- | --- |"
     ]
     for key in sorted(set(metrics) | set(reference)):
         ours, theirs = metrics.get(key), reference.get(key)
@@ -253,6 +312,10 @@ def render_report(candidate: Candidate, version: str, reference_label: str, refe
     lines += [
         f"| {rule} | {'pass' if ok else 'FAIL'} | {detail} |" for rule, ok, detail in verdict.checks
     ]
+    if candidate.table:
+        lines += ["", "## Evaluated checkpoints", "",
+                  *checkpoints.render_table(candidate.table, config.promotion.metric,
+                                            list(config.evaluation.extra_sets))]
     return "\n".join(lines) + "\n"
 
 

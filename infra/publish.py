@@ -11,6 +11,7 @@ import os
 import shutil
 
 from infra import stages, tracking
+from infra.checkpoints import render_table
 from infra.promotion import HUB_IDS, TOKENIZER_FILES, Candidate, promotion_dir
 
 CARD = """
@@ -20,6 +21,8 @@ An RLOO-trained {{ 'LoRA adapter for' if adapter else 'fine-tune of' }} {{ base_
 pipeline run `{{ run_key }}` ({{ checkpoint }}, {{ step }} optimizer steps), registered as
 `{{ registered }}` version {{ version }}.
 
+Why this checkpoint: {{ reason }}.
+
 ## Evaluation
 
 {{ num_prompts }} held-out prompts of `{{ source }}`, {{ decoding }}:
@@ -27,7 +30,11 @@ pipeline run `{{ run_key }}` ({{ checkpoint }}, {{ step }} optimizer steps), reg
 | metric | base | trained |
 | --- | --- | --- |
 {% for row in table %}| {{ row[0] }} | {{ row[1] }} | {{ row[2] }} |
-{% endfor %}
+{% endfor %}{% if checkpoints %}
+Every evaluated checkpoint of the run, on the same prompts:
+
+{% for line in checkpoints %}{{ line }}
+{% endfor %}{% endif %}
 ## Training configuration
 
 | parameter | value |
@@ -134,6 +141,9 @@ def model_card(candidate: Candidate, version: str, merged: bool, metrics: dict):
         data, template_str="---\n{{ card_data }}\n---\n" + CARD, model_name=data.model_name,
         adapter=adapter, base_label=f"`{base_id}`" if base_id else "a local base model",
         run_key=config.run_key, checkpoint=candidate.checkpoint, step=candidate.step,
+        reason=candidate.reason,
+        checkpoints=render_table(candidate.table, config.promotion.metric,
+                                 list(config.evaluation.extra_sets)),
         registered=config.registered_model, version=version, num_prompts=len(candidate.rows),
         source=source, decoding=decoding, table=[
             (key, format_number(base.get(key)), format_number(trained.get(key))) for key in base

@@ -112,7 +112,13 @@ class EvalSettings(Strict):
     max_completion_length: int | None = Field(
         None, ge=1, description="Default: training's max_completion_length.")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling (temperature > 0).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (temperature > 0); 0 = off.")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="1.0 = none.")
     batch_size: int = Field(16, ge=1)
+    checkpoint_interval: int = Field(
+        1, ge=0, description="Score every k-th saved checkpoint on the held-out sets too (1 = "
+        "all, 0 = none; the final model always): MLflow ranks them, promotion picks the best.")
     extra_sets: dict[str, str] = Field(
         default_factory=dict, description=
         ("More held-out sets, name -> a JSON/JSONL/CSV/Parquet file of prompts kept out of "
@@ -134,6 +140,10 @@ class TrackingSettings(Strict):
     """MLflow: default a SQLite store under the run root (the embedded default)."""
     tracking_uri: str | None = None
     experiment: str = "rloo"
+    log_weights_max_mb: float = Field(
+        2048, ge=0, description="A checkpoint's weights up to this size are copied into MLflow "
+        "(its LoggedModel loads with mlflow.transformers); larger ones are referenced by their "
+        "folder. A LoRA adapter is a few MB.")
 
 
 class PromotionSettings(Strict):

@@ -14,7 +14,7 @@ import time
 from infra.model_checks import check_lora_targets, check_tokenizer_fits, resolve_model_source
 from infra.runconfig import RunConfig
 
-STAGE_VERSIONS = {"dataset": 1, "model": 1, "train": 1, "evaluate": 1}
+STAGE_VERSIONS = {"dataset": 2, "model": 1, "train": 2, "evaluate": 2}
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -116,9 +116,30 @@ def prepare_dataset(config: RunConfig) -> dict:
     result = {
         "train_path": paths["train"], "eval_path": paths["eval"], "num_train": len(train_split),
         "num_eval": len(eval_split), "format": prompt_format, "columns": dataset.column_names,
-        "source": data.source, "digest": dataset_digest(train_split, eval_split)
+        "source": data.source, "digest": dataset_digest(train_split, eval_split),
+        "train_digest": dataset_digest(train_split), "eval_digest": dataset_digest(eval_split)
     }
     return save_stage_result(config, "dataset", result)
+
+
+def split_datasets(config: RunConfig, dataset_result: dict) -> list:
+    """The training and held-out splits as MLflow datasets (tracking.DatasetRef), each with its
+    own content digest and data.source as where it came from."""
+    from infra.tracking import DatasetRef
+    return [DatasetRef(dataset_result[f"{split}_path"], f"{config.name}-{split}",
+                       dataset_result[f"{split}_digest"], dataset_result["source"], context)
+            for split, context in (("train", "training"), ("eval", "evaluation"))]
+
+
+def pipeline_datasets(config: RunConfig, dataset_result: dict) -> list:
+    """What the train and evaluate runs show as their inputs: both splits and every
+    evaluation.extra_sets file (context evaluation, digest of its rows)."""
+    from infra.tracking import DatasetRef
+    from rloo.data import load_prompt_dataset
+    extra = [DatasetRef(path, f"{config.name}-{name}", dataset_digest(load_prompt_dataset(path)),
+                        path, "evaluation")
+             for name, path in config.evaluation.extra_sets.items()]
+    return split_datasets(config, dataset_result) + extra
 
 
 def load_checked_rows(config: RunConfig):

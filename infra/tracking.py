@@ -17,6 +17,9 @@ from typing import Any
 from rloo.hub import is_secret
 
 QUICK_FAIL = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+# MLflow 3's UI opens an experiment by this tag: untagged, it shows the GenAI view (traces) and asks
+# for a type on every visit; "finetuning" opens the model-training view (runs, models, charts).
+EXPERIMENT_KIND = ("mlflow.experimentKind", "finetuning")
 
 
 class TrackingUnavailable(RuntimeError):
@@ -69,23 +72,26 @@ def artifact_location(tracking_uri: str) -> str | None:
 
 
 def experiment_id(tracking_uri: str, name: str) -> str:
-    """The experiment's id, made if there is none. Runs started at once (several Run clicks on a
-    fresh store) can all find none and all make it: the ones whose making is refused take the one
-    that won."""
+    """The experiment's id, made if there is none, tagged as a fine-tuning experiment (an existing
+    one that lacks the tag gets it). Runs started at once (several Run clicks on a fresh store) can
+    all find none and all make it: the ones whose making is refused take the one that won."""
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
     mlflow_client = client(tracking_uri)
     experiment = mlflow_client.get_experiment_by_name(name)
-    if experiment:
-        return experiment.experiment_id
-    try:
-        return mlflow_client.create_experiment(name,
-                                               artifact_location=artifact_location(tracking_uri))
-    except MlflowException as error:
-        experiment = mlflow_client.get_experiment_by_name(name)
-        if error.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS) or experiment is None:
-            raise
-        return experiment.experiment_id
+    if experiment is None:
+        try:
+            return mlflow_client.create_experiment(
+                name, artifact_location=artifact_location(tracking_uri),
+                tags=dict([EXPERIMENT_KIND]))
+        except MlflowException as error:
+            experiment = mlflow_client.get_experiment_by_name(name)
+            if error.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS) or experiment is None:
+                raise
+    key, kind = EXPERIMENT_KIND
+    if experiment.tags.get(key) != kind:
+        mlflow_client.set_experiment_tag(experiment.experiment_id, key, kind)
+    return experiment.experiment_id
 
 
 def flatten(values: dict, prefix: str = "") -> dict[str, Any]:
@@ -143,13 +149,42 @@ def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step:
         mlflow_client.log_batch(run_id, metrics=items[start:start + 200], synchronous=True)
 
 
-def log_dataset(tracking_uri: str, run_id: str, dataset_path: str, name: str, digest: str,
-                context: str) -> None:
+@dataclasses.dataclass(frozen=True)
+class DatasetRef:
+    """A dataset as MLflow shows it on a run: the saved rows (`path`: a datasets folder, or a
+    JSON/JSONL/CSV/Parquet file), its name, the content digest (equal data, equal digest, in every
+    run), where it came from (a file or a Hub id) and the context it is used in."""
+    path: str
+    name: str
+    digest: str
+    source: str
+    context: str  # "training" | "evaluation"
+
+    @property
+    def key(self) -> dict[str, str]:
+        """What MLflow's metrics and searches name a dataset by."""
+        return {"dataset_name": self.name, "dataset_digest": self.digest}
+
+
+def log_datasets(tracking_uri: str, run_id: str, refs: list[DatasetRef]) -> None:
+    """Every dataset as an input of the run, with its schema and row count (MLflow's profile)."""
     import mlflow
-    from datasets import load_from_disk
-    dataset = mlflow.data.from_huggingface(load_from_disk(dataset_path), path=dataset_path,
-                                           name=name, digest=digest)
-    client(tracking_uri).log_inputs(run_id, datasets=[_dataset_input(dataset, context)])
+
+    from rloo.data import load_prompt_dataset
+    inputs = []
+    for ref in refs:
+        rows = load_prompt_dataset(ref.path)  # a saved split's folder or a file
+        source = ref.source
+        if os.path.exists(source):  # a local file: MLflow's local source, an absolute file URI
+            source = "file://" + os.path.abspath(source)
+            dataset = mlflow.data.from_huggingface(rows, name=ref.name, digest=ref.digest,
+                                                   source=source)
+        else:  # a Hub id
+            dataset = mlflow.data.from_huggingface(rows, path=source, name=ref.name,
+                                                   digest=ref.digest)
+        inputs.append(_dataset_input(dataset, ref.context))
+    if inputs:
+        client(tracking_uri).log_inputs(run_id, datasets=inputs)
 
 
 def _dataset_input(dataset, context: str):
@@ -167,7 +202,9 @@ class StageRecord:
     metrics: dict = dataclasses.field(default_factory=dict)
     step: int = 0
     artifacts: list = dataclasses.field(default_factory=list)  # (local path, artifact folder)
-    datasets: list = dataclasses.field(default_factory=list)  # (path, name, digest, context)
+    datasets: list = dataclasses.field(default_factory=list)  # DatasetRef
+    # (model id, metrics, step, DatasetRef): held-out metrics of a LoggedModel
+    model_metrics: list = dataclasses.field(default_factory=list)
     # also on the pipeline's run (what `compare` and the run list show)
     metrics_on_parent: bool = False
 
@@ -206,8 +243,7 @@ def tracked_stage(config, parent_run_id: str | None, stage: str, body, record=No
 
 
 def log_record(uri: str, run_id: str, record: StageRecord, parent_run_id: str | None) -> None:
-    for path, name, digest, context in record.datasets:
-        log_dataset(uri, run_id, path, name, digest, context)
+    log_datasets(uri, run_id, record.datasets)
     if record.params:
         log_params(uri, run_id, record.params)
     if record.metrics:
@@ -216,15 +252,16 @@ def log_record(uri: str, run_id: str, record: StageRecord, parent_run_id: str | 
             log_metrics(uri, parent_run_id, record.metrics, record.step)
     for path, folder in record.artifacts:
         client(uri).log_artifact(run_id, path, folder)
+    for model_id, metrics, step, dataset in record.model_metrics:
+        log_model_metrics(uri, run_id, model_id, metrics, step, dataset)
 
 
 def dataset_record(config, result: dict) -> StageRecord:
+    from infra.stages import split_datasets
     return StageRecord(
         params={"source": result["source"], "format": result["format"], "digest": result["digest"]},
         metrics={"num_train": result["num_train"], "num_eval": result["num_eval"]},
-        datasets=[(result[f"{split}_path"], f"{config.name}-{split}", result["digest"],
-                   "training" if split == "train" else "evaluation")
-                  for split in ("train", "eval")])
+        datasets=split_datasets(config, result))
 
 
 def model_record(result: dict) -> StageRecord:
@@ -234,7 +271,11 @@ def model_record(result: dict) -> StageRecord:
     })
 
 
-def evaluation_record(result: dict, step: int) -> StageRecord:
+def evaluation_record(config, dataset_result: dict, result: dict, step: int) -> StageRecord:
+    """The evaluate run: base vs trained metrics (also on the pipeline's run), the report, the
+    datasets it read, and each evaluated checkpoint's metrics against its LoggedModel, one dataset
+    at a time."""
+    from infra.stages import pipeline_datasets
     metrics = {f"{label}_{key}".replace("/", "_"): value for label in ("base", "trained")
                for key, value in result[label].items() if value is not None}
     if result["reward_gain"] is not None:
@@ -249,7 +290,16 @@ def evaluation_record(result: dict, step: int) -> StageRecord:
     plots = [result.get("plot_path"), result.get("timing_plot_path")]
     artifacts = [(result["report_path"], "evaluation")] + [(plot, "evaluation")
                                                            for plot in plots if plot]
-    return StageRecord(metrics=metrics, step=step, artifacts=artifacts, metrics_on_parent=True)
+    datasets = pipeline_datasets(config, dataset_result)
+    held_out, extra = datasets[1], dict(zip(config.evaluation.extra_sets, datasets[2:]))
+    model_metrics = []
+    for row in result.get("checkpoints", []):
+        if row["model_id"]:
+            model_metrics.append((row["model_id"], row["held_out"], row["step"], held_out))
+            model_metrics += [(row["model_id"], row["sets"][name], row["step"], extra[name])
+                              for name in extra]
+    return StageRecord(metrics=metrics, step=step, artifacts=artifacts, metrics_on_parent=True,
+                       datasets=datasets, model_metrics=model_metrics)
 
 
 @contextlib.contextmanager
@@ -320,13 +370,86 @@ def log_comparison(tracking_uri: str, experiment: str, run_keys: list[str],
 
 
 # ----------------------------------------------------------------------------------------------
-# model registry
-def register_version(uri: str, experiment: str, model_name: str, run_id: str, tags: dict[str, str],
-                     description: str) -> str:
-    """A new version of `model_name` (created when missing) for a policy whose weights stay where
-    they are: an external LoggedModel of the run (tags name the path) registered as the version's
-    source. Returns the version."""
+# logged models: one per saved checkpoint of a train run (infra.checkpoints decides what and when)
+def find_logged_models(uri: str, experiment: str, tags: dict[str, str]) -> list:
+    """The experiment's LoggedModels carrying every one of `tags`, oldest first."""
+    where = " AND ".join(f"tags.`{key}` = '{value}'" for key, value in tags.items())
+    found = client(uri).search_logged_models([experiment_id(uri, experiment)],
+                                             filter_string=where or None,
+                                             order_by=[{"field_name": "creation_timestamp"}])
+    return list(found)
+
+
+def create_logged_model(uri: str, experiment: str, name: str, run_id: str, tags: dict[str, str],
+                        params: dict) -> str:
+    """A PENDING LoggedModel of `run_id` (weights attached by `attach_transformers_weights`, or
+    the record finalized by `finalize_logged_model`); returns its id."""
+    model = client(uri).create_logged_model(experiment_id(uri, experiment), name=name,
+                                            source_run_id=run_id, tags=tags,
+                                            params=safe_params(params), model_type="rloo-policy")
+    return model.model_id
+
+
+def attach_transformers_weights(uri: str, model_id: str, name: str, step: int, model, tokenizer,
+                                base_model_path: str | None) -> None:
+    """The policy's files under the LoggedModel in MLflow's transformers flavor (READY after):
+    `mlflow.transformers.load_model("models:/<id>")` returns a text-generation pipeline. A PEFT
+    model is logged as its adapter plus `base_model_path` (a local folder the loader reads)."""
     import mlflow
+    import peft
+    import torch
+    import transformers
+    requirements = [f"torch=={torch.__version__.split('+')[0]}",
+                    f"transformers=={transformers.__version__}"]
+    if base_model_path:
+        requirements.append(f"peft=={peft.__version__}")
+    with _fluent_uri(uri):
+        # (explicit requirements: MLflow's inference loads the model again in a subprocess)
+        mlflow.transformers.log_model({"model": model, "tokenizer": tokenizer}, name=name,
+                                      task="text-generation", base_model_path=base_model_path,
+                                      step=step, model_id=model_id,
+                                      pip_requirements=requirements)
+
+
+def finalize_logged_model(uri: str, model_id: str) -> None:
+    client(uri).finalize_logged_model(model_id, "READY")
+
+
+def tag_logged_model(uri: str, model_id: str, tags: dict[str, str]) -> None:
+    client(uri).set_logged_model_tags(model_id, tags)
+
+
+def log_model_metrics(uri: str, run_id: str, model_id: str, metrics: dict[str, float], step: int,
+                      dataset: DatasetRef) -> None:
+    """Held-out metrics of one LoggedModel on one dataset, logged in `run_id` (the evaluate run):
+    MLflow's Models tab and `search_logged_models(order_by=...)` rank checkpoints by them."""
+    from mlflow.entities import Metric
+    now = int(time.time() * 1000)
+    items = [Metric(key, value, now, step, model_id=model_id, **dataset.key)
+             for key, value in numeric_metrics(metrics).items()]
+    client(uri).log_batch(run_id, metrics=items, synchronous=True)
+
+
+def ranked_logged_models(uri: str, experiment: str, tags: dict[str, str], metric: str,
+                         dataset: DatasetRef) -> list:
+    """The LoggedModels carrying `tags` that have `metric` on `dataset`, best (highest) first; ties
+    to the earliest made (the earlier checkpoint, as transformers' best-model tracking does)."""
+    where = " AND ".join(f"tags.`{key}` = '{value}'" for key, value in tags.items())
+    found = client(uri).search_logged_models(
+        [experiment_id(uri, experiment)], filter_string=where, datasets=[dataset.key],
+        order_by=[{"field_name": f"metrics.{metric}", "ascending": False, **dataset.key},
+                  {"field_name": "creation_timestamp", "ascending": True}])
+    return [model for model in found
+            if any(m.key == metric and m.dataset_digest == dataset.digest for m in model.metrics)]
+
+
+# ----------------------------------------------------------------------------------------------
+# model registry
+def register_version(uri: str, model_name: str, run_id: str, model_id: str,
+                     tags: dict[str, str], description: str) -> str:
+    """A new version of `model_name` (created when missing) from the LoggedModel `model_id`
+    (lineage: version -> LoggedModel -> its train run -> that run's datasets). Returns the
+    version."""
     from mlflow.exceptions import MlflowException
     mlflow_client = client(uri)
     try:
@@ -337,14 +460,15 @@ def register_version(uri: str, experiment: str, model_name: str, run_id: str, ta
         mlflow_client.create_registered_model(model_name, description=description)
     # the registry resolves `models:/<id>` through the current tracking store
     with _fluent_uri(uri):
-        logged = mlflow.create_external_model(name=model_name, source_run_id=run_id, tags=tags,
-                                              model_type="rloo-policy",
-                                              experiment_id=experiment_id(uri, experiment))
-        version = mlflow_client.create_model_version(model_name,
-                                                     source=f"models:/{logged.model_id}",
+        version = mlflow_client.create_model_version(model_name, source=f"models:/{model_id}",
                                                      run_id=run_id, tags=tags,
-                                                     description=description,
-                                                     model_id=logged.model_id)
+                                                     description=description, model_id=model_id)
+    # the LoggedModel names its versions (what mlflow.register_model does; the Models tab shows it)
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+    linked = json.loads(mlflow_client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS)
+                        or "[]")
+    linked.append({"name": model_name, "version": str(version.version)})
+    mlflow_client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(linked)})
     return str(version.version)
 
 

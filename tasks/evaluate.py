@@ -16,7 +16,8 @@ def evaluate_task(config: RunConfig, dataset_result: dict, model_result: dict, t
     result = tracking.tracked_stage(
         config, parent_run_id, "evaluate",
         lambda: evaluation.evaluate_policy(config, dataset_result, model_result, train_result),
-        lambda result: tracking.evaluation_record(result, train_result["global_step"]))
+        lambda result: tracking.evaluation_record(config, dataset_result, result,
+                                                  train_result["global_step"]))
     with open(result["report_path"]) as handle:
         report = handle.read()
     for plot in (result["plot_path"], result.get("timing_plot_path")):

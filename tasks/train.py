@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from infra import job_tracking, stages, stall_alert, tracking
+from infra import checkpoints, job_tracking, stages, stall_alert, tracking
 from infra.runconfig import RunConfig, resolved_dict
 from tasks.common import cache_key, progress_reporter, say
 
@@ -15,6 +15,9 @@ async def train_task(config: RunConfig, dataset_result: dict, model_result: dict
     previous = stages.read_json(stages.stage_path(config, "train", "job.json")) or {}
     with tracking.stage_run(config, parent_run_id, "train", run_id=previous.get("mlflow_run_id"),
                             params=resolved_dict(config)) as run_id:
+        if run_id and not previous:  # what it trains on and is scored against, on the run's page
+            tracking.log_datasets(config.tracking_uri, run_id,
+                                  stages.pipeline_datasets(config, dataset_result))
         record = stages.start_or_reattach_training(config, dataset_result, model_result, run_id)
         how = "reattached to" if record["reattached"] else (
             f"resumed from {record['resumed_from']} as" if record["resumed_from"] else "started")
@@ -29,5 +32,8 @@ async def train_task(config: RunConfig, dataset_result: dict, model_result: dict
         # what MLflow refused during the run (an outage) goes now, before the run is closed
         if run_id:
             job_tracking.flush_pending(stages.train_dir(config), config.tracking_uri, run_id)
-    say("train", f"{result['global_step']} optimizer steps done; model in {result['output_dir']}")
+            result = checkpoints.log_models(config, result, model_result, run_id)
+    models = f"; {len(result['models'])} models in MLflow" if result.get("models") else ""
+    say("train", f"{result['global_step']} optimizer steps done; model in {result['output_dir']}"
+        f"{models}")
     return result

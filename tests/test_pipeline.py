@@ -86,10 +86,32 @@ def test_end_to_end_two_processes(prefect_api, mlflow_server, run_root):
     timing = {key: {m.step: m.value for m in client.get_metric_history(train.info.run_id, key)}
               for key in [*TIMING_KEYS, "step_time"]}
     assert_step_timing([{key: timing[key][step] for key in timing} for step in (1, 2, 3)])
-    artifacts = {a.path for a in client.list_artifacts(train.info.run_id)}
-    assert {"checkpoints", "completions"} <= artifacts
-    datasets = client.get_run(children["dataset"].info.run_id).inputs.dataset_inputs
-    assert {d.dataset.name for d in datasets} == {"tiny-train", "tiny-eval"}
+    assert "completions" in {a.path for a in client.list_artifacts(train.info.run_id)}
+    # MLflow's UI opens the experiment in its model-training view, not the GenAI one
+    assert experiment.tags["mlflow.experimentKind"] == "finetuning"
+    # the data each run read, where MLflow shows it: equal data, equal digest, in every run
+    inputs = {stage: {(d.dataset.name, d.dataset.digest, d.tags[0].value, json.loads(d.dataset.source)["uri"])
+                      for d in client.get_run(children[stage].info.run_id).inputs.dataset_inputs}
+              for stage in ("dataset", "train", "evaluate")}
+    source = f"file://{ROOT}/data/arithmetic.jsonl"
+    assert {(name, context, uri) for name, _, context, uri in inputs["train"]} == {
+        ("tiny-train", "training", source), ("tiny-eval", "evaluation", source)}
+    assert inputs["train"] == inputs["evaluate"] == inputs["dataset"]
+    assert len({digest for _, digest, _, _ in inputs["train"]}) == 2  # each split its own content digest
+    # every saved checkpoint and the final model a LoggedModel of the train run, with its held-out metrics
+    held_out = next((name, digest) for name, digest, context, _ in inputs["train"] if context == "evaluation")
+    models = client.search_logged_models([experiment.experiment_id],
+                                         filter_string=f"tags.`rloo.run_key` = '{config.run_key}'")
+    assert sorted((m.name, m.tags["rloo.step"]) for m in models) == [("checkpoint-2", "2"), ("checkpoint-3", "3"),
+                                                                     ("final", "3")]
+    for model in models:
+        assert model.source_run_id == train.info.run_id and str(model.status) == "READY"
+        assert model.tags["rloo.weights"] == "adapter" and model.tags["rloo.stored"] == "logged"
+        assert model.params["learning_rate"] == "0.001"
+        linked = {(m.key, m.dataset_name, m.dataset_digest): m.value for m in model.metrics}
+        assert set(linked) >= {("reward", *held_out), ("completion_length", *held_out)}
+    # system metrics beside the loss curve
+    assert any(key.startswith("system/cpu_utilization") for key in client.get_run(train.info.run_id).data.metrics)
     assert children["evaluate"].data.metrics["trained_reward"] == pytest.approx(evaluation["trained"]["reward"])
     shown = {a.path for a in client.list_artifacts(children["evaluate"].info.run_id, "evaluation")}
     assert {"evaluation/report.md", "evaluation/reward_curve.png", "evaluation/step_timing.png"} <= shown

@@ -426,3 +426,61 @@ def test_a_new_run_roots_prefect_database_is_copied_from_the_one_the_first_start
     monkeypatch.setenv("RLOO_CACHE", str(tmp_path / "cache"))
     prefect_api.save_template(str(used))
     assert os.listdir(tmp_path / "cache" / "prefect-db") == []
+
+
+def test_evaluation_sampling_does_not_take_the_models_own_generation_config(tmp_path, monkeypatch):
+    """With evaluation.temperature > 0, a model whose generation_config.json says top_k 1 (a Qwen Instruct model's
+    says 20) is sampled with the evaluation's settings: top_k off, so one prompt's 8 samples differ (with top_k 1 all
+    8 would be its greedy completion)."""
+    import shutil
+
+    from infra.evaluation import score_policies
+    from rloo.assets import resolve_model_alias
+    monkeypatch.setenv("RLOO_ENGINE", "reference")  # model.generate: where a model's own settings are merged in
+    policy, tokenizer = resolve_model_alias("tiny", str(tmp_path / "assets"))
+    own = shutil.copytree(policy, tmp_path / "own-top-k")
+    (own / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_k": 1}))
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "solution": "4"}] * 8
+    config = tiny(tmp_path, "evaluation.temperature=1.0", "evaluation.max_completion_length=6")
+    texts = score_policies(config, str(own), tokenizer, rows, {"base": None}, {"base": 0}, 1)["base"]["texts"]
+    assert len(set(texts)) > 1, texts
+    greedy = tiny(tmp_path, "evaluation.temperature=1.0", "evaluation.max_completion_length=6", "evaluation.top_k=1")
+    assert len(set(score_policies(greedy, str(own), tokenizer, rows, {"base": None}, {"base": 0}, 1)["base"]["texts"])) == 1
+
+
+def test_checkpoint_choice_table_and_best_by_hand(tmp_path):
+    """Which checkpoints the evaluate stage scores (every k-th kept one, then the final model), the best by the held-out
+    metric (ties: the earliest, a checkpoint before the final model of the same step), the report's table."""
+    from infra import checkpoints
+
+    def saved(interval):  # checkpoints 2, 4, 6 and 8 saved, checkpoint-2 deleted by save_total_limit since
+        config = tiny(tmp_path, f"evaluation.checkpoint_interval={interval}")
+        train = stages.train_dir(config)
+        os.makedirs(os.path.join(train, "output"))
+        open(os.path.join(train, "output", "adapter_config.json"), "w").write("{}")
+        with open(os.path.join(train, "checkpoints.jsonl"), "w") as handle:
+            for step in (2, 4, 6, 8):
+                path = os.path.join(train, "output", f"checkpoint-{step}")
+                if step != 2:
+                    os.makedirs(path)
+                    open(os.path.join(path, "adapter_config.json"), "w").write("{}")
+                handle.write(json.dumps({"step": step, "path": path}) + "\n")
+        result = {"global_step": 8, "output_dir": os.path.join(train, "output"), "models": {"final": "m-1"}}
+        return config, result
+
+    config, result = saved(2)
+    assert [(c.name, c.model_id) for c in checkpoints.saved_checkpoints(config, result)] == [
+        ("checkpoint-2", None), ("checkpoint-4", None), ("checkpoint-6", None), ("checkpoint-8", None), ("final", "m-1")]
+    assert [c.name for c in checkpoints.to_evaluate(config, result)] == ["checkpoint-6", "final"]  # of 4, 6, 8 kept
+    assert [c.name for c in checkpoints.to_evaluate(*saved(1))] == ["checkpoint-4", "checkpoint-6", "checkpoint-8",
+                                                                  "final"]
+    assert [c.name for c in checkpoints.to_evaluate(*saved(0))] == ["final"]
+    table = [{"name": name, "step": step, "held_out": {"reward": value}, "sets": {"other": {"reward": 0.1}}}
+             for name, step, value in (("checkpoint-4", 4, 0.5), ("checkpoint-6", 6, 0.75), ("checkpoint-8", 8, 0.75),
+                                       ("final", 8, 0.75))]
+    assert checkpoints.best(table, "reward")["name"] == "checkpoint-6"
+    assert checkpoints.best(table[2:], "reward")["name"] == "checkpoint-8"  # before the final model, same weights
+    assert checkpoints.best(table, "accuracy") is None
+    lines = checkpoints.render_table(table, "reward", ["other"])
+    assert lines[0] == "| checkpoint | step | held-out reward | other reward |  |"
+    assert lines[3] == "| checkpoint-6 | 6 | 0.750 | 0.100 | **best** |" and "best" not in lines[4]
