@@ -463,12 +463,15 @@ def register_version(uri: str, model_name: str, run_id: str, model_id: str,
         version = mlflow_client.create_model_version(model_name, source=f"models:/{model_id}",
                                                      run_id=run_id, tags=tags,
                                                      description=description, model_id=model_id)
-    # the LoggedModel names its versions (what mlflow.register_model does; the Models tab shows it)
+    # The LoggedModel names its versions (the Models tab shows them): a tracking server's registry
+    # does it itself, a local store does not (mlflow.register_model does it on the client side).
     from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
     linked = json.loads(mlflow_client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS)
                         or "[]")
-    linked.append({"name": model_name, "version": str(version.version)})
-    mlflow_client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(linked)})
+    if not any(entry["name"] == model_name and str(entry["version"]) == str(version.version)
+               for entry in linked):
+        linked.append({"name": model_name, "version": version.version})
+        mlflow_client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(linked)})
     return str(version.version)
 
 

@@ -101,6 +101,17 @@ def start_waiting_promotion(environment, root, key, *extra):
     return process, waiting
 
 
+def best_checkpoint(root, key, metric="reward"):
+    """The evaluate stage's best checkpoint of a run (its row of the checkpoints' table)."""
+    from infra import checkpoints
+    table = json.load(open(os.path.join(root, key, "eval", "metrics.json")))["checkpoints"]
+    return checkpoints.best(table, metric)
+
+
+def hub_tag(key, row):
+    return key if row["name"] == "final" else f"{key}-step{row['step']}"
+
+
 def test_gate_rules_by_hand():
     from types import SimpleNamespace
 
@@ -129,7 +140,24 @@ def test_bad_input_fails_before_anything_is_registered(runs, mlflow_server, hub,
     finally:
         os.rename(evaluate + ".away", evaluate)
     assert promote(root, key, "--checkpoint", "99") == 2
-    assert "no complete checkpoint-99 (it has: checkpoint-2" in capsys.readouterr().err
+    assert "no complete checkpoint-99 (it has: checkpoint-2, checkpoint-3; or best, last)" in capsys.readouterr().err
+    assert promote(root, key, "--checkpoint", "newest") == 2
+    assert "use best (the checkpoint with the highest held-out promotion.metric), last" in capsys.readouterr().err
+    assert promote(root, key, "--set", "promotion.metric=acuracy") == 2
+    assert "promotion.metric='acuracy' is not a held-out metric of run" in capsys.readouterr().err
+    assert promote(root, key, "--set", "evaluation.checkpoint_interval=1") == 2
+    assert "only promotion.* settings" in capsys.readouterr().err
+    record = json.load(open(evaluate))  # as if evaluation.checkpoint_interval had been 0: the final model only
+    os.rename(evaluate, evaluate + ".away")
+    try:
+        table = record["result"]["checkpoints"]
+        record["result"]["checkpoints"] = [row for row in table if row["name"] == "final"]
+        json.dump(record, open(evaluate, "w"))
+        assert promote(root, key) == 2
+        assert ("--checkpoint best: run " + key + "'s checkpoints were not evaluated (evaluation.checkpoint_interval=1; "
+                "evaluated: the final model only). Fix: --checkpoint last, or a step of 2, 3.") in capsys.readouterr().err
+    finally:
+        os.replace(evaluate + ".away", evaluate)
     assert promote(root, key, "--set", "promotion.model_name=team/policy") == 2
     assert "not a valid MLflow registered-model name" in capsys.readouterr().err
     assert promote(root, key, "--set", "training.learning_rate=1") == 2
@@ -150,7 +178,9 @@ def test_gate_failure_registers_the_candidate_and_publishes_nothing(runs, mlflow
     candidate = registry(mlflow_server).get_model_version_by_alias(MODEL, "candidate")
     tags = candidate.tags
     assert tags["rloo.run_key"] == key and tags["rloo.gate"] == "failed: min_gain" and "eval.reward" in tags
-    assert tags["rloo.weights_path"].endswith("train/output") and tags["rloo.dataset_digest"]
+    best = best_checkpoint(root, key)
+    assert tags["rloo.checkpoint"] == best["name"] and tags["rloo.dataset_digest"]
+    assert tags["rloo.weights_path"].endswith("train/output" + ("" if best["name"] == "final" else f"/{best['name']}"))
     assert champion(mlflow_server) is None and hub.commits(REPO) == []
     report = open(os.path.join(root, key, "promotion", f"{MODEL}-v{candidate.version}", "promotion.md")).read()
     assert "**Verdict: FAILED**, decided by `min_gain`" in report and "base model (no champion yet)" in report
@@ -187,7 +217,7 @@ def test_upload_failure_keeps_the_champion_and_a_retry_publishes_once(runs, envi
     assert process.returncode == 0 and "published acme/rloo-tiny" in output, output[-3000:]
     assert TOKEN not in output
     assert len(hub.commits(REPO)) == 1 and hub.repos[REPO]["private"]
-    assert hub.repos[REPO]["tags"] == {key: hub.commits(REPO)[0]["oid"]}
+    assert hub.repos[REPO]["tags"] == {hub_tag(key, best_checkpoint(root, key)): hub.commits(REPO)[0]["oid"]}
     version = champion(mlflow_server)
     assert version.tags["hub.commit"] == hub.commits(REPO)[0]["oid"] and version.tags["hub.repo"] == REPO
     assert version.tags["rloo.decision_comment"] == "ship it"
@@ -206,7 +236,7 @@ def test_upload_failure_keeps_the_champion_and_a_retry_publishes_once(runs, envi
     card = ModelCard.load(os.path.join(tree, "README.md"))
     results = {r.metric_type: r.metric_value for r in card.data.eval_results}
     evaluation = json.load(open(os.path.join(root, key, "eval", "metrics.json")))
-    assert results["reward"] == pytest.approx(evaluation["trained"]["reward"])
+    assert results["reward"] == pytest.approx(best_checkpoint(root, key)["held_out"]["reward"])  # the one published
     assert results["base/reward"] == pytest.approx(evaluation["base"]["reward"])  # the base model, same prompts
     assert card.data.library_name == "peft" and "rloo" in card.data.tags and "| reward |" in card.text
     for directory, _, files in os.walk(hub.root):  # the token is in no uploaded file ...
@@ -214,13 +244,47 @@ def test_upload_failure_keeps_the_champion_and_a_retry_publishes_once(runs, envi
             assert TOKEN.encode() not in open(os.path.join(directory, name), "rb").read()
     client = registry(mlflow_server)  # ... no tag, param or artifact
     assert TOKEN not in json.dumps([dict(v.tags) for v in client.search_model_versions(f"name = '{MODEL}'")])
-    run = client.get_run(version.run_id)
+    parent = json.load(open(os.path.join(root, key, "summary.json")))["mlflow_run_id"]  # the pipeline's run
+    run = client.get_run(parent)
     assert TOKEN not in json.dumps(run.data.to_dictionary()) and run.data.tags["rloo.promoted"] == "true"
-    assert TOKEN not in client.download_artifacts(version.run_id, f"promotion/{MODEL}-v{version.version}/promotion.md",
-                                                  root)
+    assert TOKEN not in client.download_artifacts(parent, f"promotion/{MODEL}-v{version.version}/promotion.md", root)
 
     assert promote(root, key, "--approve") == 0  # a second promotion of the same run: a no-op
     assert len(hub.commits(REPO)) == 1
+
+
+def test_the_champion_is_the_best_checkpoints_logged_model_and_loads_with_mlflow(runs, mlflow_server):
+    """Promotion by evidence: MLflow's own ranking of the run's LoggedModels on the held-out set names the checkpoint
+    that `promote` (--checkpoint best) registered; the version points at that LoggedModel (and it at the version);
+    the champion loads with mlflow.transformers and generates."""
+    import mlflow
+
+    from infra import stages, tracking
+    from infra.runconfig import load_run_config
+    root, (key, _) = runs
+    config = load_run_config(os.path.join(root, key, "config.yaml"))
+    held_out = stages.pipeline_datasets(config, stages.load_stage_result(config, "dataset"))[1]
+    version = champion(mlflow_server)
+    for metric in ("reward", "completion_length"):  # the gate's metric, and one whose values differ
+        ranked = tracking.ranked_logged_models(mlflow_server.uri, "rloo", {"rloo.run_key": key}, metric, held_out)
+        assert ranked[0].name == best_checkpoint(root, key, metric)["name"], [(m.name, m.metrics) for m in ranked]
+        assert len(ranked) == 3  # checkpoint-2, checkpoint-3 and the final model, each scored
+        if metric == "reward":
+            assert version.tags["rloo.checkpoint"] == ranked[0].name
+            assert version.source == f"models:/{ranked[0].model_id}"
+            assert json.loads(ranked[0].tags["mlflow.modelVersions"]) == [{"name": MODEL, "version": int(version.version)}]
+            assert version.run_id == ranked[0].source_run_id  # lineage: version -> model -> train run -> datasets
+            train = registry(mlflow_server).get_run(version.run_id)
+            assert train.data.tags["rloo.stage"] == "train"
+            assert held_out.digest in {d.dataset.digest for d in train.inputs.dataset_inputs}
+    assert "the best held-out reward" in version.tags["rloo.chosen_because"]
+    report = open(os.path.join(root, key, "promotion", f"{MODEL}-v{version.version}", "promotion.md")).read()
+    assert "Why this checkpoint: the best held-out reward" in report and "| **best** |" in report
+    with tracking._fluent_uri(mlflow_server.uri):  # what a user's MLFLOW_TRACKING_URI does
+        pipeline = mlflow.transformers.load_model(f"models:/{MODEL}@champion")
+    out = pipeline("What is 2+2?", max_new_tokens=4, min_new_tokens=4, do_sample=False, return_full_text=False)
+    assert out[0]["generated_text"].strip()
+    assert sum(p.numel() for n, p in pipeline.model.named_parameters() if "lora_" in n) > 0  # the trained adapter
 
 
 def test_second_run_checkpoint_is_gated_against_the_champion(runs, mlflow_server, hub, capsys):
@@ -231,8 +295,10 @@ def test_second_run_checkpoint_is_gated_against_the_champion(runs, mlflow_server
     version = champion(mlflow_server)
     assert version.tags["rloo.run_key"] == second and version.tags["rloo.checkpoint"] == "checkpoint-2"
     report = open(os.path.join(root, second, "promotion", f"{MODEL}-v{version.version}", "promotion.md")).read()
-    assert "Reference: champion v" in report and f"({first}, final)" in report and "re-evaluated" not in report
-    assert hub.repos[REPO]["tags"].keys() == {first, f"{second}-step2"} and len(hub.commits(REPO)) == 2
+    assert "Reference: champion v" in report and f"({first}, {best_checkpoint(root, first)['name']})" in report
+    assert "re-evaluated" not in report
+    assert hub.repos[REPO]["tags"].keys() == {hub_tag(first, best_checkpoint(root, first)), f"{second}-step2"}
+    assert len(hub.commits(REPO)) == 2
     # Merged weights replace the adapter: the repository holds exactly the new model, which loads as a full one.
     deleted = {f["path"] for f in hub.commits(REPO)[1]["files"] if f["deleted"]}
     assert {"adapter_model.safetensors", "adapter_config.json"} <= deleted
@@ -291,7 +357,7 @@ def test_an_air_gapped_cluster_promotes_into_a_directory(runs, mlflow_server, mo
     assert "published" in capsys.readouterr().out
     tree = tmp_path / "hub" / REPO / "main"
     assert {"adapter_model.safetensors", "adapter_config.json", "README.md", "tokenizer.json"} <= set(os.listdir(tree))
-    assert json.load(open(tmp_path / "hub" / REPO / "tags.json")) == {first: "0000"}
+    assert json.load(open(tmp_path / "hub" / REPO / "tags.json")) == {hub_tag(first, best_checkpoint(root, first)): "0000"}
     version = registry(mlflow_server).get_model_version_by_alias("rloo-tiny-airgapped", "champion")
     assert version.tags["hub.url"].startswith("file://")
 
