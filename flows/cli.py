@@ -44,7 +44,8 @@ def _run_checked(options, config, config_path: str, assignments: list[str],
                  api: EphemeralApi) -> int:
     from flows import console
     from infra.stages import check_config
-    from infra.tracking import check_reachable
+    from infra.checkpoints import best
+    from infra.tracking import check_reachable, experiment_id, models_link
     check_config(config, read_rows=False)  # the rows: in the dataset stage, which reads them anyway
     local_store = config.tracking_uri.startswith("sqlite:")
     if not local_store:
@@ -83,6 +84,12 @@ def _run_checked(options, config, config_path: str, assignments: list[str],
         print(f"  held-out reward: base {evaluation['base']['reward']:.3f} -> trained "
               f"{evaluation['trained']['reward']:.3f} ({evaluation['reward_gain']:+.3f}); report "
               f"{evaluation['report_path']}")
+        table, metric = evaluation.get("checkpoints") or [], config.promotion.metric
+        if (top := best(table, metric)) is not None:
+            models = models_link(config.tracking_uri,
+                                 experiment_id(config.tracking_uri, config.tracking.experiment))
+            print(f"  best of {len(table)} evaluated checkpoints on held-out {metric}: "
+                  f"{top['name']} ({top['held_out'][metric]:.3f}); ranked in MLflow: {models}")
     print(f"  MLflow run {summary['mlflow_run_id']} in {config.tracking_uri}")
     print(
         f"  Browse both UIs: rloo-pipeline ui --run-root {config.run_root}   (Prefect :4200, "

@@ -65,14 +65,13 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
     def number(value: float) -> float | None:
         return None if math.isnan(value) else value
 
-    metrics = {}
+    metrics = {"reward": number(measured["reward"])}  # the headline first (tables, MLflow's columns)
     for index, name in enumerate(runner.names):
         metrics[f"reward/{name}"] = number(measured[f"rewards/{name}/mean"])
         scored = {v for v in rollout.rewards_per_func[:, index].tolist() if not math.isnan(v)}
         if scored and scored <= {0.0, 1.0}:
             # a 0/1 reward's mean is its accuracy
             metrics[f"accuracy/{name}"] = metrics[f"reward/{name}"]
-    metrics["reward"] = number(measured["reward"])
     metrics["completion_length"] = measured["completions/mean_length"]
     metrics["truncated_ratio"] = measured["completions/clipped_ratio"]
     return {"metrics": metrics, "texts": rollout.completion_texts}

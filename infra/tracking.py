@@ -346,15 +346,25 @@ def ui_base(tracking_uri: str) -> str:
         "RLOO_MLFLOW_UI", "http://127.0.0.1:5000")).rstrip("/")
 
 
+# MLflow 3's UI picks its view (GenAI or model training) from a per-browser toggle that starts at
+# GenAI; the experiment-kind tag does not override it, this parameter of a link does.
+TRAINING_VIEW = "workflowType=machine_learning"
+
+
 def run_link(tracking_uri: str, experiment: str, run_id: str) -> str:
-    return f"{ui_base(tracking_uri)}/#/experiments/{experiment}/runs/{run_id}"
+    return f"{ui_base(tracking_uri)}/#/experiments/{experiment}/runs/{run_id}?{TRAINING_VIEW}"
+
+
+def models_link(tracking_uri: str, experiment: str) -> str:
+    """The experiment's Models tab: every checkpoint's LoggedModel with its held-out metrics."""
+    return f"{ui_base(tracking_uri)}/#/experiments/{experiment}/models?{TRAINING_VIEW}"
 
 
 def compare_link(tracking_uri: str, experiments: list[str], run_ids: list[str]) -> str:
     """MLflow's side-by-side view of these runs."""
     from urllib.parse import quote
     return (f"{ui_base(tracking_uri)}/#/compare-runs?runs={quote(json.dumps(run_ids))}"
-            f"&experiments={quote(json.dumps(sorted(set(experiments))))}")
+            f"&experiments={quote(json.dumps(sorted(set(experiments))))}&{TRAINING_VIEW}")
 
 
 def log_comparison(tracking_uri: str, experiment: str, run_keys: list[str],

@@ -101,3 +101,15 @@ class MlflowServer:
         if self.process is not None:
             stop_process_groups([self.process], timeout_s=20)
         self.process = None
+
+
+def chromium(*arguments, profile, size="1400,1100"):
+    """Debian's chromium, headless, on a page served on loopback (`--dump-dom URL`, `--screenshot=FILE URL`), in its
+    own profile folder."""
+    import shutil
+    binary = shutil.which("chromium")
+    assert binary, "Debian's chromium is not installed (scripts/setup.sh installs it)"
+    return subprocess.run([binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                           f"--user-data-dir={profile}", f"--window-size={size}", "--hide-scrollbars",
+                           "--virtual-time-budget=20000", *arguments], capture_output=True, text=True, timeout=120)

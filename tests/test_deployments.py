@@ -5,7 +5,6 @@ flow run created through the REST API exactly as the UI's Run button does, a sch
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import urllib.request
 import pytest
 import yaml
 
-from services import free_port
+from services import chromium, free_port
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,15 +153,6 @@ def test_the_nightly_schedule_creates_the_next_runs(served):
         time.sleep(2)
     assert all(run["expected_start_time"][11:19] == "02:00:00" for run in scheduled)
     assert scheduled[0]["parameters"]["recipe"] == "configs/tiny.yaml"
-
-
-def chromium(*arguments, profile):
-    binary = shutil.which("chromium")
-    assert binary, "Debian's chromium is not installed (scripts/setup.sh installs it)"
-    return subprocess.run([binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                           f"--user-data-dir={profile}", "--window-size=1400,1100", "--hide-scrollbars",
-                           "--virtual-time-budget=20000", *arguments], capture_output=True, text=True, timeout=120)
 
 
 def test_the_browser_shows_the_typed_form_and_the_finished_run(served, tmp_path):

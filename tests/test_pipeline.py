@@ -124,6 +124,38 @@ def test_end_to_end_two_processes(prefect_api, mlflow_server, run_root):
     assert link is not None and parent[0].info.run_id in link.data
 
 
+def test_the_mlflow_ui_opens_the_training_view_and_ranks_the_checkpoints(mlflow_server, run_root, tmp_path):
+    """What a person sees in MLflow (headless Chromium): the pipeline's run link opens the model-training view (runs
+    and models, not the GenAI view of traces), and the experiment's Models tab lists the end-to-end run's checkpoints
+    and final model with their held-out metrics on the held-out dataset. Screenshots go to docs/img/."""
+    import re
+
+    from services import chromium
+    images = os.path.join(ROOT, "docs", "img")
+    config = load_run_config(TINY, overrides(run_root, mlflow_server, "launch.nproc_per_node=2",
+                                             f"training.hub_token={SECRET}", "training.log_completions=true"))
+    summary = json.load(open(stages.stage_path(config, "summary.json")))  # the end-to-end test's run
+
+    def text(url, profile, size="1400,1100"):
+        page = chromium("--dump-dom", url, profile=tmp_path / profile, size=size).stdout
+        return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", re.sub(r"<style.*?</style>", " ", page, flags=re.S)))
+    run_page = text(summary["mlflow_link"], "run")
+    assert "Model training" in run_page and "Models" in run_page and config.run_key in run_page
+    assert "Traces 0" not in run_page and "No data available" not in run_page  # the GenAI overview
+    experiment = tracking.experiment_id(mlflow_server.uri, "rloo")
+    models = tracking.models_link(mlflow_server.uri, experiment)
+    page = text(models, "models", size="2600,1100")  # wide: the metric columns are drawn when in view
+    held_out = stages.load_stage_result(config, "dataset")["eval_digest"]
+    shown = page[page.find("Table view"):][:3000]
+    assert f"Dataset: tiny-eval (#{held_out})" in page and " reward " in page, shown
+    for name in ("checkpoint-2", "checkpoint-3", "final"):
+        assert f" {name} Ready " in page, page[:3000]
+    os.makedirs(images, exist_ok=True)
+    chromium(f"--screenshot={images}/mlflow-run.png", summary["mlflow_link"], profile=tmp_path / "shot1")
+    chromium(f"--screenshot={images}/mlflow-models.png", models, profile=tmp_path / "shot2", size="2600,600")
+    assert os.path.getsize(f"{images}/mlflow-run.png") > 20_000 and os.path.getsize(f"{images}/mlflow-models.png") > 20_000
+
+
 def test_rerun_skips_finished_stages_and_retry_reruns_only_what_failed(prefect_api, mlflow_server, run_root,
                                                                        tmp_path, monkeypatch):
     lookup = tmp_path / "lookup.txt"
@@ -279,6 +311,39 @@ def test_resume_command_reuses_every_finished_stage(prefect_api, mlflow_server, 
     assert before  # the end-to-end test's run
     assert main(["resume", config.run_key, "--run-root", run_root]) == 0
     assert stages.executions(config) == before  # nothing executed again
+
+
+def test_a_run_that_died_while_logging_its_models_resumes_with_one_model_per_checkpoint(prefect_api, mlflow_server,
+                                                                                       run_root, monkeypatch):
+    """The orchestrator dies after the job trained, half-way through making the checkpoints' LoggedModels (one READY,
+    one PENDING with part of its files); `rloo-pipeline resume` reattaches to the finished job and ends with exactly
+    one READY model per checkpoint and the final model, the PENDING one completed, none made twice."""
+    from flows.cli import main
+    from infra import tracking as tracking_module
+    assignments = overrides(run_root, mlflow_server, "training.save_steps=1", "name=logging-killed")
+    config = load_run_config(TINY, assignments)
+    attach, calls = tracking_module.attach_transformers_weights, []
+
+    def dies_at_the_second(*args, **kwargs):
+        calls.append(args[3])
+        if len(calls) == 2:
+            raise RuntimeError("orchestrator killed")
+        return attach(*args, **kwargs)
+    monkeypatch.setattr(tracking_module, "attach_transformers_weights", dies_at_the_second)
+    assert run_flow(TINY, assignments).is_failed()
+    client = tracking.client(mlflow_server.uri)
+    experiment = client.get_experiment_by_name("rloo").experiment_id
+
+    def models():
+        return client.search_logged_models([experiment], filter_string=f"tags.`rloo.run_key` = '{config.run_key}'")
+    assert sorted((m.name, str(m.status)) for m in models()) == [("checkpoint-1", "READY"),
+                                                                 ("checkpoint-2", "PENDING")]
+    monkeypatch.setattr(tracking_module, "attach_transformers_weights", attach)
+    assert main(["resume", config.run_key, "--run-root", run_root]) == 0
+    assert stages.executions(config).count("train") == 1  # the job was reattached, not run again
+    assert sorted((m.name, str(m.status)) for m in models()) == [
+        ("checkpoint-1", "READY"), ("checkpoint-2", "READY"), ("checkpoint-3", "READY"), ("final", "READY")]
+    assert all(m.metrics for m in models())  # each scored on the held-out prompts once evaluated
 
 
 def test_ui_command_serves_prefect_and_mlflow_on_loopback(tmp_path):
