@@ -85,7 +85,7 @@ def _run_checked(options, config, config_path: str, assignments: list[str],
               f"{evaluation['trained']['reward']:.3f} ({evaluation['reward_gain']:+.3f}); report "
               f"{evaluation['report_path']}")
         table, metric = evaluation.get("checkpoints") or [], config.promotion.metric
-        if (top := best(table, metric)) is not None:
+        if len(table) > 1 and (top := best(table, metric)) is not None:
             models = models_link(config.tracking_uri,
                                  experiment_id(config.tracking_uri, config.tracking.experiment))
             print(f"  best of {len(table)} evaluated checkpoints on held-out {metric}: "

@@ -21,6 +21,7 @@ import os
 from infra import stages, tracking
 from infra.job_tracking import CHECKPOINTS, read_jsonl
 from infra.runconfig import RunConfig
+from rloo.checkpoint import is_complete
 
 FINAL = "final"
 # a checkpoint folder's files that are not the policy's weights
@@ -36,6 +37,10 @@ class Checkpoint:
 
     @property
     def exists(self) -> bool:
+        """The weights are there: a complete checkpoint (rloo.checkpoint's marker), or the final
+        model's adapter or config."""
+        if self.name != FINAL:
+            return is_complete(self.path)
         return os.path.isfile(os.path.join(self.path, "adapter_config.json")) or os.path.isfile(
             os.path.join(self.path, "config.json"))
 
@@ -113,9 +118,30 @@ def log_models(config: RunConfig, train_result: dict, model_result: dict, run_id
     return stages.save_stage_result(config, "train", result)
 
 
+def load_policy(policy: str, weights: str | None, trust: bool):
+    """A policy to score, log or publish: the base model (`weights` None), the base plus the adapter saved in
+    `weights`, or the full model saved there."""
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    from rloo.models import load_causal_lm
+    # one summary line per stage, not a bar per weight file
+    transformers_logging.disable_progress_bar()
+    if weights is None:
+        return load_causal_lm(policy, {}, trust).eval()
+    if os.path.exists(os.path.join(weights, "adapter_config.json")):
+        from peft import PeftModel
+        # peft 0.21 calls transformers' deprecated is_gradient_checkpointing
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                    category=FutureWarning)
+            return PeftModel.from_pretrained(load_causal_lm(policy, {}, trust), weights).eval()
+    return load_causal_lm(weights, {}, trust).eval()
+
+
 def _attach_weights(config: RunConfig, checkpoint: Checkpoint, model_result: dict,
                     model_id: str) -> None:
-    from infra.evaluation import load_policy
     from rloo.models import load_tokenizer, prepare_tokenizer
     policy = model_result["policy"]
     trust = bool(config.recipe_value("trust_remote_code"))

@@ -6,30 +6,9 @@ from __future__ import annotations
 import json
 import os
 
-from infra import stages
+from infra import checkpoints, stages
+from infra.checkpoints import load_policy
 from infra.runconfig import RunConfig
-
-
-def load_policy(policy: str, weights: str | None, trust: bool):
-    """A policy for evaluation: the base model (`weights` None), the base plus the adapter saved in
-    `weights`, or the full model saved there."""
-    import warnings
-
-    from transformers.utils import logging as transformers_logging
-
-    from rloo.models import load_causal_lm
-    # one summary line per stage, not a bar per weight file
-    transformers_logging.disable_progress_bar()
-    if weights is None:
-        return load_causal_lm(policy, {}, trust).eval()
-    if os.path.exists(os.path.join(weights, "adapter_config.json")):
-        from peft import PeftModel
-        # peft 0.21 calls transformers' deprecated is_gradient_checkpointing
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
-                                    category=FutureWarning)
-            return PeftModel.from_pretrained(load_causal_lm(policy, {}, trust), weights).eval()
-    return load_causal_lm(weights, {}, trust).eval()
 
 
 def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) -> dict:
@@ -102,7 +81,6 @@ def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None,
                              reward_tokenizers, text_tokenizer_of)
     from rloo.vision import is_vision_config
     from rloo.rewards import RewardRunner
-    from infra.checkpoints import weights_digest
     trust = bool(config.recipe_value("trust_remote_code"))
     reward_funcs = [resolve_reward(entry) for entry in config.training["reward_funcs"]]
     reward_funcs = [
@@ -116,7 +94,7 @@ def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None,
     done = {}  # weights digest -> the label scored with them
     tokenizer = generator = None
     for label, path in weights.items():
-        digest = None if path is None else (weights_digest(path), steps[label])
+        digest = None if path is None else (checkpoints.weights_digest(path), steps[label])
         if digest in done:
             for name in row_sets:
                 scored[name][label] = scored[name][done[digest]]
@@ -216,7 +194,6 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
     curve and the step-time breakdown."""
     from datasets import load_from_disk
 
-    from infra import checkpoints as checkpoint_models
     stages.record_execution(config, "evaluate")
     rows = held_out_rows(dataset_result)
     training = load_from_disk(
@@ -224,12 +201,12 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
     row_sets = {"held_out": rows, **{name: extra_set_rows(config, name, training)
                                      for name in config.evaluation.extra_sets}}
     step = train_result["global_step"]
-    evaluated = checkpoint_models.to_evaluate(config, train_result)
+    evaluated = checkpoints.to_evaluate(config, train_result)
     weights = {"base": None, **{c.name: c.path for c in evaluated}}
     scored = score_sets(config, model_result["policy"], model_result["tokenizer"], row_sets,
                         weights, {"base": 0, **{c.name: c.step for c in evaluated}}, step)
     for found in scored.values():  # the final model is "trained" in the report's tables
-        found["trained"] = found.pop(checkpoint_models.FINAL)
+        found["trained"] = found.pop(checkpoints.FINAL)
     results = scored["held_out"]
     base_metrics, trained_metrics = results["base"]["metrics"], results["trained"]["metrics"]
     sets = {
@@ -353,13 +330,12 @@ def render_report(config, dataset_result, base, trained, rows, results, plot, ti
             *_table(found["base"], found["trained"])
         ]
     if table:
-        from infra.checkpoints import render_table
         metric = config.promotion.metric
         lines += [
             "", "## Checkpoints", "",
             f"Each evaluated checkpoint on the same prompts; the best by held-out `{metric}` "
             "(promotion.metric) is what `rloo-pipeline promote` takes by default.", "",
-            *render_table(table, metric, list(sets or {}))
+            *checkpoints.render_table(table, metric, list(sets or {}))
         ]
     if plot:
         lines += ["", f"![training reward]({os.path.basename(plot)})"]

@@ -75,9 +75,12 @@ class RunDirTrackingCallback(TrainerCallback):
         if self.monitor is not None:
             self.monitor.finish()
             # what was sampled since the last logging interval (a short run: everything) goes too
-            if last := self.monitor.aggregate_metrics():
-                self.monitor.publish_metrics(last)
-                self.monitor.mlflow_logger.flush()
+            try:
+                if last := self.monitor.aggregate_metrics():
+                    self.monitor.publish_metrics(last)
+                    self.monitor.mlflow_logger.flush()
+            except Exception as err:
+                logger.warning("rloo: the last system metrics were not sent: %s", err)
             self.monitor = None
         if self._active(state):
             # what is left (MLflow down, slow) stays queued for the stage to send
@@ -137,9 +140,13 @@ class RunDirTrackingCallback(TrainerCallback):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
         nodes = int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         node = f"node{os.environ.get('GROUP_RANK', 0)}" if nodes > 1 else None
-        self.monitor = SystemMetricsMonitor(self.run_id, resume_logging=True, node_id=node,
-                                            tracking_uri=self.tracking_uri)
-        self.monitor.start()
+        try:
+            self.monitor = SystemMetricsMonitor(self.run_id, resume_logging=True, node_id=node,
+                                                tracking_uri=self.tracking_uri)
+            self.monitor.start()
+        except Exception as err:  # MLflow away: training goes on without these charts
+            logger.warning("rloo: no system metrics for MLflow run %s: %s", self.run_id, err)
+            self.monitor = None
 
 
 class Sender:

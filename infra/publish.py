@@ -11,7 +11,7 @@ import os
 import shutil
 
 from infra import stages, tracking
-from infra.checkpoints import render_table
+from infra.checkpoints import load_policy, render_table
 from infra.promotion import HUB_IDS, TOKENIZER_FILES, Candidate, promotion_dir
 
 CARD = """
@@ -68,7 +68,6 @@ def upload_folder(candidate: Candidate, version: str, metrics: dict) -> str:
     os.makedirs(target)
     merged = candidate.adapter and config.promotion.publish == "merged"
     if merged:
-        from infra.evaluation import load_policy
         model = load_policy(candidate.policy, candidate.weights,
                             bool(config.recipe_value("trust_remote_code")))
         model.merge_and_unload().save_pretrained(target)

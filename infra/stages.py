@@ -13,6 +13,7 @@ import time
 
 from infra.model_checks import check_lora_targets, check_tokenizer_fits, resolve_model_source
 from infra.runconfig import RunConfig
+from infra.tracking import DatasetRef
 
 STAGE_VERSIONS = {"dataset": 2, "model": 1, "train": 2, "evaluate": 2}
 
@@ -125,7 +126,6 @@ def prepare_dataset(config: RunConfig) -> dict:
 def split_datasets(config: RunConfig, dataset_result: dict) -> list:
     """The training and held-out splits as MLflow datasets (tracking.DatasetRef), each with its
     own content digest and data.source as where it came from."""
-    from infra.tracking import DatasetRef
     return [DatasetRef(dataset_result[f"{split}_path"], f"{config.name}-{split}",
                        dataset_result[f"{split}_digest"], dataset_result["source"], context)
             for split, context in (("train", "training"), ("eval", "evaluation"))]
@@ -134,7 +134,6 @@ def split_datasets(config: RunConfig, dataset_result: dict) -> list:
 def pipeline_datasets(config: RunConfig, dataset_result: dict) -> list:
     """What the train and evaluate runs show as their inputs: both splits and every
     evaluation.extra_sets file (context evaluation, digest of its rows)."""
-    from infra.tracking import DatasetRef
     from rloo.data import load_prompt_dataset
     extra = [DatasetRef(path, f"{config.name}-{name}", dataset_digest(load_prompt_dataset(path)),
                         path, "evaluation")

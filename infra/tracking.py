@@ -17,8 +17,8 @@ from typing import Any
 from rloo.hub import is_secret
 
 QUICK_FAIL = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
-# MLflow 3's UI opens an experiment by this tag: untagged, it shows the GenAI view (traces) and asks
-# for a type on every visit; "finetuning" opens the model-training view (runs, models, charts).
+# What MLflow 3 reads as the experiment's type: untagged, its UI takes it for a GenAI experiment
+# (traces) and asks for a type. (3.17's UI also keeps a per-browser view toggle: see TRAINING_VIEW.)
 EXPERIMENT_KIND = ("mlflow.experimentKind", "finetuning")
 
 
@@ -256,12 +256,11 @@ def log_record(uri: str, run_id: str, record: StageRecord, parent_run_id: str | 
         log_model_metrics(uri, run_id, model_id, metrics, step, dataset)
 
 
-def dataset_record(config, result: dict) -> StageRecord:
-    from infra.stages import split_datasets
+def dataset_record(result: dict, datasets: list[DatasetRef]) -> StageRecord:
     return StageRecord(
         params={"source": result["source"], "format": result["format"], "digest": result["digest"]},
         metrics={"num_train": result["num_train"], "num_eval": result["num_eval"]},
-        datasets=split_datasets(config, result))
+        datasets=datasets)
 
 
 def model_record(result: dict) -> StageRecord:
@@ -271,11 +270,11 @@ def model_record(result: dict) -> StageRecord:
     })
 
 
-def evaluation_record(config, dataset_result: dict, result: dict, step: int) -> StageRecord:
+def evaluation_record(result: dict, step: int, datasets: list[DatasetRef],
+                      extra_sets: list[str]) -> StageRecord:
     """The evaluate run: base vs trained metrics (also on the pipeline's run), the report, the
-    datasets it read, and each evaluated checkpoint's metrics against its LoggedModel, one dataset
-    at a time."""
-    from infra.stages import pipeline_datasets
+    datasets it read (the splits, then each of `extra_sets`), and each evaluated checkpoint's
+    metrics against its LoggedModel, one dataset at a time."""
     metrics = {f"{label}_{key}".replace("/", "_"): value for label in ("base", "trained")
                for key, value in result[label].items() if value is not None}
     if result["reward_gain"] is not None:
@@ -290,8 +289,7 @@ def evaluation_record(config, dataset_result: dict, result: dict, step: int) -> 
     plots = [result.get("plot_path"), result.get("timing_plot_path")]
     artifacts = [(result["report_path"], "evaluation")] + [(plot, "evaluation")
                                                            for plot in plots if plot]
-    datasets = pipeline_datasets(config, dataset_result)
-    held_out, extra = datasets[1], dict(zip(config.evaluation.extra_sets, datasets[2:]))
+    held_out, extra = datasets[1], dict(zip(extra_sets, datasets[2:]))
     model_metrics = []
     for row in result.get("checkpoints", []):
         if row["model_id"]:

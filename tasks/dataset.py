@@ -11,7 +11,8 @@ from tasks.common import cache_key, say
 def dataset_task(config: RunConfig, parent_run_id: str | None) -> dict:
     result = tracking.tracked_stage(config, parent_run_id, "dataset",
                                     lambda: stages.prepare_dataset(config),
-                                    lambda result: tracking.dataset_record(config, result))
+                                    lambda result: tracking.dataset_record(
+                                        result, stages.split_datasets(config, result)))
     say(
         "dataset",
         f"{result['num_train']} train / {result['num_eval']} held-out prompts ({result['format']}) "

@@ -5,7 +5,7 @@ import os
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra import evaluation, tracking
+from infra import evaluation, stages, tracking
 from infra.runconfig import RunConfig
 from tasks.common import cache_key, say
 
@@ -16,8 +16,9 @@ def evaluate_task(config: RunConfig, dataset_result: dict, model_result: dict, t
     result = tracking.tracked_stage(
         config, parent_run_id, "evaluate",
         lambda: evaluation.evaluate_policy(config, dataset_result, model_result, train_result),
-        lambda result: tracking.evaluation_record(config, dataset_result, result,
-                                                  train_result["global_step"]))
+        lambda result: tracking.evaluation_record(
+            result, train_result["global_step"], stages.pipeline_datasets(config, dataset_result),
+            list(config.evaluation.extra_sets)))
     with open(result["report_path"]) as handle:
         report = handle.read()
     for plot in (result["plot_path"], result.get("timing_plot_path")):

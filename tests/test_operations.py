@@ -239,6 +239,7 @@ def test_upload_failure_keeps_the_champion_and_a_retry_publishes_once(runs, envi
     assert results["reward"] == pytest.approx(best_checkpoint(root, key)["held_out"]["reward"])  # the one published
     assert results["base/reward"] == pytest.approx(evaluation["base"]["reward"])  # the base model, same prompts
     assert card.data.library_name == "peft" and "rloo" in card.data.tags and "| reward |" in card.text
+    assert "Why this checkpoint: the best held-out reward" in card.text and "| **best** |" in card.text
     for directory, _, files in os.walk(hub.root):  # the token is in no uploaded file ...
         for name in files:
             assert TOKEN.encode() not in open(os.path.join(directory, name), "rb").read()

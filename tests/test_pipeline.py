@@ -425,3 +425,9 @@ def test_vision_language_pipeline_end_to_end(prefect_api, mlflow_server, run_roo
         table = json.load(handle)
     column = table["columns"].index("image")
     assert {row[column]["type"] for row in table["data"]} == {"image"}
+    # a VLM's checkpoints are LoggedModels referencing their folders (the transformers flavor's text pipeline
+    # would drop the processor)
+    models = client.search_logged_models([experiment.experiment_id],
+                                         filter_string=f"tags.`rloo.run_key` = '{config.run_key}'")
+    assert {m.name: m.tags["rloo.stored"] for m in models} == {"checkpoint-2": "referenced",
+                                                              "checkpoint-3": "referenced", "final": "referenced"}
