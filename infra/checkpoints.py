@@ -119,8 +119,8 @@ def log_models(config: RunConfig, train_result: dict, model_result: dict, run_id
 
 
 def load_policy(policy: str, weights: str | None, trust: bool):
-    """A policy to score, log or publish: the base model (`weights` None), the base plus the adapter saved in
-    `weights`, or the full model saved there."""
+    """A policy to score, log or publish: the base model (`weights` None), the base plus the
+    adapter saved in `weights`, or the full model saved there."""
     import warnings
 
     from transformers.utils import logging as transformers_logging

@@ -44,7 +44,8 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
     def number(value: float) -> float | None:
         return None if math.isnan(value) else value
 
-    metrics = {"reward": number(measured["reward"])}  # the headline first (tables, MLflow's columns)
+    # the headline first (the report's tables, MLflow's first metric column)
+    metrics = {"reward": number(measured["reward"])}
     for index, name in enumerate(runner.names):
         metrics[f"reward/{name}"] = number(measured[f"rewards/{name}/mean"])
         scored = {v for v in rollout.rewards_per_func[:, index].tolist() if not math.isnan(v)}
