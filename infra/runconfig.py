@@ -399,11 +399,24 @@ def load_run_config(source: str | dict, overrides: list[str] | None = None) -> R
             where = ".".join(str(part) for part in problem["loc"]) or "(top level)"
             message = problem["msg"]
             if problem["type"] == "extra_forbidden":
-                message = "unknown key"
+                message = "unknown key" + _did_you_mean(problem["loc"])
             lines.append(f"  {where}: {message}" +
                          (f" (got {problem['input']!r})" if problem["type"] not in
                           ("extra_forbidden", "missing", "value_error") else ""))
         raise ConfigError(f"{origin}: invalid run config\n" + "\n".join(lines)) from None
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """'. Did you mean ...?' with the closest keys of the section the unknown key is in."""
+    import difflib
+    section = RunConfig
+    for part in loc[:-1]:
+        field = section.model_fields.get(str(part))
+        section = field.annotation if field is not None else None
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(section.model_fields), n=2)
+    return f". Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 def check_moved_keys(data: dict, origin: str) -> None:

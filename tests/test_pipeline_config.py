@@ -28,6 +28,8 @@ def test_shipped_configs_validate(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("training.use_pefft=1", r"training.use_pefft: unknown field 'use_pefft'. Did you mean 'use_peft'"),
     ("launch.nproc=1", r"launch.nproc: unknown key"),
+    ("evaluation.checkpoints=2", r"evaluation.checkpoints: unknown key. Did you mean 'checkpoint_interval'"),
+    ("evaluation.checkpoint_interval=-1", r"evaluation.checkpoint_interval: Input should be greater than or equal"),
     ("launch.nproc_per_node=two", r"launch.nproc_per_node: Input should be a valid integer"),
     ("training.num_generation=4", r"training.num_generation: unknown field 'num_generation'. Did you mean "
                                   r"'num_generations'"),
