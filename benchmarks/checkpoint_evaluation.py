@@ -53,7 +53,9 @@ def main() -> None:
         print(f"{label}: {found['wall']:.1f} s (evaluate stage {found['stages']['evaluate']:.1f} s, job "
               f"train_runtime {found['train_runtime']} s)")
     print(f"{options.config}: every checkpoint scored / final model only = {on['wall'] / off['wall']:.3f}x "
-          f"(+{on['wall'] - off['wall']:.1f} s, +{100 * (on['wall'] / off['wall'] - 1):.1f} %)")
+          f"({on['wall'] - off['wall']:+.1f} s, {100 * (on['wall'] / off['wall'] - 1):+.1f} %); evaluate stage "
+          f"{off['stages']['evaluate']:.1f} -> {on['stages']['evaluate']:.1f} s "
+          f"({100 * (on['stages']['evaluate'] - off['stages']['evaluate']) / off['wall']:+.1f} % of the first run)")
 
 
 if __name__ == "__main__":
