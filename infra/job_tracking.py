@@ -138,6 +138,8 @@ class RunDirTrackingCallback(TrainerCallback):
         if not (state.is_local_process_zero and self.run_id and self.tracking_uri):
             return
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        # its start/stop notices are not the job's news (a warning still shows)
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
         nodes = int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         node = f"node{os.environ.get('GROUP_RANK', 0)}" if nodes > 1 else None
         try:

@@ -66,10 +66,13 @@ def run(recipe: str, output_dir: str, nproc: int = 1, kill_after_s: float | None
     return subprocess.CompletedProcess(process.args, process.returncode, output)
 
 
-def start(recipe: str, output_dir: str, nproc: int = 1, env: dict | None = None, **kill) -> subprocess.Popen:
-    """`rloo train` started in its own process group, its output in a pipe."""
+def start(recipe: str, output_dir: str, nproc: int = 1, env: dict | None = None, log: str | None = None,
+          **kill) -> subprocess.Popen:
+    """`rloo train` started in its own process group, its output in a pipe, or in the file `log` for a run whose
+    output may outgrow a pipe's buffer before anyone reads it (a full pipe would stop the run)."""
+    output = open(log, "w") if log else subprocess.PIPE
     return subprocess.Popen(command(recipe, output_dir, nproc), cwd=ROOT, env=environment(env, **kill),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _reap(process) -> None:

@@ -25,9 +25,9 @@ def _logged_step(train_dir: str) -> int:
     return max((record.get("step", 0) for record in read_metrics(train_dir)), default=0)
 
 
-def _wait_for_step(train_dir: str, step: int, process) -> None:
+def _wait_for_step(train_dir: str, step: int, process, log: str) -> None:
     while _logged_step(train_dir) < step:
-        assert process.poll() is None, process.stdout.read()[-3000:]
+        assert process.poll() is None, open(log).read()[-3000:]
         time.sleep(0.2)
 
 
@@ -48,20 +48,22 @@ def test_mlflow_killed_restarted_and_paused_mid_run_loses_and_doubles_no_metric(
     release = tmp_path / "faults-done"  # the run waits at step 90 until the faults are over, however slow they are
     env = {**tracking_environment(server.uri, run_id, train_dir), "RLOO_TEST_STEP_SLEEP": "0.3",
            "RLOO_TEST_HOLD_AT": "90", "RLOO_TEST_HOLD_UNTIL": str(release)}
-    process = start(recipe, str(tmp_path / "out"), env=env)
+    log = str(tmp_path / "job.log")  # 100 steps of log lines: more than a pipe holds
+    process = start(recipe, str(tmp_path / "out"), env=env, log=log)
     try:
         for step in (5, 25, 45):  # killed outright, then back on the same port and store
-            _wait_for_step(train_dir, step, process)
+            _wait_for_step(train_dir, step, process, log)
             os.killpg(server.process.pid, signal.SIGKILL)
             server.process.wait()
             time.sleep(1)
             server.start()
-        _wait_for_step(train_dir, 65, process)
+        _wait_for_step(train_dir, 65, process, log)
         os.killpg(server.process.pid, signal.SIGSTOP)  # frozen: connections accepted, nothing answered
         time.sleep(15)  # past the job's 10 s client timeout
         os.killpg(server.process.pid, signal.SIGCONT)
         release.touch()
-        output, _ = process.communicate(timeout=600)
+        process.wait(timeout=600)
+        output = open(log).read()
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
