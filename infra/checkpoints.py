@@ -89,7 +89,9 @@ def log_models(config: RunConfig, train_result: dict, model_result: dict, run_id
     trust = bool(config.recipe_value("trust_remote_code"))
     vision = is_vision_config(AutoConfig.from_pretrained(policy, trust_remote_code=trust))
     models = {}
-    for checkpoint in saved_checkpoints(config, train_result):
+    saved = saved_checkpoints(config, train_result)
+    adapter = saved[-1].adapter  # the run's kind (a deleted checkpoint's folder cannot say)
+    for checkpoint in saved:
         identity = {"rloo.run_key": config.run_key, "rloo.checkpoint": checkpoint.name}
         existing = tracking.find_logged_models(uri, experiment, identity)
         ready = [model for model in existing if str(model.status) == "READY"]
@@ -98,7 +100,7 @@ def log_models(config: RunConfig, train_result: dict, model_result: dict, run_id
             continue
         tags = {**identity, "rloo.step": str(checkpoint.step), "rloo.base_model": policy,
                 "rloo.weights_path": checkpoint.path,
-                "rloo.weights": "adapter" if checkpoint.adapter else "full"}
+                "rloo.weights": "adapter" if adapter else "full"}
         # a PENDING one is an earlier attempt killed while logging: its files are written again
         model_id = existing[0].model_id if existing else tracking.create_logged_model(
             uri, experiment, checkpoint.name, run_id, tags, config.training)
@@ -112,8 +114,8 @@ def log_models(config: RunConfig, train_result: dict, model_result: dict, run_id
             tracking.tag_logged_model(uri, model_id, {"rloo.stored": "referenced"})
             tracking.finalize_logged_model(uri, model_id)
             continue
-        _attach_weights(config, checkpoint, model_result, model_id)
         tracking.tag_logged_model(uri, model_id, {"rloo.stored": "logged"})
+        _attach_weights(config, checkpoint, model_result, model_id)  # READY once written
     result = {**train_result, "models": models}
     return stages.save_stage_result(config, "train", result)
 

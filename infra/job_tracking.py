@@ -21,7 +21,8 @@ import time
 
 from transformers import TrainerCallback
 
-from infra.tracking import client, log_metrics, numeric_metrics
+from infra.tracking import (client, log_metrics, numeric_metrics, start_system_metrics,
+                            stop_system_metrics)
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +74,8 @@ class RunDirTrackingCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.monitor is not None:
-            self.monitor.finish()
-            # what was sampled since the last logging interval (a short run: everything) goes too
             try:
-                if last := self.monitor.aggregate_metrics():
-                    self.monitor.publish_metrics(last)
-                    self.monitor.mlflow_logger.flush()
+                stop_system_metrics(self.monitor)
             except Exception as err:
                 logger.warning("rloo: the last system metrics were not sent: %s", err)
             self.monitor = None
@@ -137,15 +134,10 @@ class RunDirTrackingCallback(TrainerCallback):
         run, one monitor per node (its local rank 0), named by the node on a multi-node run."""
         if not (state.is_local_process_zero and self.run_id and self.tracking_uri):
             return
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-        # its start/stop notices are not the job's news (a warning still shows)
-        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
         nodes = int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         node = f"node{os.environ.get('GROUP_RANK', 0)}" if nodes > 1 else None
         try:
-            self.monitor = SystemMetricsMonitor(self.run_id, resume_logging=True, node_id=node,
-                                                tracking_uri=self.tracking_uri)
-            self.monitor.start()
+            self.monitor = start_system_metrics(self.tracking_uri, self.run_id, node)
         except Exception as err:  # MLflow away: training goes on without these charts
             logger.warning("rloo: no system metrics for MLflow run %s: %s", self.run_id, err)
             self.monitor = None

@@ -377,6 +377,30 @@ def log_comparison(tracking_uri: str, experiment: str, run_keys: list[str],
     return run_id
 
 
+def start_system_metrics(tracking_uri: str, run_id: str, node: str | None):
+    """MLflow's system metrics (CPU, memory, disk, network; GPU where present) sampled into the run
+    while training goes on, under `system/<node>/` when a node is named; continues a resumed run's
+    steps. Returns the monitor for `stop_system_metrics`."""
+    import logging
+
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    # its start/stop notices are not the job's news (a warning still shows)
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+    monitor = SystemMetricsMonitor(run_id, resume_logging=True, node_id=node,
+                                   tracking_uri=tracking_uri)
+    monitor.start()
+    return monitor
+
+
+def stop_system_metrics(monitor) -> None:
+    """Stop sampling; what was sampled since the last logging interval (a short run: everything)
+    is sent too."""
+    monitor.finish()
+    if last := monitor.aggregate_metrics():
+        monitor.publish_metrics(last)
+        monitor.mlflow_logger.flush()
+
+
 # ----------------------------------------------------------------------------------------------
 # logged models: one per saved checkpoint of a train run (infra.checkpoints decides what and when)
 def find_logged_models(uri: str, experiment: str, tags: dict[str, str]) -> list:

@@ -218,6 +218,10 @@ def test_the_flow_trains_on_slurm_when_the_recipe_says_so(cluster, tmp_path, mon
     summary = state.result()
     record = json.load(open(os.path.join(summary["run_dir"], "train", "job.json")))
     assert record["handle"]["executor"] == "slurm" and summary["train"]["global_step"] == 3
+    # system metrics from each trainer node, named by node, in the train stage's MLflow run
+    from infra import tracking
+    metrics = tracking.client(f"sqlite:///{tmp_path}/mlflow.db").get_run(record["mlflow_run_id"]).data.metrics
+    assert {f"system/node{node}/cpu_utilization_percentage" for node in range(4)} <= set(metrics), sorted(metrics)
 
 
 @pytest.mark.slow
