@@ -12,6 +12,7 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Any
 
 from rloo.hub import is_secret
@@ -177,8 +178,10 @@ def log_datasets(tracking_uri: str, run_id: str, refs: list[DatasetRef]) -> None
         source = ref.source
         if os.path.exists(source):  # a local file: MLflow's local source, an absolute file URI
             source = "file://" + os.path.abspath(source)
-            dataset = mlflow.data.from_huggingface(rows, name=ref.name, digest=ref.digest,
-                                                   source=source)
+            with warnings.catch_warnings():  # MLflow registers its local source class twice
+                warnings.filterwarnings("ignore", message=".*can be interpreted in multiple ways")
+                dataset = mlflow.data.from_huggingface(rows, name=ref.name, digest=ref.digest,
+                                                       source=source)
         else:  # a Hub id
             dataset = mlflow.data.from_huggingface(rows, path=source, name=ref.name,
                                                    digest=ref.digest)
