@@ -237,8 +237,7 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
     result = {
         "base": base_metrics, "trained": trained_metrics, "reward_gain": gain,
         "num_prompts": len(rows), "report_path": os.path.join(out, "report.md"), "plot_path": plot,
-        "timing_plot_path": timing_plot, "extra_sets": sets, "checkpoints": table,
-        "eval_fingerprint": evaluation_fingerprint(config, rows)
+        "timing_plot_path": timing_plot, "extra_sets": sets, "checkpoints": table
     }
     stages.write_json(os.path.join(out, "metrics.json"), result)
     return stages.save_stage_result(config, "evaluate", result)

@@ -406,11 +406,14 @@ def stop_system_metrics(monitor) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # logged models: one per saved checkpoint of a train run (infra.checkpoints decides what and when)
+def _tag_filter(tags: dict[str, str]) -> str | None:
+    return " AND ".join(f"tags.`{key}` = '{value}'" for key, value in tags.items()) or None
+
+
 def find_logged_models(uri: str, experiment: str, tags: dict[str, str]) -> list:
     """The experiment's LoggedModels carrying every one of `tags`, oldest first."""
-    where = " AND ".join(f"tags.`{key}` = '{value}'" for key, value in tags.items())
     found = client(uri).search_logged_models([experiment_id(uri, experiment)],
-                                             filter_string=where or None,
+                                             filter_string=_tag_filter(tags),
                                              order_by=[{"field_name": "creation_timestamp"}])
     return list(found)
 
@@ -469,9 +472,8 @@ def ranked_logged_models(uri: str, experiment: str, tags: dict[str, str], metric
                          dataset: DatasetRef) -> list:
     """The LoggedModels carrying `tags` that have `metric` on `dataset`, best (highest) first; ties
     to the earliest made (the earlier checkpoint, as transformers' best-model tracking does)."""
-    where = " AND ".join(f"tags.`{key}` = '{value}'" for key, value in tags.items())
     found = client(uri).search_logged_models(
-        [experiment_id(uri, experiment)], filter_string=where, datasets=[dataset.key],
+        [experiment_id(uri, experiment)], filter_string=_tag_filter(tags), datasets=[dataset.key],
         order_by=[{"field_name": f"metrics.{metric}", "ascending": False, **dataset.key},
                   {"field_name": "creation_timestamp", "ascending": True}])
     return [model for model in found
