@@ -1,4 +1,4 @@
-"""`rloo-pipeline`: run, validate, status, resume, compare, promote, ui, serve, sync."""
+"""`rloo-pipeline`: run, validate, sweep, status, resume, compare, promote, ui, serve, sync."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ def cmd_validate(options) -> int:
     from infra.stages import check_config
     config = _load(options.config, options.set)
     rows = check_config(config, read_rows=True)
+    if config.sweep is not None:
+        from infra.sweep import check_sweep, study_name
+        check_sweep(config)
+        print(f"sweep {study_name(config)}: {config.sweep.n_trials} trials over "
+              f"{', '.join(config.sweep.space)} ({config.sweep.parallel} at once), objective "
+              f"{config.sweep.objective_set} {config.sweep.objective} ({config.sweep.direction})")
     print(f"valid: {options.config} -> run {config.run_key} in {config.run_dir}" +
           ("" if rows else
            f" (the rows of {config.data.source} are checked when the dataset stage loads them)"))
@@ -99,6 +105,90 @@ def _run_checked(options, config, config_path: str, assignments: list[str],
         f"  Next: rloo-pipeline promote {config.run_key}{root}   (registry, gate, Hub); "
         f"rloo-pipeline serve{root}   (start runs from the UI)")
     return 0
+
+
+def cmd_sweep(options) -> int:
+    """A sweep on the embedded default (an ephemeral Prefect API under the run root) or against
+    PREFECT_API_URL, like `run`."""
+    from flows import console
+    from infra.sweep import check_sweep
+    api = EphemeralApi()
+    config = _load(options.config, options.set)
+    check_sweep(config)  # every trial's values, before anything starts
+    console.quiet(config.run_root)
+    api.start(config.run_root)
+    from flows.sweep import TrialFailed, rloo_sweep
+    api.wait_ready()
+    console.quiet(config.run_root)
+    start = time.time()
+    try:
+        report = asyncio.run(rloo_sweep(options.config, overrides=options.set))
+    except TrialFailed as err:
+        print(f"rloo-pipeline sweep: {err}", file=sys.stderr)
+        return 1
+    print(f"\nDone in {time.time() - start:.0f} s: {report['summary']}")
+    root = "" if config.run_root == DEFAULT_ROOT else f" --run-root {config.run_root}"
+    from infra.sweep import study_name
+    print(f"  Next: rloo-pipeline compare --sweep {study_name(config)}{root}   (trials ranked); "
+          f"rloo-pipeline promote --sweep {study_name(config)}{root}   (the best trial's best "
+          "checkpoint through the gate)")
+    return 0
+
+
+def _sweep_study(run_root: str, name: str):
+    """(the sweep's record, its study) from `rloo-pipeline sweep`'s folder under the run root."""
+    from infra import stages
+    from infra.sweep import quiet_optuna, sweep_dir
+    record = stages.read_json(os.path.join(sweep_dir(run_root, name), "sweep.json"))
+    if record is None:
+        sweeps = os.path.join(run_root, "sweeps")
+        known = sorted(os.listdir(sweeps)) if os.path.isdir(sweeps) else []
+        raise FileNotFoundError(f"no sweep {name!r} under {run_root} (sweeps: "
+                                f"{', '.join(known) or 'none'}).")
+    import optuna
+    quiet_optuna()
+    return record, optuna.load_study(study_name=name, storage=record["storage"])
+
+
+def cmd_compare_sweep(options) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from infra import sweep_report, tracking
+    record, study = _sweep_study(options.run_root, options.sweep)
+    rows = sweep_report.ranked(study)
+    keys = sweep_report.differing_keys(rows)
+    objective = study.user_attrs.get("rloo.objective", "objective")
+    table = Table(title=f"sweep {options.sweep}: trials ranked by {objective} "
+                  f"({study.direction.name.lower()})")
+    columns = ("rank", "trial", "state", objective, "checkpoint", *keys, "run")
+    for column in columns:  # whole names: they are what a person copies into a config
+        table.add_column(column, min_width=len(column) if column != "run" else 30)
+    for rank, row in enumerate(rows, 1):
+        where = row["checkpoint"] or (f"pruned at {row['pruned_at']}"
+                                      if row["pruned_at"] is not None else "-")
+        table.add_row(str(rank), str(row["number"]), row["state"],
+                      "-" if row["value"] is None else f"{row['value']:.4g}", where,
+                      *(sweep_report._show(row["params"].get(k)) for k in keys),
+                      row["run_key"] or "-")
+    Console(width=max(120, sum(max(len(c), 12) + 3 for c in columns) + 30)).print(table)
+    uri, experiment = record["tracking_uri"], record["experiment"]
+    run_id = tracking.sweep_run(uri, experiment, options.sweep)
+    print(f"MLflow: {tracking.run_link(uri, tracking.experiment_id(uri, experiment), run_id)}   "
+          "(the sweep's run, one child run per trial)")
+    return 0
+
+
+def best_trial_run(run_root: str, name: str) -> tuple[str, str]:
+    """(run key, checkpoint) of a sweep's best finished trial: its best evaluated checkpoint, as
+    --checkpoint takes it (a step, or last for the final model)."""
+    from infra import sweep_report
+    _, study = _sweep_study(run_root, name)
+    complete = [row for row in sweep_report.ranked(study) if row["state"] == "COMPLETE"]
+    if not complete:
+        raise FileNotFoundError(f"sweep {name!r} has no finished trial to promote yet.")
+    top = complete[0]
+    return top["run_key"], "last" if top["checkpoint"] == "final" else str(top["step"])
 
 
 def _prefect_unreachable(err: BaseException) -> bool:
@@ -194,6 +284,8 @@ def cmd_resume(options) -> int:
 
 
 def cmd_compare(options) -> int:
+    if options.sweep:
+        return cmd_compare_sweep(options)
     from rich.console import Console
     from rich.table import Table
 
@@ -251,6 +343,18 @@ def _paused_promotion(name: str):
 
 
 def cmd_promote(options) -> int:
+    if options.sweep:
+        if options.run:
+            raise FileNotFoundError("give a run or --sweep NAME, not both.")
+        options.run, checkpoint = best_trial_run(options.run_root, options.sweep)
+        if options.checkpoint not in ("best", checkpoint):
+            raise FileNotFoundError(f"--sweep promotes the best trial's best checkpoint "
+                                    f"({checkpoint}); drop --checkpoint {options.checkpoint}.")
+        options.checkpoint = checkpoint
+        print(f"sweep {options.sweep}: best trial is {options.run}, checkpoint {checkpoint}")
+    elif not options.run:
+        raise FileNotFoundError("promote what? Give a run (rloo-pipeline status lists them) or "
+                                "--sweep NAME.")
     prefect_environment(options.run_root)
     from flows.promote import flow_run_name, rloo_promote
     from infra.promotion import PromotionError, load_config, parse_checkpoint
@@ -382,11 +486,21 @@ def parser() -> argparse.ArgumentParser:
         "(from MLflow)")
     compare.add_argument("runs", nargs="*")
     compare.add_argument("--run-root", default=DEFAULT_ROOT)
+    compare.add_argument("--sweep", metavar="NAME",
+                         help="a sweep's trials ranked by its objective, the keys that differ")
+    sweep = commands.add_parser(
+        "sweep", help="trials of a config's `sweep:` section (Optuna), in parallel, pruned "
+        "early; rerun to continue")
+    sweep.add_argument("config")
+    sweep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set sweep.n_trials=16")
     promote = commands.add_parser(
         "promote", help="register a run's policy, gate it against the champion, publish "
         "it to the Hub after approval")
-    promote.add_argument("run")
+    promote.add_argument("run", nargs="?")
     promote.add_argument("--run-root", default=DEFAULT_ROOT)
+    promote.add_argument("--sweep", metavar="NAME",
+                         help="promote the best trial of this sweep (its best checkpoint)")
     promote.add_argument(
         "--checkpoint", default="best",
         help="best (default: the highest held-out promotion.metric of the evaluated "
@@ -419,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {
         "run": cmd_run, "validate": cmd_validate, "status": cmd_status, "resume": cmd_resume,
         "compare": cmd_compare, "sync": cmd_sync, "ui": cmd_ui, "serve": cmd_serve,
-        "promote": cmd_promote
+        "promote": cmd_promote, "sweep": cmd_sweep
     }
     from infra.runconfig import ConfigError
     from infra.tracking import TrackingUnavailable

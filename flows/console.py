@@ -10,7 +10,7 @@ import os
 import re
 import sys
 
-OWN = re.compile(r"\[(pipeline|dataset|model|train|evaluate|promote)\] ")
+OWN = re.compile(r"\[(pipeline|dataset|model|train|evaluate|promote|sweep)\] ")
 LOG_NAME = "pipeline.log"
 
 

@@ -82,7 +82,7 @@ async def _stages(config, recipe: str) -> dict:
         trained = await train_task.with_options(**options)(config, dataset, model, parent)
         summary = {"run_key": config.run_key, "run_dir": config.run_dir, "mlflow_run_id": parent,
                    "mlflow_link": link, "dataset": dataset, "model": model, "train": trained}
-        if config.evaluation.enabled:
+        if config.evaluation.enabled and not trained.get("pruned"):
             summary["evaluate"] = evaluate_task.with_options(**options)(config, dataset, model,
                                                                         trained, parent)
     stages.write_json(stages.stage_path(config, "summary.json"), summary)

@@ -50,15 +50,22 @@ class Checkpoint:
 
 
 def saved_checkpoints(config: RunConfig, train_result: dict) -> list[Checkpoint]:
-    """Every checkpoint the job saved (kept or deleted since), by step, then the final model; the
-    model ids the train stage recorded."""
+    """Every checkpoint the job saved (kept or deleted since), by step, then the final model
+    (none for a pruned trial); the model ids the train stage recorded."""
     models = train_result.get("models") or {}
-    records = read_jsonl(os.path.join(stages.train_dir(config), CHECKPOINTS))
-    found = [Checkpoint(f"checkpoint-{r['step']}", int(r["step"]), r["path"]) for r in records]
-    found.append(Checkpoint(FINAL, int(train_result["global_step"]), train_result["output_dir"]))
+    found = training_checkpoints(config)
+    if not train_result.get("pruned"):  # a pruned trial's job was stopped before its end
+        found.append(Checkpoint(FINAL, int(train_result["global_step"]),
+                                train_result["output_dir"]))
     for checkpoint in found:
         checkpoint.model_id = models.get(checkpoint.name)
     return sorted(found, key=lambda c: (c.step, c.name == FINAL))
+
+
+def training_checkpoints(config: RunConfig) -> list[Checkpoint]:
+    """The checkpoints the job recorded so far (kept or deleted since), in the order saved."""
+    records = read_jsonl(os.path.join(stages.train_dir(config), CHECKPOINTS))
+    return [Checkpoint(f"checkpoint-{r['step']}", int(r["step"]), r["path"]) for r in records]
 
 
 def weight_files(path: str) -> list[str]:

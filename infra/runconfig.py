@@ -196,6 +196,130 @@ class PromotionSettings(Strict):
             "PREFECT_API_URL")) if self.require_approval is None else self.require_approval
 
 
+class SearchDimension(Strict):
+    """One dimension of a sweep's search space."""
+    type: Literal["log_uniform", "uniform", "int", "categorical"]
+    low: float | None = None
+    high: float | None = None
+    step: float | None = Field(None, gt=0, description="int (and uniform): the grid's step.")
+    choices: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "SearchDimension":
+        if self.type == "categorical":
+            if not self.choices or self.low is not None or self.high is not None:
+                raise ValueError("categorical takes `choices: [a, b, ...]` (at least one), no "
+                                 "low/high.")
+            if len({json.dumps(choice, sort_keys=True) for choice in self.choices}) < len(
+                    self.choices):
+                raise ValueError(f"categorical choices {self.choices} repeat a value.")
+            if len({type(choice).__name__ for choice in self.choices
+                    if choice is not None}) > 1 and not all(
+                        isinstance(choice, (int, float)) and not isinstance(choice, bool)
+                        for choice in self.choices):
+                raise ValueError(f"categorical choices {self.choices} mix types; give one key "
+                                 "values of one type.")
+            return self
+        if self.choices is not None or self.low is None or self.high is None:
+            raise ValueError(f"{self.type} takes `low` and `high` (no choices).")
+        if not self.low < self.high:
+            raise ValueError(f"empty or inverted range low={self.low} high={self.high}: low must "
+                             "be below high.")
+        if self.type == "log_uniform" and self.low <= 0:
+            raise ValueError(f"log_uniform needs low > 0 (got {self.low}); use uniform for a "
+                             "range from 0.")
+        if self.type == "int" and not (float(self.low).is_integer() and
+                                       float(self.high).is_integer() and
+                                       float(self.step or 1).is_integer()):
+            raise ValueError(f"int takes whole low, high and step (got {self.low}, {self.high}, "
+                             f"{self.step}).")
+        return self
+
+    def bounds(self) -> list[Any]:
+        """The values a trial may get at the edges (every choice of a categorical): what validation
+        tries in the config before any trial starts."""
+        if self.type == "categorical":
+            return list(self.choices)
+        if self.type == "int":
+            return [int(self.low), int(self.high)]
+        return [self.low, self.high]
+
+
+class PrunerSettings(Strict):
+    """Stopping a losing trial from its intermediate held-out evaluations (every saved
+    checkpoint's)."""
+    kind: Literal["median", "successive_halving", "none"] = "median"
+    n_startup_trials: int = Field(
+        2, ge=0, description="median: no pruning before this many trials finished.")
+    n_warmup_steps: int = Field(0, ge=0,
+                                description="median: no pruning of a trial before this step.")
+    min_resource: int | None = Field(
+        None, ge=1, description="successive_halving: checkpoints before the first rung (default: "
+        "Optuna's estimate).")
+    reduction_factor: int = Field(3, ge=2, description="successive_halving: 1/rf promoted.")
+
+
+class SweepSettings(Strict):
+    """`rloo-pipeline sweep`: trials of this config with keys drawn from `space`, run in
+    parallel, pruned from their checkpoints' held-out evaluations, ranked by `objective`. Not part
+    of a run's identity: each trial is a run of its own."""
+    name: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]*$",
+                             description="The study's name; default the config's name.")
+    space: dict[str, SearchDimension] = Field(
+        min_length=1, description="config key (training.learning_rate, evaluation.temperature, "
+        "...) -> {type: log_uniform|uniform|int|categorical, low, high, step, choices}.")
+    n_trials: int = Field(ge=1, description="Trials in the study when the sweep is done.")
+    parallel: int = Field(1, ge=1, description="Trials running at once.")
+    objective: str = Field(
+        "reward", description="A metric of the held-out evaluation (reward, reward/<function>, "
+        "accuracy/<function>, completion_length, truncated_ratio); never the training reward.")
+    objective_set: str = Field(
+        "held_out", description="Where the objective is measured: held_out (data.eval_size's "
+        "prompts) or a name of evaluation.extra_sets.")
+    direction: Literal["maximize", "minimize"] = "maximize"
+    pruner: PrunerSettings = PrunerSettings()
+    seed: int = 0
+    enqueue: list[dict[str, Any]] = Field(
+        default_factory=list, description="Points tried first (e.g. the recipe's own values): "
+        "a list of {key: value} over the space's keys.")
+    storage: str | None = Field(
+        None, description="The study's database: default sqlite beside the MLflow store; a "
+        "team's PostgreSQL as postgresql://user@host:5432/db (the password from PGPASSWORD or "
+        "~/.pgpass, never in the config).")
+
+    @model_validator(mode="after")
+    def _shape(self) -> "SweepSettings":
+        if self.parallel > self.n_trials:
+            raise ValueError(f"parallel={self.parallel} is more than n_trials={self.n_trials}: "
+                             "lower parallel or raise n_trials.")
+        for key in self.space:
+            section = key.split(".")[0]
+            if section in ("sweep", "trial", "run_root", "tracking", "promotion", "name"):
+                raise ValueError(f"sweep.space.{key}: {section} is not part of a run's result; "
+                                 "search training, data, launch or evaluation keys.")
+        for index, point in enumerate(self.enqueue):
+            if unknown := sorted(set(point) - set(self.space)):
+                raise ValueError(f"sweep.enqueue[{index}]: {unknown} are not keys of "
+                                 "sweep.space.")
+        if self.storage and re.match(r"^[a-z+]+://[^/@]*:[^/@]*@", self.storage):
+            raise ValueError("sweep.storage has a password in it: remove it and set PGPASSWORD "
+                             "or ~/.pgpass (configs are logged; secrets never are).")
+        return self
+
+
+class TrialSettings(Strict):
+    """Set by `rloo-pipeline sweep` on each trial's config (not written by hand): which study and
+    trial it is, and how its checkpoints are judged for pruning."""
+    sweep: str
+    number: int = Field(ge=0)
+    storage: str
+    objective: str
+    objective_set: str = "held_out"
+    direction: Literal["maximize", "minimize"] = "maximize"
+    prune: bool = True
+    pruner: PrunerSettings = PrunerSettings()
+
+
 class RunConfig(Strict):
     """A pipeline config. `training:` is exactly an `rloo train` recipe (RLOOConfig fields plus
     ScriptArguments' model / reward / LoRA keys), validated by rloo.cli.parse_recipe; the other
@@ -212,6 +336,8 @@ class RunConfig(Strict):
     evaluation: EvalSettings = EvalSettings()
     tracking: TrackingSettings = TrackingSettings()
     promotion: PromotionSettings = PromotionSettings()
+    sweep: SweepSettings | None = None
+    trial: TrialSettings | None = None
 
     @field_validator("training")
     @classmethod
@@ -255,7 +381,9 @@ class RunConfig(Strict):
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> str:
         """Hash of everything that changes the result (not where it is stored or tracked)."""
-        payload = self.model_dump(exclude={"run_root", "tracking", "promotion"})
+        payload = self.model_dump(exclude={"run_root", "tracking", "promotion", "sweep", "trial"})
+        if self.trial is not None:  # a trial is a run of its own, wherever its study is stored
+            payload["trial"] = {"sweep": self.trial.sweep, "number": self.trial.number}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
     @property

@@ -403,22 +403,33 @@ def training_progress(config: RunConfig) -> tuple[int, int | None, float | None,
     return step, max_steps if max_steps and max_steps > 0 else None, reward, timing
 
 
-async def follow_training(config: RunConfig, record: dict, on_progress=None) -> dict:
+async def follow_training(config: RunConfig, record: dict, on_progress=None, judge=None) -> dict:
     """Poll the job (asyncio.sleep between polls, so the orchestrator stays responsive and
-    cancellable)."""
+    cancellable). A sweep's trial has a `judge` (infra.sweep.PruningJudge): each new checkpoint is
+    scored and reported, and a pruned trial's job is stopped there (its checkpoints kept)."""
     import asyncio
 
     from infra.jobs import TrainingStalled, stall_cause
-    from infra.launch import JobHandle, TrainingFailed, job_state
+    from infra.launch import JobHandle, TrainingFailed, cancel, job_state
     handle = JobHandle.from_dict(record["handle"])
     deadline = handle.submitted_at + config.launch.timeout_min * 60 + 60
-    last = None
+    last = pruned = None
     while True:
         state, error = job_state(handle)
         progress = training_progress(config)
         if on_progress is not None and progress != last:
             on_progress(*progress)
             last = progress
+        for checkpoint in judge.pending() if judge is not None else []:
+            row = await asyncio.to_thread(judge.judge, checkpoint)
+            if row["prune"] and state != "COMPLETED":
+                pruned = row
+                break
+        if pruned is not None:
+            cancel(handle)
+            while job_state(handle)[0] == "RUNNING":
+                await asyncio.sleep(config.launch.poll_seconds)
+            break
         if state == "COMPLETED":
             break
         stalled = stall_cause(stage_path(config, "train", "output"), handle.submitted_at)
@@ -437,7 +448,8 @@ async def follow_training(config: RunConfig, record: dict, on_progress=None) -> 
         await asyncio.sleep(config.launch.poll_seconds)
     output_dir = stage_path(config, "train", "output")
     result = {
-        "output_dir": output_dir, "global_step": progress[0],
+        "output_dir": output_dir, "global_step": pruned["step"] if pruned else progress[0],
+        "pruned": pruned,
         "mlflow_run_id": record.get("mlflow_run_id"),
         "metrics_path": stage_path(config, "train", "metrics.jsonl"), "job_id": handle.job_id,
         "attempt": record.get("attempt", 1), "resumed_from": record.get("resumed_from")

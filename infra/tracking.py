@@ -306,11 +306,17 @@ def evaluation_record(result: dict, step: int, datasets: list[DatasetRef],
 @contextlib.contextmanager
 def pipeline_run(config, params: dict, tags: dict[str, str]):
     """The pipeline's parent run (params = the resolved config, secrets dropped), ended FINISHED or
-    FAILED; yields (run id, experiment id)."""
+    FAILED; yields (run id, experiment id). A sweep's trial is a child of the sweep's run."""
     uri = config.tracking_uri
+    parent = None
+    if config.trial is not None:
+        parent = sweep_run(uri, config.tracking.experiment, config.trial.sweep)
+        tags = {**tags, "rloo.sweep": config.trial.sweep, "rloo.trial": str(config.trial.number),
+                "rloo.trial_state": "RUNNING"}
     run_id = start_run(
         uri, config.tracking.experiment, config.run_key,
-        {"rloo.run_key": config.run_key, "rloo.fingerprint": config.fingerprint(), **tags})
+        {"rloo.run_key": config.run_key, "rloo.fingerprint": config.fingerprint(), **tags},
+        parent_run_id=parent)
     log_params(uri, run_id, params)
     try:
         yield run_id, experiment_id(uri, config.tracking.experiment)
@@ -318,6 +324,30 @@ def pipeline_run(config, params: dict, tags: dict[str, str]):
         client(uri).set_terminated(run_id, status="FAILED")
         raise
     client(uri).set_terminated(run_id, status="FINISHED")
+
+
+SWEEP_TAGS = {"rloo.kind": "sweep"}
+
+
+def sweep_run(uri: str, experiment: str, name: str, params: dict | None = None) -> str:
+    """The sweep's MLflow run (its trials' pipeline runs are its children), found by its tags or
+    created."""
+    tags = {**SWEEP_TAGS, "rloo.sweep": name}
+    found = client(uri).search_runs([experiment_id(uri, experiment)], _tag_filter(tags),
+                                    order_by=["attributes.start_time ASC"], max_results=1)
+    if found:
+        return found[0].info.run_id
+    run_id = start_run(uri, experiment, f"sweep {name}", tags)
+    if params:
+        log_params(uri, run_id, params)
+    return run_id
+
+
+def trial_runs(uri: str, experiment: str, name: str) -> list:
+    """The pipeline runs of a sweep's trials (latest first per trial)."""
+    return client(uri).search_runs(
+        [experiment_id(uri, experiment)], _tag_filter({"rloo.sweep": name}) +
+        " AND tags.`rloo.trial` != ''", order_by=["attributes.start_time DESC"])
 
 
 def pipeline_runs(tracking_uri: str, experiment: str, run_key: str) -> dict:

@@ -23,7 +23,7 @@ from rloo.script_args import FIELD_NAMES, ScriptArguments, closest, unknown_fiel
 
 
 PIPELINE_SECTIONS = ("name", "model", "data", "rewards", "training", "launch", "evaluation",
-                     "tracking", "promotion")
+                     "tracking", "promotion", "sweep")
 
 
 def read_recipe(path: str) -> dict:

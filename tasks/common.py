@@ -18,10 +18,12 @@ def cache_key(stage: str):
     return key
 
 
-def say(stage: str, message: str) -> None:
-    """The one summary line per stage on the console (and in the Prefect run log)."""
+def say(stage: str, message: str, config: RunConfig | None = None) -> None:
+    """The one summary line per stage on the console (and in the Prefect run log); a sweep's
+    trials, which run side by side, are named in theirs."""
     from prefect import get_run_logger
-    get_run_logger().info("[%s] %s", stage, message)
+    who = f"{config.name}: " if config is not None and config.trial is not None else ""
+    get_run_logger().info("[%s] %s%s", stage, who, message)
 
 
 def progress_reporter(config: RunConfig, every_s: float = 30.0):
@@ -50,8 +52,7 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
                     "train",
                     f"the Prefect API is unreachable ({type(err).__name__}); following the job "
                     "without progress updates. If this process ends, `rloo-pipeline resume RUN` "
-                    "picks the job up."
-                )
+                    "picks the job up.", config=config)
         if step != state.get("step") and not state.get("api_away"):  # the stalled-run watch
             state["step"] = step
             stall_alert.emit(stall_alert.STEP, config.run_key, config.name,
@@ -73,5 +74,5 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
         parts.append(f"{int(now - start)}s elapsed")
         if timing:
             parts.append(timing)
-        say("train", ", ".join(parts))
+        say("train", ", ".join(parts), config=config)
     return on_progress

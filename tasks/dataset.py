@@ -16,5 +16,5 @@ def dataset_task(config: RunConfig, parent_run_id: str | None) -> dict:
     say(
         "dataset",
         f"{result['num_train']} train / {result['num_eval']} held-out prompts ({result['format']}) "
-        f"from {result['source']}")
+        f"from {result['source']}", config=config)
     return result

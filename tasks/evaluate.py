@@ -37,5 +37,6 @@ def evaluate_task(config: RunConfig, dataset_result: dict, model_result: dict, t
         "evaluate",
         f"held-out reward {evaluation.format_number(result['base']['reward'])} (base) -> "
         f"{evaluation.format_number(result['trained']['reward'])} (trained), gain "
-        f"{'-' if gain is None else f'{gain:+.3f}'}{extra}; report: {result['report_path']}")
+        f"{'-' if gain is None else f'{gain:+.3f}'}{extra}; report: {result['report_path']}",
+        config=config)
     return result

@@ -18,5 +18,5 @@ def model_task(config: RunConfig, dataset_result: dict, parent_run_id: str | Non
     say(
         "model",
         f"{result['policy']} ({result['num_parameters'] / 1e6:.1f}M parameters), {adapter}; "
-        f"rewards: {', '.join(result['reward_names'])}")
+        f"rewards: {', '.join(result['reward_names'])}", config=config)
     return result

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from infra import checkpoints, job_tracking, stages, stall_alert, tracking
+from infra import checkpoints, job_tracking, stages, stall_alert, sweep, tracking
 from infra.runconfig import RunConfig, resolved_dict
 from tasks.common import cache_key, progress_reporter, say
 
@@ -22,11 +22,14 @@ async def train_task(config: RunConfig, dataset_result: dict, model_result: dict
         how = "reattached to" if record["reattached"] else (
             f"resumed from {record['resumed_from']} as" if record["resumed_from"] else "started")
         say("train",
-            f"{how} local job {record['handle']['job_id']} (log: {record['handle']['log_path']})")
+            f"{how} local job {record['handle']['job_id']} (log: {record['handle']['log_path']})",
+            config=config)
         on_progress = progress_reporter(config)
         stall_alert.emit(stall_alert.STARTED, config.run_key, config.name)
         try:
-            result = await stages.follow_training(config, record, on_progress)
+            judge = sweep.PruningJudge(config, dataset_result, model_result) if (
+                config.trial and config.trial.prune) else None
+            result = await stages.follow_training(config, record, on_progress, judge)
         finally:  # however it ends: the stalled-run automation stops watching it
             stall_alert.emit(stall_alert.FINISHED, config.run_key, config.name)
         # what MLflow refused during the run (an outage) goes now, before the run is closed
@@ -34,6 +37,11 @@ async def train_task(config: RunConfig, dataset_result: dict, model_result: dict
             job_tracking.flush_pending(stages.train_dir(config), config.tracking_uri, run_id)
             result = checkpoints.log_models(config, result, model_result, run_id)
     models = f"; {len(result['models'])} models in MLflow" if result.get("models") else ""
-    say("train", f"{result['global_step']} optimizer steps done; model in {result['output_dir']}"
-        f"{models}")
+    if result.get("pruned"):
+        pruned = result["pruned"]
+        say("train", f"pruned by the sweep at {pruned['name']} ({config.trial.objective} "
+            f"{pruned['value']:.4g}): job stopped, checkpoints kept{models}", config=config)
+    else:
+        say("train", f"{result['global_step']} optimizer steps done; model in "
+            f"{result['output_dir']}{models}", config=config)
     return result

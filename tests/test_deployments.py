@@ -51,7 +51,7 @@ def served(tmp_path_factory):
     base = f"http://127.0.0.1:{prefect_port}"
     deadline = time.time() + 300
     deployments = {}
-    while len(deployments) < 3:
+    while len(deployments) < 5:
         assert process.poll() is None and time.time() < deadline, open(log.name).read()[-4000:]
         time.sleep(2)
         try:
@@ -79,6 +79,10 @@ def test_every_deployment_form_is_prefilled_with_its_recipes_values():
     for deployment in deployments:
         parameters = deployment["parameters"]
         config = load_run_config(os.path.join(ROOT, parameters["recipe"]))
+        if deployment["name"] == "sweep":  # the sweep's own settings
+            assert (parameters["n_trials"], parameters["parallel"]) == (
+                config.sweep.n_trials, config.sweep.parallel)
+            continue
         assert RunSettings(**parameters["settings"]).assignments(config) == [], deployment["name"]
         assert set(parameters["settings"]) >= {"model", "max_steps", "learning_rate", "num_generations"}
 
@@ -216,3 +220,33 @@ def test_serve_installs_the_stalled_run_automation_and_it_flags_a_run_without_st
         stall_alert.install(10)
         assert training("stuck-run", False) == "no training step for 10 s (rloo)"
         assert training("finished-run", True) is None
+
+
+def test_a_sweep_started_from_its_form_shows_its_trials_as_flow_runs(served, tmp_path):
+    """The `sweep` deployment's typed form, a sweep started from it as the Run button does, its trials as flow
+    runs of their own under it (screenshots in docs/img/)."""
+    base, deployment = served["base"], served["deployments"]["sweep"]
+    form_url = f"{base}/v2/deployments/deployment/{deployment['id']}/run"
+    page = chromium("--dump-dom", form_url, profile=tmp_path / "a").stdout
+    for field in ("N Trials", "Parallel", "configs/sweep-tiny.yaml", "trials at once"):
+        assert field in page, field
+    chromium(f"--screenshot={IMAGES}/sweep-form.png", form_url, profile=tmp_path / "b")
+    parameters = dict(deployment["parameters"], n_trials=2, parallel=2,
+                      overrides=["training.max_steps=3", "training.save_steps=3", "sweep.name=ui"])
+    status, run = api(base, f"/deployments/{deployment['id']}/create_flow_run", {
+        "parameters": parameters, "state": {"type": "SCHEDULED", "message": "Run from the Prefect UI"}})
+    assert status == 201, run
+    deadline = time.time() + 600
+    while (found := api(base, f"/flow_runs/{run['id']}")[1])["state_type"] not in ("COMPLETED", "FAILED",
+                                                                                  "CRASHED"):
+        assert time.time() < deadline, open(served["log"]).read()[-4000:]
+        time.sleep(2)
+    assert found["state_type"] == "COMPLETED", (found["state"], open(served["log"]).read()[-4000:])
+    trials = api(base, "/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run["id"]]}}})[1]
+    assert sorted(t["name"] for t in trials) == ["ui-t0", "ui-t1"]
+    assert all(t["state_type"] == "COMPLETED" for t in trials)
+    run_url = f"{base}/v2/runs/flow-run/{run['id']}"
+    page = chromium("--dump-dom", run_url, profile=tmp_path / "c").stdout
+    assert found["name"] in page and "Completed" in page
+    chromium(f"--screenshot={IMAGES}/sweep-run.png", run_url, profile=tmp_path / "d")
+    assert os.path.getsize(f"{IMAGES}/sweep-form.png") > 20_000

@@ -174,7 +174,7 @@ def test_runs_started_at_once_on_a_fresh_store_share_the_experiment_one_of_them_
     assert tracking.experiment_id(uri, "rloo") == first
 
 
-def test_prefect_deployments_point_at_the_flow_and_valid_recipes():
+def test_prefect_deployments_point_at_their_flows_and_valid_recipes():
     import importlib
 
     import yaml
@@ -183,8 +183,9 @@ def test_prefect_deployments_point_at_the_flow_and_valid_recipes():
     for deployment in deployments:
         path, name = deployment["entrypoint"].split(":")
         module = importlib.import_module(path[:-3].replace("/", "."))
-        assert getattr(module, name).name == "rloo-pipeline"
-        load_run_config(os.path.join(ROOT, deployment["parameters"]["recipe"]))
+        assert getattr(module, name).name == ("rloo-sweep" if deployment["name"] == "sweep" else "rloo-pipeline")
+        config = load_run_config(os.path.join(ROOT, deployment["parameters"]["recipe"]))
+        assert (config.sweep is not None) == (deployment["name"] == "sweep")
 
 
 def test_evaluation_scores_one_rollout_with_the_training_state(tmp_path):
@@ -332,7 +333,7 @@ def test_training_progress_line_has_step_reward_and_eta(tmp_path, monkeypatch):
     lines, clock = [], {"now": 1000.0}
     monkeypatch.setattr(prefect.artifacts, "create_progress_artifact", lambda *a, **k: "artifact")
     monkeypatch.setattr(prefect.artifacts, "update_progress_artifact", lambda *a, **k: None)
-    monkeypatch.setattr(common, "say", lambda stage, message: lines.append(message))
+    monkeypatch.setattr(common, "say", lambda stage, message, config=None: lines.append(message))
     monkeypatch.setattr(common.time, "time", lambda: clock["now"])
     report = common.progress_reporter(tiny(tmp_path))
     for step, now in ((1, 1010.0), (2, 1020.0), (3, 1045.0), (4, 1050.0), (10, 1110.0)):
