@@ -418,7 +418,8 @@ def cmd_sync(options) -> int:
 
 def cmd_ui(options) -> int:
     from flows import serve
-    env = serve.service_environment(options.run_root, options.prefect_port)
+    env = serve.service_environment(options.run_root, options.prefect_port, options.mlflow_port,
+                                    options.prefect_db, options.mlflow_db)
     processes = serve.start_servers(options.run_root, options.prefect_port, options.mlflow_port,
                                     env)
     with serve.running(processes):
@@ -433,7 +434,8 @@ def cmd_ui(options) -> int:
 
 def cmd_serve(options) -> int:
     from flows import serve
-    env = serve.service_environment(options.run_root, options.prefect_port)
+    env = serve.service_environment(options.run_root, options.prefect_port, options.mlflow_port,
+                                    options.prefect_db, options.mlflow_db)
     processes = serve.start_servers(options.run_root, options.prefect_port, options.mlflow_port,
                                     env)
     with serve.running(processes):
@@ -520,6 +522,12 @@ def parser() -> argparse.ArgumentParser:
         ui.add_argument("--run-root", default=DEFAULT_ROOT)
         ui.add_argument("--prefect-port", type=int, default=4200)
         ui.add_argument("--mlflow-port", type=int, default=5000)
+        ui.add_argument("--prefect-db", metavar="URL",
+                        help="the Prefect server's database: postgresql://user@host:port/db "
+                        "(default $RLOO_PREFECT_DB, else SQLite under the run root)")
+        ui.add_argument("--mlflow-db", metavar="URL",
+                        help="MLflow's backend store: postgresql://user@host:port/db (default "
+                        "$RLOO_MLFLOW_DB, else SQLite under the run root); runs track into it")
         if name == "serve":
             ui.add_argument("--stall-alert-minutes", type=float, default=30.0,
                             help="flag a run Stalled in the UI after this long without a step")

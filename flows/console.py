@@ -23,7 +23,10 @@ class OwnLines(logging.Filter):
 
 def before_imports() -> None:
     """What must be set before the libraries load: without a GPU, DeepSpeed is told it runs on the
-    CPU (instead of detecting it and saying so on stdout at import)."""
+    CPU (instead of detecting it and saying so on stdout at import). MLflow's client writes a "View
+    run ... at" link to stdout each time a run on a tracking server ends: the pipeline prints its
+    own links."""
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     if "DS_ACCELERATOR" not in os.environ:
         import torch
         if not torch.cuda.is_available():

@@ -17,8 +17,13 @@ from infra.runconfig import REPOSITORY
 POOL = "rloo"
 
 
-def service_environment(run_root: str, prefect_port: int) -> dict[str, str]:
-    """What the servers, `prefect deploy`, the worker and the flow runs it starts share."""
+def service_environment(run_root: str, prefect_port: int, mlflow_port: int,
+                        prefect_db: str | None = None,
+                        mlflow_db: str | None = None) -> dict[str, str]:
+    """What the servers, `prefect deploy`, the worker and the flow runs it starts share. With the
+    team's databases (PostgreSQL URLs, checked: no password in them), the Prefect server runs on
+    `prefect_db`, and the flow runs track into the MLflow server on `mlflow_db`."""
+    from infra import databases
     root = os.path.abspath(run_root)
     api = f"http://127.0.0.1:{prefect_port}/api"
     env = dict(os.environ)
@@ -30,6 +35,12 @@ def service_environment(run_root: str, prefect_port: int) -> dict[str, str]:
         "RLOO_RUN_ROOT": root,
         "RLOO_HOME": REPOSITORY
     })
+    if prefect_db := databases.configured("prefect", prefect_db):
+        env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = databases.sqlalchemy_url(prefect_db,
+                                                                                 "prefect")
+    if mlflow_db := databases.configured("mlflow", mlflow_db):
+        env["RLOO_MLFLOW_BACKEND"] = databases.sqlalchemy_url(mlflow_db, "mlflow")
+        env["RLOO_TRACKING_URI"] = f"http://127.0.0.1:{mlflow_port}"
     env.setdefault("PREFECT_WORKER_QUERY_SECONDS", "5")
     os.makedirs(env["PREFECT_HOME"], exist_ok=True)
     return env
@@ -37,27 +48,36 @@ def service_environment(run_root: str, prefect_port: int) -> dict[str, str]:
 
 def start_servers(run_root: str, prefect_port: int, mlflow_port: int,
                   env: dict[str, str]) -> list[subprocess.Popen]:
-    """The Prefect server and the MLflow UI, their output in `<run root>/.logs/` (the console stays
-    readable)."""
-    root = os.path.abspath(run_root)
-    logs = os.path.join(root, ".logs")
+    """The Prefect server and the MLflow server (with its UI), their output in `<run root>/.logs/`
+    (the console stays readable)."""
+    return [start_prefect(run_root, prefect_port, env),
+            start_mlflow(run_root, mlflow_port, env)]
+
+
+def _start(run_root: str, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    logs = os.path.join(os.path.abspath(run_root), ".logs")
     os.makedirs(logs, exist_ok=True)
-    commands = {
-        "prefect-server": [
-            "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-            str(prefect_port)
-        ], "mlflow-ui": [
-            "mlflow", "ui", "--backend-store-uri", f"sqlite:///{os.path.join(root, 'mlflow.db')}",
-            "--host", "127.0.0.1", "--port",
-            str(mlflow_port)
-        ]
-    }
-    processes = []
-    for name, command in commands.items():
-        with open(os.path.join(logs, f"{name}.log"), "a") as log:
-            processes.append(subprocess.Popen([sys.executable, "-m", *command], env=env, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
-    return processes
+    with open(os.path.join(logs, f"{name}.log"), "a") as log:
+        return subprocess.Popen([sys.executable, "-m", *command], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_prefect(run_root: str, port: int, env: dict[str, str]) -> subprocess.Popen:
+    """Prefect's server on its database (PREFECT_SERVER_DATABASE_CONNECTION_URL, else its SQLite
+    file under PREFECT_HOME)."""
+    return _start(run_root, "prefect-server",
+                  ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env)
+
+
+def start_mlflow(run_root: str, port: int, env: dict[str, str]) -> subprocess.Popen:
+    """MLflow's tracking server and UI on its backend store (RLOO_MLFLOW_BACKEND, else the run
+    root's SQLite file), artifacts under the run root either way."""
+    root = os.path.abspath(run_root)
+    store = env.get("RLOO_MLFLOW_BACKEND") or f"sqlite:///{os.path.join(root, 'mlflow.db')}"
+    return _start(run_root, "mlflow-ui",
+                  ["mlflow", "server", "--backend-store-uri", store, "--artifacts-destination",
+                   os.path.join(root, "mlartifacts"), "--host", "127.0.0.1", "--port",
+                   str(port)], env)
 
 
 def deploy(env: dict[str, str], stall_alert_s: float) -> None:

@@ -301,9 +301,6 @@ class SweepSettings(Strict):
             if unknown := sorted(set(point) - set(self.space)):
                 raise ValueError(f"sweep.enqueue[{index}]: {unknown} are not keys of "
                                  "sweep.space.")
-        if self.storage and re.match(r"^[a-z+]+://[^/@]*:[^/@]*@", self.storage):
-            raise ValueError("sweep.storage has a password in it: remove it and set PGPASSWORD "
-                             "or ~/.pgpass (configs are logged; secrets never are).")
         return self
 
 
@@ -397,7 +394,9 @@ class RunConfig(Strict):
     @property
     def tracking_uri(self) -> str:
         store = os.path.abspath(os.path.join(self.run_root, "mlflow.db"))
-        return self.tracking.tracking_uri or f"sqlite:///{store}"
+        # RLOO_TRACKING_URI: set by `rloo-pipeline serve` when its MLflow server is the team's
+        return self.tracking.tracking_uri or os.environ.get("RLOO_TRACKING_URI") or \
+            f"sqlite:///{store}"
 
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,6 @@ import functools
 import json
 import math
 import os
-import re
 
 from infra.runconfig import (ConfigError, PrunerSettings, RunConfig, load_run_config,
                              resolved_dict)
@@ -31,18 +30,13 @@ def sweep_dir(run_root: str, name: str) -> str:
 
 
 def storage_url(config: RunConfig) -> str:
-    """The study's database: sweep.storage, or a SQLite file beside the MLflow store."""
-    if config.sweep.storage:
-        return optuna_url(config.sweep.storage)
+    """The study's database: sweep.storage (or RLOO_SWEEP_DB), else a SQLite file beside the
+    MLflow store."""
+    from infra import databases
+    url = config.sweep.storage or databases.configured("sweep")
+    if url:
+        return databases.sqlalchemy_url(url, "sweep")
     return "sqlite:///" + os.path.abspath(os.path.join(config.run_root, "sweeps.db"))
-
-
-def optuna_url(url: str) -> str:
-    """postgresql://... -> postgresql+psycopg://... (the driver the pipeline installs); the
-    password comes from PGPASSWORD or ~/.pgpass (libpq's own lookup), never from a config."""
-    if url.startswith("postgresql://") or url.startswith("postgres://"):
-        return "postgresql+psycopg://" + url.split("://", 1)[1]
-    return url
 
 
 def trial_name(config: RunConfig, number: int) -> str:
@@ -69,6 +63,7 @@ def check_sweep(config: RunConfig) -> None:
     held-out evaluation produces, on a set it scores), pruning's need for checkpoints, and every
     value a trial can get (each edge of a range, each choice, each enqueued point) applied to the
     config and validated as a run of its own would be."""
+    from infra import databases
     from infra.stages import validate_recipe
     sweep = config.sweep
     if sweep is None:
@@ -95,9 +90,8 @@ def check_sweep(config: RunConfig) -> None:
     if len(sweep.enqueue) > sweep.n_trials:
         raise ConfigError(f"sweep.enqueue has {len(sweep.enqueue)} points for n_trials="
                           f"{sweep.n_trials}.")
-    if not re.match(r"^(sqlite|postgresql|postgres)(\+\w+)?://", storage_url(config)):
-        raise ConfigError(f"sweep.storage: {config.sweep.storage!r}: use sqlite:///path or "
-                          "postgresql://user@host:port/database.")
+    if sweep.storage:
+        databases.check(sweep.storage, "sweep.storage")
     tried = [(f"sweep.space.{key}", {key: value}) for key, dimension in sweep.space.items()
              for value in dimension.bounds()]
     tried += [(f"sweep.enqueue[{index}]", point) for index, point in enumerate(sweep.enqueue)]

