@@ -15,7 +15,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from infra import stages, sweep, sweep_report, tracking
-from infra.runconfig import load_run_config, shipped_recipes
+from infra.runconfig import load_run_config, shipped_sweeps
 from infra.writer import sole_writer
 
 
@@ -41,7 +41,7 @@ async def _limit(name: str, slots: int) -> None:
 @flow(name="rloo-sweep", log_prints=True)
 async def rloo_sweep(
         recipe: Annotated[str, Field(
-            json_schema_extra={"enum": shipped_recipes()},
+            json_schema_extra={"enum": shipped_sweeps()},
             description="A pipeline config with a `sweep:` section (configs/*.yaml; from the "
             "command line, any path).")] = "configs/sweep-tiny.yaml",
         n_trials: Annotated[int | None, Field(

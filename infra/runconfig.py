@@ -409,6 +409,16 @@ def shipped_recipes() -> list[str]:
     return sorted(f"configs/{name}" for name in os.listdir(folder) if name.endswith(".yaml"))
 
 
+def shipped_sweeps() -> list[str]:
+    """The shipped configs with a `sweep:` section (what the sweep deployment's form offers)."""
+    found = []
+    for path in shipped_recipes():
+        with open(os.path.join(REPOSITORY, path)) as handle:
+            if (yaml.safe_load(handle) or {}).get("sweep"):
+                found.append(path)
+    return found
+
+
 # The form's fields and the config keys they set.
 SETTING_KEYS = {
     "model": "training.model_name_or_path", "max_steps": "training.max_steps",

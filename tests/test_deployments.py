@@ -228,7 +228,8 @@ def test_a_sweep_started_from_its_form_shows_its_trials_as_flow_runs(served, tmp
     base, deployment = served["base"], served["deployments"]["sweep"]
     form_url = f"{base}/v2/deployments/deployment/{deployment['id']}/run"
     page = chromium("--dump-dom", form_url, profile=tmp_path / "a").stdout
-    for field in ("N Trials", "Parallel", "configs/sweep-tiny.yaml", "trials at once"):
+    for field in ("n_trials", "Trials in the study when the sweep is done", "parallel", "Trials running at once",
+                  "configs/sweep-tiny.yaml", "sweep.objective="):
         assert field in page, field
     chromium(f"--screenshot={IMAGES}/sweep-form.png", form_url, profile=tmp_path / "b")
     parameters = dict(deployment["parameters"], n_trials=2, parallel=2,

@@ -9,7 +9,8 @@ import signal
 
 import pytest
 
-from sweeps import PRUNED_SWEEP, checkpoint_steps, cli, study, sweep_config, trial_dirs, wait_for
+from sweeps import (PRUNED_SWEEP, check_pruned_sweep, checkpoint_steps, cli, study, sweep_config,
+                    trial_dirs, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -22,52 +23,7 @@ def test_a_sweep_runs_in_parallel_prunes_a_loser_and_promotes_the_best(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[sweep] trial 3 started" in done.stderr and "pruned at checkpoint-" in done.stderr
 
-    found = study(run_root, "sweep-tiny")
-    states = {t.number: t.state.name for t in found.trials}
-    assert states == {0: "COMPLETE", 1: "COMPLETE", 2: "COMPLETE", 3: "PRUNED"}, states
-    dirs = trial_dirs(run_root, "sweep-tiny")
-    assert len(set(dirs.values())) == 4  # one run directory per trial
-    pruned = dirs[3]
-    steps = checkpoint_steps(pruned)
-    assert steps and max(steps) < max_steps  # its job really stopped early
-    assert not os.path.exists(os.path.join(pruned, "train", "output", "adapter_model.safetensors"))
-    assert not os.path.exists(os.path.join(pruned, "eval"))  # and was not evaluated
-    judged = [json.loads(line) for line in open(os.path.join(pruned, "train",
-                                                             "trial_scores.jsonl"))]
-    assert judged[-1]["prune"] and found.trials[3].intermediate_values == {
-        row["step"]: row["value"] for row in judged}
-
-    from infra import tracking
-    uri = "sqlite:///" + os.path.join(run_root, "mlflow.db")
-    client = tracking.client(uri)
-    experiment = client.get_experiment_by_name("rloo").experiment_id
-    parent = client.search_runs([experiment], "tags.`rloo.kind` = 'sweep'")
-    assert len(parent) == 1
-    children = client.search_runs(
-        [experiment], f"tags.`mlflow.parentRunId` = '{parent[0].info.run_id}'")
-    assert sorted(int(r.data.tags["rloo.trial"]) for r in children) == [0, 1, 2, 3]
-    by_trial = {int(r.data.tags["rloo.trial"]): r for r in children}
-    assert by_trial[3].data.tags["rloo.trial_state"] == "PRUNED"
-    assert by_trial[0].data.metrics["objective"] == pytest.approx(found.trials[0].value)
-    assert by_trial[1].data.params["evaluation.max_completion_length"] == "8"
-    artifacts = {a.path for a in client.list_artifacts(parent[0].info.run_id, "sweep")}
-    assert {"sweep/trials.md", "sweep/importances.json", "sweep/objective.png"} <= artifacts
-
-    compared = cli("compare", "--sweep", "sweep-tiny", "--run-root", run_root)
-    assert compared.returncode == 0, compared.stderr
-    lines = [line for line in compared.stdout.splitlines() if line.startswith("│")]
-    ranks = [line.split("│")[2].strip() for line in lines]
-    best = min((t for t in found.trials if t.state.name == "COMPLETE"), key=lambda t: t.value)
-    assert ranks[0] == str(best.number) and ranks[-1] == "3"  # by the objective, pruned last
-    assert "evaluation.max_completion_length" in compared.stdout  # the key that differs
-
-    promoted = cli("promote", "--sweep", "sweep-tiny", "--run-root", run_root, "--approve",
-                   env={"RLOO_HUB_PUBLISHER": f"local:{tmp_path / 'hub'}"})
-    assert promoted.returncode == 0, promoted.stdout + promoted.stderr
-    key = best.user_attrs["rloo.run_key"]
-    assert f"best trial is {key}" in promoted.stdout
-    versions = tracking.find_versions(uri, "rloo-sweep-tiny", {})
-    assert [v.tags.get("rloo.run_key") for v in versions] == [key]
+    check_pruned_sweep(str(tmp_path), "sqlite:///" + os.path.join(run_root, "mlflow.db"), max_steps)
 
 
 def first_started(metrics_path):

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from services import PostgresServer, free_port
-from sweeps import PRUNED_SWEEP, checkpoint_steps, cli, study, sweep_config, trial_dirs, wait_for
+from sweeps import PRUNED_SWEEP, check_pruned_sweep, checkpoint_steps, cli, study, sweep_config, trial_dirs, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -62,16 +62,12 @@ def test_a_sweep_on_the_teams_postgresql_survives_a_tracking_server_restart(post
         assert process.wait(timeout=900) == 0, open(os.path.join(tmp_path, "sweep.log")).read()[-4000:]
 
         assert {"studies", "trials", "trial_intermediate_values"} <= postgres.tables("optuna")
+        check_pruned_sweep(str(tmp_path), uri, 30, prefect_api=env["PREFECT_API_URL"])
         found = study(run_root, "sweep-tiny")
-        assert [t.state.name for t in found.trials] == ["COMPLETE"] * 3 + ["PRUNED"]
-        first, second = found.trials[0], found.trials[1]
+        first, second = found.trials[0], found.trials[1]  # the two first trials wrote at the same time
         assert first.datetime_start < second.datetime_complete and second.datetime_start < first.datetime_complete
-
         client = tracking.client(uri)
         experiment = client.get_experiment_by_name("rloo").experiment_id
-        parent = client.search_runs([experiment], "tags.`rloo.kind` = 'sweep'")
-        children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent[0].info.run_id}'")
-        assert sorted(int(r.data.tags["rloo.trial"]) for r in children) == [0, 1, 2, 3]
         for trial in found.trials[:3]:  # every step's training metrics arrived, the outage's included
             train = client.search_runs([experiment], f"tags.`rloo.run_key` = '{trial.user_attrs['rloo.run_key']}' "
                                        "and tags.`rloo.stage` = 'train'")
