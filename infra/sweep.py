@@ -243,13 +243,14 @@ MAX_ATTEMPTS = 2  # a trial failing this often is FAIL (not resumed forever)
 
 def record_failure(study, number: int, err: BaseException) -> None:
     """A trial's pipeline raised: it stays RUNNING (the next sweep resumes it from its checkpoint)
-    unless it failed MAX_ATTEMPTS times, then it is FAIL with the error kept."""
+    unless it failed MAX_ATTEMPTS times or its values make an invalid run (a combination the
+    per-key checks could not see), then it is FAIL with the error kept."""
     from optuna.trial import TrialState
     trial = _trial(study, number)
     attempts = int(resume(study, number).user_attrs.get("rloo.failures", 0)) + 1
     trial.set_user_attr("rloo.failures", attempts)
     trial.set_user_attr("rloo.error", f"{type(err).__name__}: {str(err)[:500]}")
-    if attempts >= MAX_ATTEMPTS:
+    if attempts >= MAX_ATTEMPTS or isinstance(err, ConfigError):
         study.tell(number, state=TrialState.FAIL)
 
 
