@@ -1,5 +1,5 @@
-"""The databases a team shares: MLflow's backend store, the Prefect server's database and the sweeps'
-Optuna studies, each on PostgreSQL when a URL is given (`postgresql://user@host:port/database`),
+"""The databases a team shares: MLflow's backend store, the Prefect server's database and the
+sweeps' Optuna studies, each on PostgreSQL when a URL is given (`postgresql://user@host:port/db`),
 else the embedded SQLite files under the run root. A URL never carries a password: libpq's
 PGPASSWORD or ~/.pgpass supply it (psycopg and asyncpg both read them), so configs, logs and MLflow
 params stay free of it."""
