@@ -420,11 +420,13 @@ async def follow_training(config: RunConfig, record: dict, on_progress=None, jud
         if on_progress is not None and progress != last:
             on_progress(*progress)
             last = progress
-        for checkpoint in judge.pending() if judge is not None else []:
-            row = await asyncio.to_thread(judge.judge, checkpoint)
-            if row["prune"] and state != "COMPLETED":
-                pruned = row
-                break
+        if judge is not None:
+            for checkpoint in judge.pending():
+                if judge.verdict() is not None:
+                    break
+                await asyncio.to_thread(judge.judge, checkpoint)
+            # (a job that finished meanwhile is done: its work is not given up)
+            pruned = judge.verdict() if state != "COMPLETED" else None
         if pruned is not None:
             cancel(handle)
             while job_state(handle)[0] == "RUNNING":

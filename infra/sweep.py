@@ -163,7 +163,7 @@ def _storage(url: str):
     return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
 
 
-def open_study(config: RunConfig, create: bool = True):
+def open_study(config: RunConfig):
     """The sweep's study (created with its enqueued points the first time)."""
     import optuna
     quiet_optuna()
@@ -173,9 +173,7 @@ def open_study(config: RunConfig, create: bool = True):
         existing = optuna.load_study(study_name=name, storage=storage,
                                      pruner=make_pruner(config.sweep.pruner),
                                      sampler=optuna.samplers.TPESampler(seed=config.sweep.seed))
-    except KeyError:
-        if not create:
-            raise
+    except KeyError:  # not there yet
         existing = None
     if existing is not None:
         if existing.direction.name.lower() != config.sweep.direction:
@@ -330,6 +328,11 @@ class PruningJudge:
                 training = load_from_disk(self.dataset_result["train_path"])["prompt"]
                 self.rows = extra_set_rows(self.config, name, training)
         return self.rows
+
+    def verdict(self) -> dict | None:
+        """The judgement that pruned this trial, if one did (also one made before the orchestrator
+        was killed: a resumed trial stops there again instead of training on)."""
+        return next((row for row in self.judged.values() if row["prune"]), None)
 
     def pending(self) -> list:
         """Checkpoints saved and complete, due for judging, not judged yet."""

@@ -343,13 +343,6 @@ def sweep_run(uri: str, experiment: str, name: str, params: dict | None = None) 
     return run_id
 
 
-def trial_runs(uri: str, experiment: str, name: str) -> list:
-    """The pipeline runs of a sweep's trials (latest first per trial)."""
-    return client(uri).search_runs(
-        [experiment_id(uri, experiment)], _tag_filter({"rloo.sweep": name}) +
-        " AND tags.`rloo.trial` != ''", order_by=["attributes.start_time DESC"])
-
-
 def pipeline_runs(tracking_uri: str, experiment: str, run_key: str) -> dict:
     """The latest MLflow runs of a pipeline run: {"pipeline": parent, "<stage>": nested run} ({}
     when none)."""
