@@ -76,14 +76,14 @@ def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None,
     import torch
     from transformers import TrainerState
 
-    from rloo.cli import resolve_reward
+    from rloo.cli import resolve_reward, reward_entries
     from rloo.generation import in_process_generator
     from rloo.models import (eos_token_ids, load_reward_model, load_tokenizer, prepare_tokenizer,
                              reward_tokenizers, text_tokenizer_of)
     from rloo.vision import is_vision_config
     from rloo.rewards import RewardRunner
     trust = bool(config.recipe_value("trust_remote_code"))
-    reward_funcs = [resolve_reward(entry) for entry in config.training["reward_funcs"]]
+    reward_funcs = [resolve_reward(entry) for entry in reward_entries(config.training)]
     reward_funcs = [
         load_reward_model(f, {}, trust) if isinstance(f, str) else f for f in reward_funcs
     ]
@@ -144,10 +144,12 @@ def evaluation_fingerprint(config: RunConfig, rows: list[dict]) -> str:
     """What makes two evaluations comparable: the same prompts, decoding settings and reward
     functions."""
     import hashlib
+
+    from rloo.cli import reward_entries
     payload = {
         "prompts": [row["prompt"] for row in rows], "evaluation": config.evaluation.model_dump(),
         "max_completion_length": config.recipe_value("max_completion_length"),
-        "reward_funcs": config.training["reward_funcs"],
+        "reward_funcs": reward_entries(config.training),
         "reward_weights": config.recipe_value("reward_weights"),
         "chat_template_kwargs": config.recipe_value("chat_template_kwargs")
     }

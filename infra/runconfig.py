@@ -345,10 +345,8 @@ class RunConfig(Strict):
                     f"training.{key} is set by the pipeline ({SET_BY_PIPELINE[key]}); remove it.")
             if key not in FIELD_NAMES:
                 raise ValueError(f"training.{key}: {unknown_field(key)}")
-        for key in ("model_name_or_path", "reward_funcs"):
-            if not training.get(key):
-                raise ValueError(
-                    f"training.{key} is required (the recipe's policy and reward functions).")
+        if not training.get("model_name_or_path"):
+            raise ValueError("training.model_name_or_path is required (the recipe's policy).")
         return training
 
     @model_validator(mode="after")

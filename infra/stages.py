@@ -165,10 +165,10 @@ def check_config(config: RunConfig, read_rows: bool) -> bool:
     source (`rloo-pipeline validate`; a Hub dataset's rows are checked by the dataset stage, nothing
     is downloaded here). True when rows were read."""
     from infra.runconfig import ConfigError
-    from rloo.cli import resolve_reward
+    from rloo.cli import resolve_reward, reward_entries
     try:
         script, args = validate_recipe(config)
-        for entry in script.reward_funcs:
+        for entry in reward_entries(script):
             resolve_reward(entry)
     except (ValueError, ImportError) as err:
         raise ConfigError(f"training: {err}") from None
@@ -280,7 +280,7 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
     template, LoRA targets, quantization support, the training arguments, the reward imports."""
     from transformers.utils import logging as transformers_logging
 
-    from rloo.cli import resolve_reward
+    from rloo.cli import resolve_reward, reward_entries
     from rloo.adapters import check_quantization_supported
     from rloo.models import load_tokenizer, prepare_tokenizer
     transformers_logging.disable_progress_bar()  # building the 'tiny' alias: no bar per weight file
@@ -293,7 +293,7 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
     check_enough_prompts(config, args, dataset_result["num_train"])
     if script.load_in_4bit:
         check_quantization_supported(type("Q", (), {"quant_method": "bitsandbytes"})())
-    rewards = [resolve_reward(entry) for entry in script.reward_funcs]
+    rewards = [resolve_reward(entry) for entry in reward_entries(script)]
     from transformers import AutoConfig
 
     from rloo.checks import check_image_columns

@@ -47,10 +47,10 @@ def trial_name(config: RunConfig, number: int) -> str:
 def metric_names(config: RunConfig) -> list[str]:
     """What the held-out evaluation measures for this config's reward functions (accuracy/<name>
     where the reward turns out 0/1)."""
-    from rloo.cli import resolve_reward
+    from rloo.cli import resolve_reward, reward_entries
     from rloo.rewards.runner import reward_function_name
     names = []
-    for entry in config.training["reward_funcs"]:
+    for entry in reward_entries(config.training):
         found = resolve_reward(entry)
         names.append(found.rstrip("/").split("/")[-1] if isinstance(found, str)
                      else reward_function_name(found))

@@ -19,7 +19,8 @@ from transformers import HfArgumentParser
 
 from rloo.config import RLOOConfig
 # (re-exported: the recipe's fields and the unknown-field message are part of this command's API)
-from rloo.script_args import FIELD_NAMES, ScriptArguments, closest, unknown_field  # noqa: F401
+from rloo.script_args import (FIELD_NAMES, ScriptArguments, closest, reward_entries,  # noqa: F401
+                              unknown_field)
 
 
 PIPELINE_SECTIONS = ("name", "model", "data", "rewards", "training", "launch", "evaluation",
@@ -77,11 +78,15 @@ def check_recipe_combinations(values: dict, prefix: str = "") -> None:
     """What the dataclasses' fields cannot check alone: one weight per reward function, a LoRA rank
     with LoRA, a local model path that exists, QLoRA only with LoRA. `prefix` names where the recipe
     sits ('training.' in a pipeline config)."""
-    weights, funcs = values.get("reward_weights"), values.get("reward_funcs") or []
+    weights, funcs = values.get("reward_weights"), reward_entries(values)
+    if not funcs:
+        raise ValueError(f"{prefix}reward_funcs (or {prefix}reward_model_name_or_path) is "
+                         "required: what scores the completions.")
     if weights is not None and len(weights) != len(funcs):
         raise ValueError(
-            f"{prefix}reward_weights has {len(weights)} entries for {len(funcs)} "
-            f"{prefix}reward_funcs; give one weight per reward.")
+            f"{prefix}reward_weights has {len(weights)} entries for {len(funcs)} rewards "
+            f"({prefix}reward_model_name_or_path, then {prefix}reward_funcs); give one weight per "
+            "reward.")
     if values.get("use_peft") and values.get("lora_r", 1) < 1:
         raise ValueError(f"{prefix}lora_r={values['lora_r']} must be >= 1 (the LoRA rank).")
     model = str(values.get("model_name_or_path") or "")
@@ -130,6 +135,7 @@ def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArg
         raise ValueError(f"unexpected arguments: {remaining}")
     check_recipe_combinations({
         "reward_weights": config.reward_weights, "reward_funcs": script_args.reward_funcs,
+        "reward_model_name_or_path": script_args.reward_model_name_or_path,
         "load_in_4bit": script_args.load_in_4bit, "use_peft": script_args.use_peft
     })
     return script_args, config
@@ -191,8 +197,12 @@ def resolve_callable(path: str):
 
 
 def resolve_reward(entry: str):
-    """An import path resolves to a callable; anything that names a model directory or looks like a
-    Hub id ('org/name' without a module) is a reward model."""
+    """A short name (`trl rloo`'s, or a built-in of ours) or an import path resolves to a callable;
+    anything that names a model directory or looks like a Hub id ('org/name' without a module) is a
+    reward model."""
+    from rloo.rewards import by_short_name
+    if (short := by_short_name(entry)) is not None:
+        return short
     if os.path.isdir(os.path.expanduser(entry)):
         from rloo.models import local_model_problem
         if problem := local_model_problem(os.path.expanduser(entry), reward_model=True):
@@ -236,7 +246,7 @@ def build_trainer(argv: list[str]):
     resolve_resume(config.resume_from_checkpoint, config.output_dir, missing_ok=True)
     model_path, alias_tokenizer = resolve_model_alias(script_args.model_name_or_path)
     tokenizer_source = script_args.tokenizer_name_or_path or alias_tokenizer
-    reward_funcs = [resolve_reward(entry) for entry in script_args.reward_funcs]
+    reward_funcs = [resolve_reward(entry) for entry in reward_entries(script_args)]
     peft_config, quantization = build_peft_config(script_args)
     if (dtype := script_args.dtype) is not None:
         if (given := (config.model_init_kwargs or {}).get("dtype", dtype)) != dtype:

@@ -23,13 +23,18 @@ class ScriptArguments:
             "help": "Hub dataset id, a save_to_disk folder, or a .json/.jsonl/.csv/"
             ".parquet file (needs a 'prompt' column)."
         })
-    reward_funcs: list[str] = field(
-        metadata={
-            "help": "Reward functions by import path ('rloo.rewards.accuracy_reward', "
-                    "'my_module:my_reward', a factory "
-            "call 'rloo.rewards:get_soft_overlong_punishment(max_completion_len=512, "
-            "soft_punish_cache=64)'), or reward-model ids/paths."
+    reward_funcs: list[str] | None = field(
+        default=None, metadata={
+            "help": "Reward functions: TRL's short names (accuracy_reward, "
+                    "reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment "
+                    "with 1280/256) and ours (numeric_accuracy_reward, ...), import paths "
+                    "('my_module:my_reward', a factory call 'rloo.rewards:"
+                    "get_soft_overlong_punishment(max_completion_len=512, soft_punish_cache=64)'),"
+                    " or reward-model ids/paths."
         })
+    reward_model_name_or_path: str | None = field(default=None, metadata={
+        "help": "A reward model (Hub id or local folder), scored before reward_funcs (TRL's "
+                "`trl rloo` flag)."})
     tokenizer_name_or_path: str | None = field(default=None, metadata={
         "help": "Tokenizer / processor id or path (default: the model's)."})
     dataset_config: str | None = field(default=None,
@@ -62,6 +67,14 @@ class ScriptArguments:
             "help": "Extra TrainerCallback classes by import path ('my_module:MyCallback'), "
                     "created with no arguments."
         })
+
+
+def reward_entries(values) -> list[str]:
+    """The recipe's rewards in the order the trainer gets them: reward_model_name_or_path first
+    (as `trl rloo` does), then reward_funcs. `values`: ScriptArguments or a recipe mapping."""
+    get = values.get if isinstance(values, dict) else lambda name: getattr(values, name)
+    model = get("reward_model_name_or_path")
+    return ([model] if model else []) + list(get("reward_funcs") or [])
 
 
 FIELD_NAMES = {f.name for f in fields(ScriptArguments)} | {f.name for f in fields(RLOOConfig)

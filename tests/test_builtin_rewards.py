@@ -6,7 +6,8 @@ import pytest
 from datasets import Dataset
 
 from rloo import RLOOTrainer
-from rloo.rewards import accuracy_reward, get_soft_overlong_punishment, think_format_reward
+from rloo.rewards import (accuracy_reward, get_cosine_scaled_reward, get_repetition_penalty_reward,
+                          get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward)
 
 from helpers import make_args
 
@@ -50,6 +51,41 @@ def test_soft_overlong_punishment_dapo_eq13():
     assert punish.__name__ == "soft_overlong_punishment"
     with pytest.raises(ValueError, match="soft_punish_cache=12"):
         get_soft_overlong_punishment(10, 12)
+
+
+def test_reasoning_accuracy_reward_scores_what_follows_the_reasoning():
+    pytest.importorskip("math_verify")
+    completions = [chat(r"<think>maybe \boxed{2}</think> so \boxed{\frac{1}{3}}"),  # the answer after </think>
+                   chat(r"<think>\boxed{\frac{1}{3}}</think> so \boxed{2}"),  # the reasoning's guess is not it
+                   chat(r"<think>still thinking \boxed{\frac{1}{3}}"),  # never closed: 0.0, not None
+                   chat(r"<think>a</think><think>b</think> \boxed{7}"),  # after the last delimiter
+                   chat(r"[done] \boxed{5}")]
+    solutions = [r"$\frac{1}{3}$", r"$\frac{1}{3}$", r"$\frac{1}{3}$", "$7$", "$5$"]
+    assert reasoning_accuracy_reward(completions, solutions) == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert reasoning_accuracy_reward(completions[4:], solutions[4:], reasoning_delimiters=["[done]"]) == [1.0]
+    assert reasoning_accuracy_reward([chat("</think> 3")], ["no math"]) == [None]
+
+
+def test_cosine_scaled_reward_by_hand():
+    pytest.importorskip("math_verify")
+    reward = get_cosine_scaled_reward(max_len=100)
+    right, wrong = chat(r"\boxed{\frac{1}{3}}"), chat(r"\boxed{\frac{1}{2}}")
+    lengths = [0, 50, 100, 150]  # cos(0)=1, cos(pi/2)=0, cos(pi)=-1, and beyond max_len clamped at pi
+    got = reward([right] * 4 + [wrong] * 4, [r"\frac{1}{3}"] * 8, [[1] * n for n in lengths * 2])
+    # correct: 0.5 + 0.25 (1 + cos); wrong: -0.5 - 0.25 (1 + cos)
+    assert got == pytest.approx([1.0, 0.75, 0.5, 0.5, -1.0, -0.75, -0.5, -0.5])
+    assert reward([right], ["no math here"], [[1]]) == [None] and reward.__name__ == "cosine_scaled_reward"
+
+
+def test_repetition_penalty_reward_by_hand():
+    penalty = get_repetition_penalty_reward(ngram_size=2, max_penalty=-1.0)
+    # [1,2,3,4]: 3 bigrams, all distinct -> 0; [5]*5: 4 bigrams, 1 distinct -> -(1 - 1/4);
+    # [1,2,1,2,1]: (1,2),(2,1),(1,2),(2,1) -> 2 of 4 distinct -> -0.5; one token: no bigram -> 0
+    assert penalty([[1, 2, 3, 4], [5] * 5, [1, 2, 1, 2, 1], [9]]) == [0.0, -0.75, -0.5, 0.0]
+    assert get_repetition_penalty_reward(3, -0.5)([[7] * 6]) == [pytest.approx(-0.5 * (1 - 1 / 4))]
+    assert penalty.__name__ == "repetition_penalty_reward"
+    with pytest.raises(ValueError, match="max_penalty=0.5"):
+        get_repetition_penalty_reward(max_penalty=0.5)
 
 
 def test_builtins_train_together(tmp_path, tokenizer, model):

@@ -99,6 +99,42 @@ def test_reward_import_paths():
     assert resolve_reward("my-org/reward-model") == "my-org/reward-model"  # a Hub reward-model id
 
 
+def test_trl_rloo_short_reward_names_and_a_reward_model_flag(tmp_path):
+    from rloo.rewards import (number_only_format_reward, reasoning_accuracy_reward, think_format_reward)
+    assert resolve_reward("accuracy_reward") is accuracy_reward  # as `trl rloo --reward_funcs` names them
+    assert resolve_reward("reasoning_accuracy_reward") is reasoning_accuracy_reward
+    assert resolve_reward("think_format_reward") is think_format_reward
+    assert resolve_reward("number_only_format_reward") is number_only_format_reward
+    punish = resolve_reward("get_soft_overlong_punishment")  # TRL's script: 1280 tokens, a 256-token ramp
+    assert punish([[1] * 1024, [1] * 1152, [1] * 1300]) == [0.0, -0.5, -1.0]
+    script, _ = parse_arguments(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir",
+                                 str(tmp_path), "--bf16", "false", "--reward_model_name_or_path", "org/reward-model", "--reward_funcs",
+                                 "think_format_reward"])
+    from rloo.cli import reward_entries
+    assert reward_entries(script) == ["org/reward-model", "think_format_reward"]  # the model first, as TRL
+    with pytest.raises(ValueError, match="reward_weights has 1 entries for 2 rewards"):
+        parse_arguments(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path),
+                         "--bf16", "false", "--reward_model_name_or_path", "org/rm", "--reward_funcs", "accuracy_reward",
+                         "--reward_weights", "1.0"])
+    with pytest.raises(ValueError, match="reward_funcs \\(or reward_model_name_or_path\\) is required"):
+        parse_arguments(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path),
+                         "--bf16", "false"])
+
+
+def test_cli_trains_with_a_reward_model_flag_and_short_names(tiny_recipe, tmp_path, tokenizer, monkeypatch, capsys):
+    """A `trl rloo`-style recipe: the reward model by --reward_model_name_or_path, the rest by short name."""
+    from tiny_models import tiny_reward_model
+    reward_dir = str(tmp_path / "rm")
+    tiny_reward_model(tokenizer).save_pretrained(reward_dir)
+    tokenizer.save_pretrained(reward_dir)
+    monkeypatch.syspath_prepend(TESTS)
+    assert main(["train", "--config", str(tiny_recipe), "--reward_model_name_or_path", reward_dir,
+                 "--reward_funcs", "think_format_reward", "number_only_format_reward"]) == 0
+    logged = capsys.readouterr().out
+    for key in ("rewards/rm/mean", "rewards/think_format_reward/mean", "rewards/number_only_format_reward/mean"):
+        assert f"'{key}'" in logged, key
+
+
 def test_cli_reports_bad_reward_path_before_loading_anything(tiny_recipe, capsys):
     code = main(["train", "--config", str(tiny_recipe), "--reward_funcs", "cli_rewards:nope"])
     assert code == 2

@@ -34,8 +34,8 @@ def test_shipped_configs_validate(tmp_path):
     ("training.num_generation=4", r"training.num_generation: unknown field 'num_generation'. Did you mean "
                                   r"'num_generations'"),
     ("training.output_dir=x", r"training.output_dir is set by the pipeline"),
-    ("training.reward_weights=[1.0]", r"training.reward_weights has 1 entries for 2 training.reward_funcs"),
-    ("training.reward_funcs=[]", r"training.reward_funcs is required"),
+    ("training.reward_weights=[1.0]", r"training.reward_weights has 1 entries for 2 rewards"),
+    ("training.reward_funcs=[]", r"training.reward_funcs \(or training.reward_model_name_or_path\) is required"),
     ("training.dataset_name=x", r"training.dataset_name is set by the pipeline \(the prepared train split"),
     ("training.num_generations=3", r"not divisible by training.num_generations = 3"),
     ("name=Bad_Name", r"name: String should match pattern"),
