@@ -19,15 +19,21 @@ def resolve_model_source(config: RunConfig) -> tuple[str, str | None]:
     return policy, config.training.get("tokenizer_name_or_path") or tokenizer
 
 
-def check_lora_targets(model_source: str, targets, trust_remote_code: bool) -> int:
-    """Build the architecture on the meta device (no weights) and check that LoRA's targets exist;
-    returns the parameter count."""
+def check_lora_targets(model_source: str, targets,
+                       trust_remote_code: bool) -> tuple[int, object]:
+    """Build the architecture on the meta device (no weights) and check that LoRA's targets exist
+    (None: PEFT's default for the architecture); returns (the parameter count, the targets)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from rloo.adapters import linear_module_names
+    from rloo.adapters import default_lora_targets, linear_module_names
     from rloo.vision import is_vision_config
     model_config = AutoConfig.from_pretrained(model_source, trust_remote_code=trust_remote_code)
+    if targets is None:
+        try:
+            targets = default_lora_targets(model_config.model_type)
+        except ValueError as err:
+            raise ValueError(f"training.lora_target_modules: {err}") from None
     auto = AutoModelForImageTextToText if is_vision_config(model_config) else AutoModelForCausalLM
     with torch.device("meta"):
         skeleton = auto.from_config(model_config, trust_remote_code=trust_remote_code)
@@ -38,7 +44,7 @@ def check_lora_targets(model_source: str, targets, trust_remote_code: bool) -> i
             raise ValueError(
                 f"training.lora_target_modules {missing} match no layer of "
                 f"{type(skeleton).__name__}; its Linear layers are: {', '.join(available)}.")
-    return sum(p.numel() for p in skeleton.parameters())
+    return sum(p.numel() for p in skeleton.parameters()), targets
 
 
 def check_tokenizer_fits(policy: str, tokenizer, args, dataset_result: dict) -> None:

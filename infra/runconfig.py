@@ -32,8 +32,8 @@ MOVED = {
     "model.tokenizer": "training.tokenizer_name_or_path", "model.peft.enabled": "training.use_peft",
     "model.peft.r": "training.lora_r", "model.peft.alpha": "training.lora_alpha",
     "model.peft.dropout": "training.lora_dropout",
-    "model.peft.target_modules": "training.lora_target_modules (a list; omit it for all linear "
-                                 "layers)",
+    "model.peft.target_modules": "training.lora_target_modules (a list; [all-linear] for all "
+                                 "linear layers)",
     "model.peft.load_in_4bit": "training.load_in_4bit", "rewards": "training.reward_funcs",
     "reward_weights": "training.reward_weights"
 }

@@ -291,7 +291,7 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
         job_recipe(config, {"policy": policy, "tokenizer": tokenizer_source},
                    dataset_result["train_path"]))
     check_enough_prompts(config, args, dataset_result["num_train"])
-    if script.load_in_4bit:
+    if script.load_in_4bit or script.load_in_8bit:
         check_quantization_supported(type("Q", (), {"quant_method": "bitsandbytes"})())
     rewards = [resolve_reward(entry) for entry in reward_entries(script)]
     from transformers import AutoConfig
@@ -310,12 +310,13 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
             "template. Fix: use an instruct model, set training.tokenizer_name_or_path to one "
             "with a template, or give plain-text prompts.")
     check_tokenizer_fits(policy, tokenizer, args, dataset_result)
-    targets = (script.lora_target_modules or "all-linear") if script.use_peft else "all-linear"
-    num_parameters = check_lora_targets(policy, targets, args.trust_remote_code)
+    from rloo.adapters import lora_targets
+    targets = lora_targets(script.lora_target_modules) if script.use_peft else "all-linear"
+    num_parameters, targets = check_lora_targets(policy, targets, args.trust_remote_code)
     peft = {
         "enabled": script.use_peft, "r": script.lora_r, "alpha": script.lora_alpha,
         "dropout": script.lora_dropout, "target_modules": targets,
-        "load_in_4bit": script.load_in_4bit
+        "load_in_4bit": script.load_in_4bit, "load_in_8bit": script.load_in_8bit
     }
     result = {
         "policy": policy, "tokenizer": tokenizer_source, "num_parameters": num_parameters,

@@ -38,6 +38,27 @@ def check_quantization_supported(quantization_config: Any) -> None:
             "drop quantization_config to train LoRA on a full-precision base.")
 
 
+def lora_targets(modules: list[str] | None):
+    """LoraConfig.target_modules for a recipe's lora_target_modules, as TRL's get_peft_config
+    passes them: none given -> None (PEFT's default for the architecture: q_proj and v_proj for
+    Llama and Qwen); [all-linear] -> every linear layer but the output head; else those modules."""
+    if modules in (["all-linear"], "all-linear"):
+        return "all-linear"
+    return list(modules) if modules else None
+
+
+def default_lora_targets(model_type: str) -> list[str]:
+    """PEFT's default LoRA targets for a model type; a clear error where PEFT has none (it would
+    fail later asking for target_modules)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    found = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    if not found:
+        raise ValueError(
+            f"PEFT has no default LoRA targets for model type {model_type!r}. Fix: set "
+            "lora_target_modules (e.g. [q_proj, v_proj], or [all-linear] for every linear layer).")
+    return list(found)
+
+
 def linear_module_names(model: nn.Module) -> list[str]:
     """Short names of the Linear layers LoRA can target (what `target_modules` matches against)."""
     names = {

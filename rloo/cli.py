@@ -102,6 +102,15 @@ def check_recipe_combinations(values: dict, prefix: str = "") -> None:
         raise ValueError(
             f"{prefix}load_in_4bit needs {prefix}use_peft: true (QLoRA trains an adapter on the "
             "4-bit base).")
+    if values.get("load_in_8bit") and not values.get("use_peft"):
+        raise ValueError(f"{prefix}load_in_8bit needs {prefix}use_peft: true (an 8-bit base is "
+                         "frozen; only an adapter trains on it).")
+    if values.get("load_in_8bit") and values.get("load_in_4bit"):
+        raise ValueError(f"{prefix}load_in_4bit and {prefix}load_in_8bit: choose one.")
+    if values.get("lora_task_type", "CAUSAL_LM") != "CAUSAL_LM":
+        raise ValueError(
+            f"{prefix}lora_task_type={values['lora_task_type']!r}: the policy is a causal LM, so "
+            "its adapter is CAUSAL_LM (SEQ_CLS is for training reward models). Fix: drop it.")
 
 
 def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArguments, RLOOConfig]:
@@ -136,7 +145,8 @@ def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArg
     check_recipe_combinations({
         "reward_weights": config.reward_weights, "reward_funcs": script_args.reward_funcs,
         "reward_model_name_or_path": script_args.reward_model_name_or_path,
-        "load_in_4bit": script_args.load_in_4bit, "use_peft": script_args.use_peft
+        "load_in_4bit": script_args.load_in_4bit, "use_peft": script_args.use_peft,
+        "load_in_8bit": script_args.load_in_8bit, "lora_task_type": script_args.lora_task_type
     })
     return script_args, config
 
@@ -217,21 +227,50 @@ def resolve_reward(entry: str):
 
 
 def build_peft_config(script_args: ScriptArguments):
-    # (load_in_4bit without use_peft is refused by check_recipe_combinations)
+    """(LoraConfig, BitsAndBytesConfig) from the recipe's LoRA and quantisation flags, as TRL's
+    get_peft_config and get_quantization_config build them; (None, None) without use_peft."""
+    # (load_in_4bit/8bit without use_peft is refused by check_recipe_combinations)
     if not script_args.use_peft:
         return None, None
     from peft import LoraConfig
+
+    from rloo.adapters import lora_targets
+    extra = {} if script_args.lora_target_parameters is None else {
+        "target_parameters": script_args.lora_target_parameters}
     peft_config = LoraConfig(r=script_args.lora_r, lora_alpha=script_args.lora_alpha,
                              lora_dropout=script_args.lora_dropout, task_type="CAUSAL_LM",
-                             target_modules=script_args.lora_target_modules or "all-linear")
+                             target_modules=lora_targets(script_args.lora_target_modules),
+                             use_rslora=script_args.use_rslora, use_dora=script_args.use_dora,
+                             modules_to_save=script_args.lora_modules_to_save, **extra)
     quantization = None
-    if script_args.load_in_4bit:
+    if script_args.load_in_4bit or script_args.load_in_8bit:
         import torch
         from transformers import BitsAndBytesConfig
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                          bnb_4bit_compute_dtype=torch.bfloat16,
-                                          bnb_4bit_use_double_quant=True)
+        if script_args.load_in_8bit:
+            quantization = BitsAndBytesConfig(load_in_8bit=True)
+        else:
+            quantization = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type=script_args.bnb_4bit_quant_type,
+                bnb_4bit_compute_dtype=torch.bfloat16,
+                bnb_4bit_use_double_quant=script_args.use_bnb_nested_quant,
+                bnb_4bit_quant_storage=script_args.bnb_4bit_quant_storage)
     return peft_config, quantization
+
+
+def model_init_kwargs(script_args: ScriptArguments, config: RLOOConfig) -> dict | None:
+    """RLOOConfig.model_init_kwargs with the recipe's model flags (dtype, model_revision,
+    attn_implementation) in it; a flag that disagrees with model_init_kwargs is an error."""
+    found = dict(config.model_init_kwargs or {})
+    for flag, key in (("dtype", "dtype"), ("model_revision", "revision"),
+                      ("attn_implementation", "attn_implementation")):
+        value = getattr(script_args, flag)
+        if value is None:
+            continue
+        if found.get(key, value) != value:
+            raise ValueError(f"--{flag} {value} and model_init_kwargs' {key} {found[key]!r} "
+                             "disagree.")
+        found[key] = value
+    return found or config.model_init_kwargs
 
 
 def build_trainer(argv: list[str]):
@@ -248,10 +287,7 @@ def build_trainer(argv: list[str]):
     tokenizer_source = script_args.tokenizer_name_or_path or alias_tokenizer
     reward_funcs = [resolve_reward(entry) for entry in reward_entries(script_args)]
     peft_config, quantization = build_peft_config(script_args)
-    if (dtype := script_args.dtype) is not None:
-        if (given := (config.model_init_kwargs or {}).get("dtype", dtype)) != dtype:
-            raise ValueError(f"--dtype {dtype} and model_init_kwargs' dtype {given!r} disagree.")
-        config.model_init_kwargs = {**(config.model_init_kwargs or {}), "dtype": dtype}
+    config.model_init_kwargs = model_init_kwargs(script_args, config)
     train_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
                                         script_args.dataset_train_split,
                                         streaming=script_args.dataset_streaming)

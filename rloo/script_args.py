@@ -55,13 +55,37 @@ class ScriptArguments:
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
     lora_target_modules: list[str] | None = field(default=None, metadata={
-        "help": "Modules LoRA adapts (default: all linear layers)."})
+        "help": "Modules LoRA adapts. Default, as TRL: PEFT's for the architecture (q_proj and "
+                "v_proj for Llama and Qwen); [all-linear] for every linear layer."})
+    lora_target_parameters: list[str] | None = field(default=None, metadata={
+        "help": "Parameters LoRA adapts directly (PEFT's target_parameters, e.g. MoE experts)."})
+    lora_modules_to_save: list[str] | None = field(default=None, metadata={
+        "help": "Modules trained in full beside the adapter (PEFT's modules_to_save)."})
+    lora_task_type: str = field(default="CAUSAL_LM", metadata={
+        "help": "PEFT task type; a policy is a CAUSAL_LM (the only value taken)."})
+    use_rslora: bool = field(default=False, metadata={
+        "help": "Rank-stabilised LoRA: scale by lora_alpha/sqrt(r) instead of lora_alpha/r."})
+    use_dora: bool = field(default=False, metadata={
+        "help": "DoRA: learn each weight's magnitude beside LoRA's direction."})
     load_in_4bit: bool = field(
         default=False, metadata={"help": "QLoRA: load the base in 4 bit (bitsandbytes, GPU)."})
+    load_in_8bit: bool = field(
+        default=False, metadata={"help": "Load the base in 8 bit (bitsandbytes, GPU), with LoRA."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={
+        "help": "4-bit quantisation type.", "choices": ["fp4", "nf4"]})
+    use_bnb_nested_quant: bool = field(default=False, metadata={
+        "help": "Quantise the 4-bit quantisation constants too (double quantisation)."})
+    bnb_4bit_quant_storage: str | None = field(default=None, metadata={
+        "help": "dtype the 4-bit weights are stored in (e.g. bfloat16 for FSDP/ZeRO-3)."})
     dtype: str | None = field(default=None, metadata={
         "help": "The model's weights' dtype (TRL's ModelConfig.dtype): 'auto' (the config's), "
                 "'bfloat16', 'float16' or 'float32' (the default).",
         "choices": ["auto", "bfloat16", "float16", "float32"]})
+    model_revision: str | None = field(default=None, metadata={
+        "help": "The model's branch, tag or commit on the Hub (default: its main)."})
+    attn_implementation: str | None = field(default=None, metadata={
+        "help": "Attention implementation: eager, sdpa, flash_attention_2, ... (default: "
+                "transformers' choice)."})
     callbacks: list[str] | None = field(
         default=None, metadata={
             "help": "Extra TrainerCallback classes by import path ('my_module:MyCallback'), "

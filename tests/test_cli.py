@@ -135,6 +135,57 @@ def test_cli_trains_with_a_reward_model_flag_and_short_names(tiny_recipe, tmp_pa
         assert f"'{key}'" in logged, key
 
 
+def test_trl_model_flags_reach_the_adapter_the_quantisation_and_the_model(tmp_path):
+    from rloo.cli import build_peft_config, model_init_kwargs
+    base = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path), "--bf16",
+            "false", "--reward_funcs", "think_format_reward"]
+    script, config = parse_arguments(base + [
+        "--use_peft", "--lora_r", "4", "--use_rslora", "--use_dora", "--lora_modules_to_save", "embed_tokens",
+        "--lora_target_parameters", "mlp.experts.gate_up_proj", "--model_revision", "v1.0", "--attn_implementation",
+        "eager", "--dtype", "float32", "--load_in_4bit", "--bnb_4bit_quant_type", "fp4", "--use_bnb_nested_quant",
+        "--bnb_4bit_quant_storage", "bfloat16"])
+    peft_config, quantization = build_peft_config(script)
+    assert peft_config.target_modules is None  # PEFT's default for the architecture, as TRL leaves it
+    assert peft_config.use_rslora and peft_config.use_dora and peft_config.r == 4
+    assert peft_config.modules_to_save == ["embed_tokens"]
+    assert peft_config.target_parameters == ["mlp.experts.gate_up_proj"]
+    assert quantization.load_in_4bit and quantization.bnb_4bit_quant_type == "fp4"
+    assert quantization.bnb_4bit_use_double_quant and str(quantization.bnb_4bit_quant_storage) == "torch.bfloat16"
+    assert model_init_kwargs(script, config) == {"dtype": "float32", "revision": "v1.0",
+                                                 "attn_implementation": "eager"}
+    script, _ = parse_arguments(base + ["--use_peft", "--load_in_8bit", "--lora_target_modules", "all-linear"])
+    peft_config, quantization = build_peft_config(script)
+    assert quantization.load_in_8bit and peft_config.target_modules == "all-linear"
+    for flags, message in ((["--load_in_8bit"], "load_in_8bit needs use_peft"),
+                           (["--use_peft", "--load_in_8bit", "--load_in_4bit"], "choose one"),
+                           (["--use_peft", "--lora_task_type", "SEQ_CLS"], "SEQ_CLS is for training reward")):
+        with pytest.raises(ValueError, match=message):
+            parse_arguments(base + flags)
+    with pytest.raises(ValueError, match="attn_implementation eager and model_init_kwargs' attn_implementation"):
+        model_init_kwargs(*parse_arguments(base + ["--attn_implementation", "eager", "--model_init_kwargs",
+                                                   '{"attn_implementation": "sdpa"}']))
+
+
+def test_use_peft_without_targets_adapts_what_peft_chooses(tmp_path, model, tokenizer):
+    """TRL leaves LoRA's targets to PEFT (q_proj and v_proj for Llama); the pipeline's model check says which, and
+    refuses an architecture PEFT has no default for."""
+    from peft import get_peft_model
+
+    from infra.model_checks import check_lora_targets
+    from rloo.cli import build_peft_config
+    script, _ = parse_arguments(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir",
+                                 str(tmp_path), "--bf16", "false", "--reward_funcs", "think_format_reward",
+                                 "--use_peft"])
+    adapted = get_peft_model(model, build_peft_config(script)[0])
+    names = {name.split(".lora_A")[0].split(".")[-1] for name, _ in adapted.named_parameters() if "lora_A" in name}
+    assert names == {"q_proj", "v_proj"}
+    model.save_pretrained(str(tmp_path / "tiny"))
+    assert check_lora_targets(str(tmp_path / "tiny"), None, False)[1] == ["q_proj", "v_proj"]
+    from tiny_vlms import save_vlm, tiny_qwen2_vl
+    with pytest.raises(ValueError, match="no default LoRA targets for model type 'qwen2_vl'.*all-linear"):
+        check_lora_targets(save_vlm(str(tmp_path / "vlm"), *tiny_qwen2_vl()), None, False)
+
+
 def test_cli_reports_bad_reward_path_before_loading_anything(tiny_recipe, capsys):
     code = main(["train", "--config", str(tiny_recipe), "--reward_funcs", "cli_rewards:nope"])
     assert code == 2
