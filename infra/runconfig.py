@@ -24,7 +24,8 @@ SET_BY_PIPELINE = {
     "report_to": "the pipeline's own tracking (MLflow)",
     "resume_from_checkpoint": "the train stage", "dataset_config": "data.config",
     "dataset_train_split": "data.split", "dataset_test_split": "the held-out split (evaluation)",
-    "dataset_streaming": "the dataset stage"
+    "dataset_streaming": "the dataset stage", "datasets": "data.source (one source per run)",
+    "streaming": "the dataset stage", "test_split_size": "data.eval_size"
 }
 # Keys of the earlier pipeline shape and where they live now.
 MOVED = {

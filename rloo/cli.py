@@ -120,6 +120,13 @@ def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArg
     for key in recipe:
         if key not in FIELD_NAMES:
             raise ValueError(unknown_field(key))
+    from rloo.script_args import MIXTURE_KEYS
+    mixture = {key: recipe[key] for key in MIXTURE_KEYS if key in recipe}
+    recipe = {key: value for key, value in recipe.items() if key not in MIXTURE_KEYS}
+    if mixture:
+        from rloo.data import mixture_problems
+        if problems := mixture_problems(mixture):
+            raise ValueError("the recipe's dataset mixture: " + " ".join(problems))
     parser = _parser()
     for action in parser._actions:
         if action.dest in recipe:
@@ -142,6 +149,13 @@ def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArg
         raise ValueError(unknown_field(name).replace(f"'{name}'", f"'--{name}'", 1))
     if remaining:
         raise ValueError(f"unexpected arguments: {remaining}")
+    if mixture and script_args.dataset_name:
+        raise ValueError("dataset_name and a `datasets:` mixture are both given: keep one (TRL "
+                         "would ignore dataset_name).")
+    if not mixture and not script_args.dataset_name:
+        raise ValueError("dataset_name (or a `datasets:` mixture in the recipe) is required: "
+                         "what to train on.")
+    script_args.mixture = mixture or None
     check_recipe_combinations({
         "reward_weights": config.reward_weights, "reward_funcs": script_args.reward_funcs,
         "reward_model_name_or_path": script_args.reward_model_name_or_path,
@@ -288,11 +302,16 @@ def build_trainer(argv: list[str]):
     reward_funcs = [resolve_reward(entry) for entry in reward_entries(script_args)]
     peft_config, quantization = build_peft_config(script_args)
     config.model_init_kwargs = model_init_kwargs(script_args, config)
-    train_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
-                                        script_args.dataset_train_split,
-                                        streaming=script_args.dataset_streaming)
     eval_dataset = None
-    if script_args.dataset_test_split:
+    if script_args.mixture:
+        from rloo.data import load_mixture
+        found = load_mixture(script_args.mixture)
+        train_dataset, eval_dataset = found["train"], found.get("test")
+    else:
+        train_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
+                                            script_args.dataset_train_split,
+                                            streaming=script_args.dataset_streaming)
+    if script_args.dataset_test_split and not script_args.mixture:
         eval_dataset = load_prompt_dataset(script_args.dataset_name, script_args.dataset_config,
                                            script_args.dataset_test_split,
                                            streaming=script_args.dataset_streaming)

@@ -121,6 +121,76 @@ def load_prompt_dataset(name: str, config: str | None = None, split: str = "trai
             f"Hugging Face Hub: {err}") from err
 
 
+MIXTURE_PART_KEYS = ("path", "name", "data_dir", "data_files", "split", "columns", "fraction")
+
+
+def mixture_problems(values: dict) -> list[str]:
+    """What is wrong with a recipe's `datasets:` mixture (TRL's DatasetMixtureConfig: a list of
+    {path, name, data_dir, data_files, split, columns, fraction}, plus `streaming` and
+    `test_split_size`), each naming the entry and the fix; [] when it is fine."""
+    parts, problems = values.get("datasets"), []
+    if not isinstance(parts, list) or not parts:
+        return ["datasets: a non-empty list of {path: ..., split: ...} entries."]
+    for index, part in enumerate(parts):
+        if not isinstance(part, dict) or "path" not in part:
+            problems.append(f"datasets[{index}]: needs `path` (a Hub id, a builder such as json "
+                            "with data_files, a data file or a save_to_disk folder).")
+            continue
+        problems += [f"datasets[{index}].{key}: unknown key (known: "
+                     f"{', '.join(MIXTURE_PART_KEYS)})." for key in part
+                     if key not in MIXTURE_PART_KEYS]
+    fractions = [part.get("fraction") for part in parts if isinstance(part, dict)]
+    if any(f is not None for f in fractions) and any(f is None for f in fractions):
+        problems.append("datasets: `fraction` is set on some entries, not all: set it on every "
+                        "entry or on none.")
+    if any(f is not None and f < 0 for f in fractions):
+        problems.append("datasets: a `fraction` below 0.")
+    if values.get("streaming") and any(f is not None for f in fractions):
+        problems.append("datasets: `fraction` cannot apply to streamed datasets (their length is "
+                        "unknown); drop fraction or streaming.")
+    split = values.get("test_split_size")
+    if split is not None and not (0 < split < 1 or (float(split).is_integer() and split >= 1)):
+        problems.append(f"test_split_size={split}: a share in (0, 1) or a row count.")
+    return problems
+
+
+def load_mixture(values: dict) -> dict:
+    """A recipe's `datasets:` mixture as TRL's get_dataset builds it: each entry loaded (a data
+    file or save_to_disk folder as rloo loads one; anything else through datasets.load_dataset
+    with its name, data_dir, data_files and split), its `columns` kept, cut to its `fraction` of
+    the mixture (the largest mixture no entry has to repeat rows for, the first rows of each),
+    concatenated in order; {"train": ...} plus "test" with `test_split_size`."""
+    import os
+
+    from datasets import concatenate_datasets, load_dataset
+    streaming = bool(values.get("streaming"))
+    loaded = []
+    for part in values["datasets"]:
+        path, split = part["path"], part.get("split", "train")
+        local = os.path.splitext(path)[1].lower() in FILE_BUILDERS or os.path.isdir(
+            os.path.expanduser(path))
+        if local and not (part.get("data_files") or part.get("data_dir")):
+            dataset = load_prompt_dataset(path, part.get("name"), split, streaming)
+        else:
+            dataset = load_dataset(path=path, name=part.get("name"), data_dir=part.get("data_dir"),
+                                   data_files=part.get("data_files"), split=split,
+                                   streaming=streaming)
+        if part.get("columns") is not None:
+            dataset = dataset.select_columns(part["columns"])
+        loaded.append(dataset)
+    fractions = [part.get("fraction") for part in values["datasets"]]
+    if fractions[0] is not None:
+        weights = [fraction / sum(fractions) for fraction in fractions]
+        total = min(len(d) / w for d, w in zip(loaded, weights) if w > 0)
+        loaded = [d.select(range(round(w * total))) for d, w in zip(loaded, weights)]
+    combined = concatenate_datasets(loaded)
+    if values.get("test_split_size") is None:
+        return {"train": combined}
+    split = values["test_split_size"]
+    parts = combined.train_test_split(test_size=int(split) if split >= 1 else split, seed=0)
+    return {"train": parts["train"], "test": parts["test"]}
+
+
 def with_prompt(dataset, column: str | None, system_prompt: str | None):
     """The dataset's `prompt` made from a text `column` (as one user message) and/or a system
     message before each conversational prompt: what the spec's example scripts do with `map`."""

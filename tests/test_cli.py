@@ -186,6 +186,35 @@ def test_use_peft_without_targets_adapts_what_peft_chooses(tmp_path, model, toke
         check_lora_targets(save_vlm(str(tmp_path / "vlm"), *tiny_qwen2_vl()), None, False)
 
 
+def test_a_trl_dataset_mixture_is_built_as_trl_builds_it(tmp_path, tiny_recipe, monkeypatch):
+    from rloo.data import load_mixture
+    for name, count in (("a", 10), ("b", 4)):
+        with open(tmp_path / f"{name}.jsonl", "w") as handle:
+            for i in range(count):
+                handle.write(json.dumps({"prompt": [{"role": "user", "content": f"{name} {i}"}], "tag": i}) + "\n")
+    mixture = {"datasets": [{"path": str(tmp_path / "a.jsonl"), "fraction": 1.0, "columns": ["prompt"]},
+                            {"path": "json", "data_files": str(tmp_path / "b.jsonl"), "fraction": 1.0,
+                             "columns": ["prompt"]}], "test_split_size": 2}
+    # equal shares, capped so that no set repeats rows: min(10 / .5, 4 / .5) = 8 rows, the first 4 of each
+    found = load_mixture(mixture)
+    texts = sorted(row["prompt"][0]["content"] for split in found.values() for row in split)
+    assert texts == sorted([f"a {i}" for i in range(4)] + [f"b {i}" for i in range(4)])
+    assert (len(found["train"]), len(found["test"])) == (6, 2)
+    recipe = yaml.safe_load(tiny_recipe.read_text())
+    del recipe["dataset_name"]
+    recipe.update(datasets=[{"path": str(tmp_path / "a.jsonl")}, {"path": str(tmp_path / "b.jsonl")}])
+    tiny_recipe.write_text(yaml.safe_dump(recipe))
+    monkeypatch.syspath_prepend(TESTS)
+    assert main(["train", "--config", str(tiny_recipe)]) == 0  # 14 prompts, trains as `trl rloo` would
+    for change, message in (({"datasets": [{"path": "x.jsonl", "fraction": 1.0}, {"path": "y.jsonl"}]},
+                             "set it on every entry or on none"),
+                            ({"datasets": [{"path": "x.jsonl", "splitt": "train"}]}, r"datasets\[0\].splitt"),
+                            ({"dataset_name": "x.jsonl"}, "keep one")):
+        tiny_recipe.write_text(yaml.safe_dump({**recipe, **change}))
+        with pytest.raises(ValueError, match=message):
+            parse_arguments(["--config", str(tiny_recipe)])
+
+
 def test_cli_reports_bad_reward_path_before_loading_anything(tiny_recipe, capsys):
     code = main(["train", "--config", str(tiny_recipe), "--reward_funcs", "cli_rewards:nope"])
     assert code == 2
