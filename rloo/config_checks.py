@@ -75,6 +75,19 @@ def check_backend_combinations(config) -> None:
             "drop ds3_gather_for_generation=False, or use_vllm=False to generate layer by layer.")
     check_async_generation(config)
     check_importance_sampling(config)
+    parallelism = getattr(config, "parallelism_config", None)
+    if parallelism is not None and (getattr(parallelism, "cp_enabled", False) or
+                                    getattr(parallelism, "sp_enabled", False)):
+        raise ValueError(
+            "parallelism_config with context or sequence parallelism (cp_size or sp_size > 1) is "
+            "not supported (nor by TRL): the trainer builds each batch's inputs after generation, "
+            "so the sequence dimension is never sharded for it. Fix: cp_size=1 and sp_size=1.")
+    if config.neftune_noise_alpha is not None:
+        raise ValueError(
+            f"neftune_noise_alpha={config.neftune_noise_alpha}: NEFTune adds noise to the "
+            "embeddings of the training forward, so the log-probabilities the loss uses would not "
+            "be those of the policy that sampled the completions (the ratio drifts from 1 on "
+            "policy). Fix: drop it (NEFTune is for supervised fine-tuning).")
     fsdp = bool(config.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
     if fsdp:
         raise ValueError(

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+from accelerate.parallelism_config import ParallelismConfig
 
 from rloo import RLOOConfig
 from rloo.config_checks import LEGACY_PARAMETERS
@@ -78,6 +79,10 @@ def test_batch_math(tmp_path):
     (dict(use_vllm=True, ds3_gather_for_generation=False), "ds3_gather_for_generation=False with use_vllm"),
     # no generation gather / reference handling under FSDP: refused, ZeRO-3 named
     (dict(fsdp="full_shard"), "FSDP .* is not supported.*ZeRO-3"),
+    # accepted by TrainingArguments, refused as TRL refuses it (not ignored)
+    (dict(parallelism_config=ParallelismConfig(cp_size=2)), "context or sequence parallelism"),
+    # would change the training forward's log-probs away from the sampler's
+    (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha=5.0"),
 ])
 def test_invalid_values(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
