@@ -113,7 +113,8 @@ def check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_process
     """Everything about the trainer's arguments that is knowable before a model loads."""
     if train_dataset is None:
         raise ValueError(
-            "train_dataset is required: pass a Dataset or IterableDataset with a 'prompt' column.")
+            "`train_dataset` is required: pass a Dataset or IterableDataset with a 'prompt' "
+            "column.")
     if not isinstance(train_dataset, (Dataset, IterableDataset)):
         raise TypeError("train_dataset must be a datasets.Dataset or IterableDataset, got "
                         f"{type(train_dataset).__name__}. Fix: datasets.Dataset.from_list(rows).")
@@ -185,8 +186,10 @@ def check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_process
             f"reward_processing_classes has {len(reward_processing_classes)} entries but there are "
             f"{len(funcs)} reward functions; the lengths must match.")
     if reward_processing_classes is not None and not listed and len(funcs) != 1:
-        raise ValueError("a single reward_processing_class was given for several reward functions; "
-                         "pass a list with one entry per reward function.")
+        raise ValueError(
+            f"one reward processing class for {len(funcs)} reward functions: the number of reward "
+            "processing classes must match the number of reward functions. Fix: a list with one "
+            "entry per function (None for a plain function).")
 
 
 def prepare_for_iterable_datasets(args, train_dataset, eval_dataset) -> None:

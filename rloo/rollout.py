@@ -15,7 +15,6 @@ trainer's `_prepare_inputs` and the pipeline's evaluation stage call this same f
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -29,7 +28,6 @@ from rloo.models import text_tokenizer_of
 from rloo.timing import NULL_TIMER, StepTimer
 from rloo.vision import process_prompts, row_images
 
-logger = logging.getLogger(__name__)
 
 # Fields holding one entry per local row, in order: what a micro-batch slice takes.
 ROW_FIELDS = ("prompts", "completions", "completion_texts", "prompt_ids", "prompt_mask",
@@ -296,12 +294,7 @@ def _advantages(rewards_per_func: torch.Tensor, settings: RolloutSettings,
         rewards_per_func, settings.reward_weights.to(rewards_per_func.device),
         settings.num_generations, kl=kl, beta=settings.beta,
         reward_clip_range=settings.reward_clip_range, normalize=settings.normalize_advantages)
-    # shaped rewards stay NaN exactly on unscorable rows
-    unscorable = int(torch.isnan(shaped).sum().item())
-    if unscorable:
-        logger.warning(
-            "All reward functions returned None for %d of %d completions; they get advantage 0.",
-            unscorable, rewards_per_func.size(0))
+    # (shaped rewards stay NaN exactly on unscorable rows; the reward runner warns about them)
     return shaped, advantages, kl_mean
 
 

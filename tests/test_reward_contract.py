@@ -182,3 +182,21 @@ def test_bools_and_numpy_rewards_are_floats_as_in_trl(tmp_path, tokenizer, model
     trainer = build(tmp_path, model, tokenizer, accuracy, max_steps=1)
     trainer.train()
     assert trainer.state.log_history[0]["rewards/accuracy/mean"] == pytest.approx(mean)
+
+
+def test_texts_users_and_trl_tests_match_on(tmp_path, tokenizer, model, caplog):
+    """TRL's wording where its users and its test file match on it: the missing train set, a processing-class
+    count that does not match, and the warning naming an unscorable row's inputs."""
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        RLOOTrainer(model=model, reward_funcs=lambda completions, **kw: [1.0] * len(completions),
+                    args=make_args(tmp_path), processing_class=tokenizer)
+    dataset = Dataset.from_list([{"prompt": "a b"}] * 4)
+    with pytest.raises(ValueError, match="must match"):
+        RLOOTrainer(model=model, reward_funcs=[lambda completions, **kw: [1.0] * len(completions)] * 2,
+                    args=make_args(tmp_path), train_dataset=dataset, processing_class=tokenizer,
+                    reward_processing_classes=tokenizer)
+    runner = RewardRunner([lambda completions, **kw: [None, 1.0]], [None])
+    with caplog.at_level("WARNING", logger="rloo.rewards.runner"):
+        runner(["p0", "p1"], ["c0", "c1"], [[1], [2]], {"tag": ["x", "y"]}, TrainerState())
+    assert "All reward functions returned None for the following kwargs:" in caplog.text
+    assert "'tag': 'x'" in caplog.text and "'prompt': 'p0'" in caplog.text and "'completion': 'c0'" in caplog.text

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import math
 import numbers
 import threading
@@ -26,6 +27,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from rloo.data import is_conversational
+
+logger = logging.getLogger(__name__)
 
 
 class RewardFunctionError(ValueError):
@@ -194,8 +197,17 @@ class RewardRunner:
                 outputs[index] = _check_output(self.names[index], output, num_rows, describe,
                                                self.nonfinite)
         matrix = torch.tensor([outputs[i] for i in range(len(self.reward_funcs))],
-                              dtype=torch.float32).T
-        return matrix.reshape(num_rows, len(self.reward_funcs)).to(device), extra
+                              dtype=torch.float32).T.reshape(num_rows, len(self.reward_funcs))
+        unscorable = torch.isnan(matrix).all(dim=1).nonzero().flatten().tolist()
+        if unscorable:  # TRL's warning, word for word where users and tests match on it
+            row = unscorable[0]
+            shown = {key: values[row] for key, values in columns.items()}
+            shown.update(prompt=prompts[row], completion=completions[row])
+            logger.warning(
+                "All reward functions returned None for the following kwargs:\n%s\nPlease ensure "
+                "that at least one reward function returns a valid reward (%d of %d completions "
+                "here; they get advantage 0).", shown, len(unscorable), num_rows)
+        return matrix.to(device), extra
 
     def _call(self, func, kwargs: dict, timed_out: Callable[[], Exception]):
         """func(**kwargs); with a timeout, in a daemon thread (same grad mode) that is abandoned
