@@ -31,10 +31,10 @@ from rloo.hub import HubMethods
 from rloo.importance import sampler_weights
 from rloo.logps import per_token_logps
 from rloo.metrics import MetricBuffer
-from rloo.models import (disable_dropout, dropout_active, eos_token_ids, is_peft_model, load_policy,
-                         load_reward_model, load_tokenizer, model_identity, prepare_reference,
-                         prepare_tokenizer, reference_for_zero3, resolve_router_aux_loss_coef,
-                         reward_tokenizers, text_tokenizer_of)
+from rloo.models import (disable_dropout, dropout_active, eos_token_ids, is_moe, is_peft_model,
+                         load_policy, load_reward_model, load_tokenizer, model_identity,
+                         prepare_reference, prepare_tokenizer, reference_for_zero3,
+                         resolve_router_aux_loss_coef, reward_tokenizers, text_tokenizer_of)
 from rloo.rewards.runner import RewardRunner
 from rloo.rollout import (Rollout, RolloutSettings, build_rollout, complete_rollout,
                           global_masked_mean, pi_old_plan, rollout_metrics)
@@ -94,6 +94,8 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         model, self._trainable_adapter = attach_adapter(model, peft_config, args)
         self._is_peft = is_peft_model(model)
         self.router_aux_loss_coef = resolve_router_aux_loss_coef(model, args.router_aux_loss_coef)
+        # TRL's public flag: the router's auxiliary loss is added to the policy loss
+        self.aux_loss_enabled = is_moe(model) and self.router_aux_loss_coef != 0.0
 
         # Reward functions and reward models.
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -102,6 +104,8 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         reward_processing_classes = reward_tokenizers(reward_funcs, reward_processing_classes,
                                                       args.trust_remote_code)
         self.reward_funcs = reward_funcs
+        # one per reward function (the tokenizer of a reward model, None for a plain function), as TRL
+        self.reward_processing_classes = list(reward_processing_classes)
         self.reward_runner = RewardRunner(reward_funcs, reward_processing_classes,
                                           args.chat_template_kwargs, args.reward_timeout,
                                           args.nonfinite_rewards)

@@ -143,12 +143,12 @@ def test_moe_router_aux_loss_is_added_and_logged(tmp_path, tokenizer):
 def test_moe_default_coefficient_and_off(tmp_path, tokenizer):
     default = RLOOTrainer(model=tiny_moe_causal_lm(tokenizer, router_aux_loss_coef=0.02), reward_funcs=length_reward,
                           args=make_args(tmp_path), train_dataset=conversational(), processing_class=tokenizer)
-    assert default.router_aux_loss_coef == 0.02
+    assert default.router_aux_loss_coef == 0.02 and default.aux_loss_enabled  # TRL's attribute too
     off = RLOOTrainer(model=tiny_moe_causal_lm(tokenizer), reward_funcs=length_reward,
                       args=make_args(tmp_path, router_aux_loss_coef=0.0, max_steps=1), train_dataset=conversational(),
                       processing_class=tokenizer)
     off.train()
-    assert not logged(off, "aux_loss")
+    assert not logged(off, "aux_loss") and not off.aux_loss_enabled
 
 
 def test_router_aux_loss_on_dense_model_is_an_error(tmp_path, tokenizer, model):

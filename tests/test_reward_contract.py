@@ -195,6 +195,9 @@ def test_texts_users_and_trl_tests_match_on(tmp_path, tokenizer, model, caplog):
         RLOOTrainer(model=model, reward_funcs=[lambda completions, **kw: [1.0] * len(completions)] * 2,
                     args=make_args(tmp_path), train_dataset=dataset, processing_class=tokenizer,
                     reward_processing_classes=tokenizer)
+    trainer = RLOOTrainer(model=model, reward_funcs=[lambda completions, **kw: [1.0] * len(completions)],
+                          args=make_args(tmp_path), train_dataset=dataset, processing_class=tokenizer)
+    assert trainer.reward_processing_classes == [None]  # TRL's list, one entry per reward function
     runner = RewardRunner([lambda completions, **kw: [None, 1.0]], [None])
     with caplog.at_level("WARNING", logger="rloo.rewards.runner"):
         runner(["p0", "p1"], ["c0", "c1"], [[1], [2]], {"tag": ["x", "y"]}, TrainerState())
