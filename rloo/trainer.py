@@ -104,7 +104,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         reward_processing_classes = reward_tokenizers(reward_funcs, reward_processing_classes,
                                                       args.trust_remote_code)
         self.reward_funcs = reward_funcs
-        # one per reward function (the tokenizer of a reward model, None for a plain function), as TRL
+        # one per reward function (a reward model's tokenizer, None for a plain function), as TRL
         self.reward_processing_classes = list(reward_processing_classes)
         self.reward_runner = RewardRunner(reward_funcs, reward_processing_classes,
                                           args.chat_template_kwargs, args.reward_timeout,
