@@ -8,6 +8,7 @@ reward function before it has real completions and the live `TrainerState`."""
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from typing import Any
 
@@ -24,6 +25,8 @@ from rloo.vision import IMAGE_COLUMNS
 # (rloo.rewards.runner.RewardRunner).
 REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra",
                    "log_metric")
+
+logger = logging.getLogger(__name__)
 
 
 def reward_columns(dataset: Any, remove_unused_columns: bool | None) -> list[str] | None:
@@ -147,6 +150,7 @@ def check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_process
         strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
         raise ValueError(f"eval_strategy={strategy!r} but no eval_dataset was given. Fix: pass "
                          "eval_dataset=... or set eval_strategy='no'.")
+    check_dispatch(args, train_dataset, eval_dataset)
     if isinstance(train_dataset, IterableDataset) and args.max_steps <= 0:
         raise ValueError(
             "train_dataset is an IterableDataset, whose length is unknown: set max_steps (e.g. "
@@ -192,15 +196,30 @@ def check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_process
             "entry per function (None for a plain function).")
 
 
+def _streams(train_dataset, eval_dataset) -> bool:
+    evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+    return any(isinstance(d, IterableDataset) for d in [train_dataset, *evals])
+
+
+def check_dispatch(args, train_dataset, eval_dataset) -> None:
+    """Streaming datasets cannot be dispatched from rank 0 (checked first, as TRL does)."""
+    if _streams(train_dataset, eval_dataset) and args.accelerator_config.dispatch_batches:
+        raise ValueError(
+            "accelerator_config.dispatch_batches=True cannot be used with an IterableDataset here "
+            "(iterable datasets require `dispatch_batches=False`): prompts are strings or message "
+            "lists, which rank 0 cannot dispatch as tensors. Fix: leave dispatch_batches unset.")
+
+
 def prepare_for_iterable_datasets(args, train_dataset, eval_dataset) -> None:
     """Streaming datasets: every process reads its own slice of each global batch (no dispatch from
-    rank 0, which cannot carry string/message columns), as TRL does."""
-    evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
-    if not any(isinstance(d, IterableDataset) for d in [train_dataset, *evals]):
+    rank 0, which cannot carry string/message columns), and a streamed train set is read by one
+    worker (several would interleave the stream and split the prompt groups), as TRL does."""
+    if not _streams(train_dataset, eval_dataset):
         return
-    if args.accelerator_config.dispatch_batches:
-        raise ValueError(
-            "accelerator_config.dispatch_batches=True cannot be used with an IterableDataset here: "
-            "prompts are strings or message lists, which rank 0 cannot dispatch as tensors. Fix: "
-            "leave dispatch_batches unset (it is set to False).")
+    check_dispatch(args, train_dataset, eval_dataset)
     args.accelerator_config.dispatch_batches = False
+    if isinstance(train_dataset, IterableDataset) and args.dataloader_num_workers != 0:
+        logger.warning(
+            "Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; "
+            "overriding the provided value (%d).", args.dataloader_num_workers)
+        args.dataloader_num_workers = 0

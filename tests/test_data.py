@@ -92,10 +92,11 @@ def test_train_on_iterable_dataset(tmp_path, tokenizer, model):
             yield row
 
     before = [p.detach().clone() for p in model.parameters()]
-    args = make_args(tmp_path, max_steps=3, shuffle_dataset=False)
+    args = make_args(tmp_path, max_steps=3, shuffle_dataset=False, dataloader_num_workers=2)
     trainer = RLOOTrainer(model=model, reward_funcs=reward, args=args,
                           train_dataset=IterableDataset.from_generator(stream), processing_class=tokenizer)
     assert trainer.args.accelerator_config.dispatch_batches is False
+    assert trainer.args.dataloader_num_workers == 0  # one reader keeps the groups together, as TRL sets it
     trainer.train()
     assert seen == [[0, 0, 1, 1], [2, 2, 3, 3], [4, 4, 5, 5]]
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -104,6 +105,11 @@ def test_train_on_iterable_dataset(tmp_path, tokenizer, model):
 def test_iterable_dataset_refuses_dispatch_batches(tmp_path, tokenizer, model):
     args = make_args(tmp_path, accelerator_config={"dispatch_batches": True})
     with pytest.raises(ValueError, match="dispatch_batches=True cannot be used with an IterableDataset"):
+        RLOOTrainer(model=model, reward_funcs=length_reward, args=args,
+                    train_dataset=conversational().to_iterable_dataset(), processing_class=tokenizer)
+    # before the missing max_steps, as TRL orders its checks
+    args = make_args(tmp_path, accelerator_config={"dispatch_batches": True}, max_steps=-1)
+    with pytest.raises(ValueError, match="dispatch_batches"):
         RLOOTrainer(model=model, reward_funcs=length_reward, args=args,
                     train_dataset=conversational().to_iterable_dataset(), processing_class=tokenizer)
 
