@@ -30,8 +30,9 @@ class CompletionLog:
     `extra[column]`) holding the rows of the latest generation batch (deques of length
     generation_batch_size)."""
 
-    def __init__(self, maxlen: int):
+    def __init__(self, maxlen: int, multimodal: bool = True):
         self.maxlen = maxlen
+        self.multimodal = multimodal  # log_multimodal: without it no image is kept (as TRL)
         self.prompt: deque = deque(maxlen=maxlen)
         self.completion: deque = deque(maxlen=maxlen)
         self.rewards: dict[str, deque] = {}
@@ -46,7 +47,8 @@ class CompletionLog:
                advantages: list[float], extra: dict[str, list],
                images: list[list] | None = None) -> None:
         self.prompt.extend(as_text(p) for p in prompts)
-        self.images.extend(images if images is not None else [[] for _ in prompts])
+        if self.multimodal:
+            self.images.extend(images if images is not None else [[] for _ in prompts])
         self.completion.extend(as_text(c) for c in completions)
         for name, values in rewards.items():
             self.rewards.setdefault(name, deque(maxlen=self.maxlen)).extend(values)
@@ -59,11 +61,12 @@ class CompletionLog:
         processes, None for one), with each reward function's values, the advantages and the
         log_extra columns."""
         prompts, texts = list(rollout.prompts), list(rollout.completion_texts)
-        images = list(rollout.images or [[] for _ in prompts])
+        images = list(rollout.images or [[] for _ in prompts]) if self.multimodal else None
         per_rank = [(len(rollout), rollout.extra_columns)]
         if gather_object is not None:
             prompts, texts = gather_object(prompts), gather_object(texts)
-            per_rank, images = gather_object(per_rank), gather_object(images)
+            per_rank = gather_object(per_rank)
+            images = gather_object(images) if self.multimodal else None
         keys = sorted({key for _, columns in per_rank for key in columns})
         extra = {key: [value for rows, columns in per_rank
                        for value in (columns.get(key) or [None] * rows)] for key in keys}
@@ -73,11 +76,10 @@ class CompletionLog:
         }
         self.record(prompts, texts, rewards, rollout.all_advantages.tolist(), extra, images)
 
-    def rows(self, step: int, unique_prompts: bool = False,
-             multimodal: bool = True) -> list[dict]:
-        """The table's rows; with `multimodal` (log_multimodal) and images in the batch, each row's
-        images (a list) under "images"."""
-        with_images = multimodal and any(self.images)
+    def rows(self, step: int, unique_prompts: bool = False) -> list[dict]:
+        """The table's rows; with log_multimodal and images in the batch, each row's images (a
+        list) under "images"."""
+        with_images = self.multimodal and any(self.images)
         rows, seen = [], set()
         for index, prompt in enumerate(self.prompt):
             if unique_prompts:

@@ -177,7 +177,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
             self._watchdog = StallWatchdog(self._timer, args, self.accelerator.process_index,
                                            lambda sections: awaiting(self.generator, sections))
             self.add_callback(self._watchdog)
-        self._logs = CompletionLog(args.generation_batch_size)
+        self._logs = CompletionLog(args.generation_batch_size, args.log_multimodal)
         self._logs_fresh = False
         self._eval_prefix = "eval"
         self._last_eval_metrics: dict[str, float | None] = {}
@@ -360,8 +360,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         if not (args.log_completions and self.accelerator.is_main_process and self._logs_fresh):
             return
         self._logs_fresh = False
-        rows = self._logs.rows(self.state.global_step, args.log_unique_prompts,
-                               args.log_multimodal)
+        rows = self._logs.rows(self.state.global_step, args.log_unique_prompts)
         print_table(rows, self.state.global_step, args.num_completions_to_print, seed=args.seed)
         # extension point: callbacks that want the rows
         for callback in self.callback_handler.callbacks:

@@ -195,6 +195,7 @@ def test_log_multimodal_puts_the_images_in_the_completion_tables(tmp_path, monke
     trainer.train()
     out = capsys.readouterr().out
     assert ("<1 image>" in out) == multimodal
+    assert bool(trainer._logs["images"]) == multimodal  # without it no image is even kept (as TRL)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     run = mlflow.search_runs(experiment_names=["vlm-tables"], output_format="list")[0]
     table_file = mlflow.artifacts.download_artifacts(
