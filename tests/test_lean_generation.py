@@ -181,6 +181,39 @@ def test_settings_it_does_not_implement_keep_generate(tokenizer, model):
     assert type(synced) is LeanGenerator and synced.synced  # ZeRO-3 layer by layer: ranks step together
 
 
+def test_a_customised_generate_is_the_one_generation_goes_through(tmp_path, tokenizer, model, monkeypatch):
+    """On the instance, in a subclass, or patched into transformers' GenerationMixin (as TRL's tests do): the speed
+    layer's loop stands aside and the trainer generates through the customised `generate`."""
+    import functools
+
+    from datasets import Dataset
+    from transformers.generation.utils import GenerationMixin
+
+    from rloo import RLOOTrainer
+    from helpers import make_args
+    eos = [tokenizer.eos_token_id]
+    pick = lambda: type(in_process_generator(config(tokenizer), tokenizer.pad_token_id, eos, model, fast=True))
+    assert pick() is LeanGenerator
+    model.generate = functools.partial(type(model).generate, model)
+    assert pick() is TransformersGenerator
+    del model.generate
+    plain = type(model)
+    model.__class__ = type("Custom", (plain,), {"generate": lambda self, *a, **k: plain.generate(self, *a, **k)})
+    assert pick() is TransformersGenerator
+    model.__class__ = plain
+    calls, original = [], GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    assert pick() is TransformersGenerator
+    RLOOTrainer(model=model, reward_funcs=lambda completions, **kw: [1.0] * len(completions),
+                args=make_args(tmp_path, max_steps=1), train_dataset=Dataset.from_list([{"prompt": "a b"}] * 8),
+                processing_class=tokenizer).train()
+    assert calls  # the trainer's generation went through the patch
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_policy_logprobs_kept_while_decoding_are_the_forwards(tokenizer, model, device):
     """log softmax(logits / T) of every drawn token, kept by the loop, equals a no-grad forward over the finished

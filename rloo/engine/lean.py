@@ -28,6 +28,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
+from transformers.generation.utils import GenerationMixin
 from transformers.generation.logits_process import (
     LogitsProcessorList, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
@@ -60,7 +61,26 @@ def supports(generation_config: GenerationConfig, model) -> bool:
              generation_config.max_new_tokens is not None)
     config = getattr(model, "config", None)
     decoder_only = config is not None and not getattr(config, "is_encoder_decoder", False)
-    return changed <= HANDLED and plain and decoder_only and _takes_decode_arguments(model)
+    return (changed <= HANDLED and plain and decoder_only and _takes_decode_arguments(model) and
+            not customised_generate(model))
+
+
+_GENERATE = GenerationMixin.generate  # transformers' own, as imported
+
+
+def customised_generate(model) -> bool:
+    """A `generate` someone changed (on the instance, in a subclass, or by patching transformers'
+    GenerationMixin): generation must go through it, so this loop stands aside. PEFT's wrapper is
+    not a change: the model it wraps is looked at."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "generate" in vars(model) or "generate" in vars(base):
+        return True
+    owner = next((cls for cls in type(base).__mro__ if "generate" in vars(cls)), None)
+    if owner is not GenerationMixin:
+        return True
+    found = vars(GenerationMixin)["generate"]
+    patched = getattr(found, "__qualname__", "") != "GenerationMixin.generate"
+    return found is not _GENERATE or patched
 
 
 def _forward_parameters(model) -> set[str]:
