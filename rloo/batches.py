@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from datasets import IterableDataset
 
+from rloo.checks import check_dispatch
 from rloo.sampling import RepeatSampler, repeat_iterable
 
 
@@ -45,6 +46,7 @@ class GenerationBatches:
                 f"processes) must be divisible by num_generations_eval ({generations}) so that "
                 "every batch holds whole prompt groups.")
         if isinstance(dataset, IterableDataset):
+            check_dispatch(self.args, None, dataset)  # dispatch_batches=True set by hand
             dataset = repeat_iterable(dataset, 1, generations)
         return super().get_eval_dataloader(dataset)
 

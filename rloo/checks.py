@@ -211,13 +211,15 @@ def check_dispatch(args, train_dataset, eval_dataset) -> None:
 
 
 def prepare_for_iterable_datasets(args, train_dataset, eval_dataset) -> None:
-    """Streaming datasets: every process reads its own slice of each global batch (no dispatch from
-    rank 0, which cannot carry string/message columns), and a streamed train set is read by one
-    worker (several would interleave the stream and split the prompt groups), as TRL does."""
-    if not _streams(train_dataset, eval_dataset):
-        return
+    """Streaming datasets, now or passed to evaluate() later: every process reads its own slice of
+    each global batch (no dispatch from rank 0, which cannot carry string/message columns), and a
+    streamed train set is read by one worker (several would interleave the stream and split the
+    prompt groups), as TRL does."""
     check_dispatch(args, train_dataset, eval_dataset)
-    args.accelerator_config.dispatch_batches = False
+    if args.accelerator_config.dispatch_batches is None:
+        # Prompts never dispatch as tensors: a stream handed to evaluate() later, which
+        # construction never saw, is read slice by slice too.
+        args.accelerator_config.dispatch_batches = False
     if isinstance(train_dataset, IterableDataset) and args.dataloader_num_workers != 0:
         logger.warning(
             "Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; "

@@ -52,6 +52,18 @@ def test_iterable_eval_dataset_and_num_generations_eval(tmp_path, tokenizer, mod
     assert groups[0] != groups[1]
 
 
+def test_a_stream_handed_to_evaluate_later_is_evaluated(tmp_path, tokenizer, model):
+    """Built with map-style sets only, then evaluate() of an IterableDataset, an IterableDatasetDict or a dict of
+    streams (what TRL's tests do): each process reads its slice, nothing is dispatched from rank 0."""
+    from datasets import IterableDatasetDict
+    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path,
+                          per_device_eval_batch_size=4), train_dataset=conversational(), processing_class=tokenizer)
+    assert "eval_reward" in trainer.evaluate(conversational(4).to_iterable_dataset())
+    for streams in ({"a": conversational(4).to_iterable_dataset()},
+                    IterableDatasetDict({"a": conversational(4).to_iterable_dataset()})):
+        assert "eval_a_reward" in trainer.evaluate(streams)
+
+
 def test_eval_during_training(tmp_path, tokenizer, model):
     args = make_args(tmp_path, eval_strategy="steps", eval_steps=1, max_steps=2, per_device_eval_batch_size=2)
     trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=conversational(),
