@@ -113,3 +113,12 @@ def small_llama(tokenizer, biases: bool = False):
                 if name == "bias" or "norm" in type(module).__name__.lower():
                     param.normal_(0.5 if name == "weight" else 0.0, 0.3)
     return model
+
+
+def printed_logs(stdout: str) -> list[dict]:
+    """The trainer's printed log dicts (`{'loss': ...}`), one per logged step. Another process (a vLLM engine's
+    logger, a second rank) may write right after one on the same line: the dict ends at its first '}'."""
+    import ast
+    return [ast.literal_eval(line[:line.index("}") + 1]) for line in stdout.splitlines()
+            if line.startswith("{'loss'")]
+

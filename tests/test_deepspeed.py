@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from rloo import RLOOConfig
 from tiny_models import save_tiny, tiny_causal_lm, tiny_tokenizer
 from rloo.zero import frozen_engine_config
+from helpers import printed_logs
 from services import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +53,7 @@ def _train(workdir, name: str, *flags: str, port: int | None = None) -> dict:
                              str(port), "-m", "rloo", "train", "--config", str(workdir / "recipe.yaml"),
                              "--output_dir", str(out), *flags], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    logs = [eval(line) for line in result.stdout.splitlines() if line.startswith("{'loss'")]  # rank 0's log lines
+    logs = printed_logs(result.stdout)  # rank 0's log lines
     return {"weights": load_file(str(out / "model.safetensors")), "logs": logs, "out": out, "stdout": result.stdout}
 
 

@@ -17,7 +17,7 @@ from rloo.generation.vllm_colocate import (CPU_SHM_MARK, SHM_DIR, ColocateEngine
                                            check_colocate_possible, remove_stale_cpu_shm)
 from rloo.generation.vllm_common import run_lengths
 from tiny_models import save_servable, tiny_servable_causal_lm, tiny_tokenizer
-from helpers import assert_step_timing
+from helpers import assert_step_timing, printed_logs
 from services import VLLM_PYTHON
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +87,7 @@ def _torchrun(recipe: str, port: int, *flags: str) -> subprocess.CompletedProces
 
 
 def _logged(result: subprocess.CompletedProcess) -> list[dict]:
-    return [eval(line) for line in result.stdout.splitlines() if line.startswith("{'loss'")]
+    return printed_logs(result.stdout)
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from rloo.generation.vllm_client import VLLMServerClient, VLLMServerError
 from rloo.generation.vllm_server import check_same_model
 from rloo.logps import per_token_logps
 from tiny_models import tiny_causal_lm, tiny_tokenizer
-from helpers import assert_step_timing
+from helpers import assert_step_timing, printed_logs
 from services import VLLM_PYTHON, free_port, start_vllm_cpu_server, stop_vllm_cpu_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,7 +119,7 @@ def test_training_under_torchrun_with_verified_syncs(server, tmp_path):
                              str(free_port()), "-m", "rloo", "train", "--config", recipe, "--ddp_backend", "gloo"],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    logs = [eval(line) for line in result.stdout.splitlines() if line.startswith("{'loss'")]
+    logs = printed_logs(result.stdout)
     assert len(logs) == 3
     assert any(float(log["grad_norm"]) > 0 for log in logs)  # the weights moved between syncs
     for log in logs:
