@@ -156,21 +156,14 @@ def cmd_compare_sweep(options) -> int:
 
     from infra import sweep_report, tracking
     record, study = _sweep_study(options.run_root, options.sweep)
-    rows = sweep_report.ranked(study)
-    keys = sweep_report.differing_keys(rows)
     objective = study.user_attrs.get("rloo.objective", "objective")
+    columns, body = sweep_report.table(sweep_report.ranked(study), objective)
     table = Table(title=f"sweep {options.sweep}: trials ranked by {objective} "
                   f"({study.direction.name.lower()})")
-    columns = ("rank", "trial", "state", objective, "checkpoint", *keys, "run")
     for column in columns:  # whole names: they are what a person copies into a config
         table.add_column(column, min_width=len(column) if column != "run" else 30)
-    for rank, row in enumerate(rows, 1):
-        where = row["checkpoint"] or (f"pruned at {row['pruned_at']}"
-                                      if row["pruned_at"] is not None else "-")
-        table.add_row(str(rank), str(row["number"]), row["state"],
-                      "-" if row["value"] is None else f"{row['value']:.4g}", where,
-                      *(sweep_report._show(row["params"].get(k)) for k in keys),
-                      row["run_key"] or "-")
+    for cells in body:
+        table.add_row(*cells)
     Console(width=max(120, sum(max(len(c), 12) + 3 for c in columns) + 30)).print(table)
     uri, experiment = record["tracking_uri"], record["experiment"]
     run_id = tracking.sweep_run(uri, experiment, options.sweep)

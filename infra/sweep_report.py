@@ -52,19 +52,25 @@ def differing_keys(rows: list[dict]) -> list[str]:
             if len({json.dumps(row["params"].get(key)) for row in rows}) > 1]
 
 
-def render(rows: list[dict], objective: str) -> list[str]:
-    """A markdown table: rank, trial, state, objective, checkpoint, the differing keys, run."""
+def table(rows: list[dict], objective: str) -> tuple[list[str], list[list[str]]]:
+    """(header, cells per trial): rank, trial, state, objective, checkpoint, the differing keys,
+    run; what trials.md and `compare --sweep` both show."""
     keys = differing_keys(rows)
     header = ["rank", "trial", "state", objective, "checkpoint", *keys, "run"]
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    body = []
     for rank, row in enumerate(rows, 1):
-        value = "-" if row["value"] is None else f"{row['value']:.4g}"
         where = row["checkpoint"] or (f"pruned at step {row['pruned_at']}"
                                       if row["pruned_at"] is not None else "-")
-        cells = [str(rank), str(row["number"]), row["state"], value, where,
-                 *(_show(row["params"].get(k)) for k in keys), row["run_key"] or "-"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        body.append([str(rank), str(row["number"]), row["state"], _show(row["value"]), where,
+                     *(_show(row["params"].get(k)) for k in keys), row["run_key"] or "-"])
+    return header, body
+
+
+def render(rows: list[dict], objective: str) -> list[str]:
+    """The trials' table in markdown."""
+    header, body = table(rows, objective)
+    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header),
+            *("| " + " | ".join(cells) + " |" for cells in body)]
 
 
 def _show(value) -> str:
