@@ -21,6 +21,15 @@ class OwnLines(logging.Filter):
         return record.levelno >= logging.ERROR or bool(OWN.match(record.getMessage()))
 
 
+def _on_console(handler: logging.Handler) -> bool:
+    """A handler that writes to this process's terminal. A host's own capture (a StringIO, a
+    file, pytest's caplog) keeps every record: quieting it would hide its logs for good."""
+    streams = {id(stream) for stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)}
+    return (isinstance(handler, logging.StreamHandler)
+            and not isinstance(handler, logging.FileHandler)
+            and id(getattr(handler, "stream", None)) in streams)
+
+
 def before_imports() -> None:
     """What must be set before the libraries load: without a GPU, DeepSpeed is told it runs on the
     CPU (instead of detecting it and saying so on stdout at import). MLflow's client writes a "View
@@ -51,8 +60,7 @@ def quiet(run_root: str) -> None:
     log_to(log_file)  # MLflow's own loggers do not propagate to the root
     consoles = [
         handler for logger in [root, *map(logging.getLogger, list(root.manager.loggerDict))]
-        for handler in getattr(logger, "handlers", []) if
-        isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        for handler in getattr(logger, "handlers", []) if _on_console(handler)
     ]
     if not any(handler in root.handlers for handler in consoles):
         # (Prefect installs its console handler only on a root logger without handlers: ours stands

@@ -52,3 +52,25 @@ def test_a_rephrased_held_out_set_is_reported_beside_the_held_out_prompts(tiny_r
                               "tags.`rloo.run_key` = '" + run_dir.name + "'")
     logged = {key for run in runs for key in run.data.metrics}
     assert {"rephrased_base_reward", "rephrased_trained_reward"} <= logged
+
+
+def test_quieting_the_console_leaves_a_hosts_own_log_capture_alone(tmp_path):
+    """An application (or pytest's caplog) that runs the pipeline in its process keeps every record its own
+    handler captures; only the terminal's handlers are filtered."""
+    import io
+    import logging
+
+    from flows.console import OwnLines, quiet
+    capture, terminal = logging.StreamHandler(io.StringIO()), logging.StreamHandler(sys.stderr)
+    root = logging.getLogger()
+    root.addHandler(capture)
+    root.addHandler(terminal)
+    try:
+        quiet(str(tmp_path))
+        logging.getLogger("rloo.rewards.runner").warning("a library's warning")
+    finally:
+        root.removeHandler(capture)
+        root.removeHandler(terminal)
+    assert "a library's warning" in capture.stream.getvalue()
+    assert any(isinstance(f, OwnLines) for f in terminal.filters)
+    assert not any(isinstance(f, OwnLines) for f in capture.filters)
