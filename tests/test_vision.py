@@ -1,4 +1,4 @@
-"""Vision-language training: tiny random VLMs of three families (tests/tiny_vlms.py) take their
+"""Vision-language training: tiny random VLMs of five families (tests/tiny_vlms.py) take their
 images through the processor, generation, every forward and the gradient."""
 
 from __future__ import annotations
@@ -130,6 +130,56 @@ def test_other_images_give_another_update(tmp_path):
         steps.append(torch.cat([(p1.detach() - p0.detach()).flatten() for p0, p1 in zip(
             before.parameters(), model.parameters())]))
     assert not torch.allclose(steps[0], steps[1])
+
+
+def _greedy(model, processor, image, length, with_pixels=True):
+    """The model's own greedy continuation of QUESTION about `image` (placeholders suppressed, as
+    in training), up to and with its first EOS; without the image's pixels when asked."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
+    if not with_pixels:
+        inputs = {key: value for key, value in inputs.items()
+                  if key in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")}
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=length,
+                             suppress_tokens=placeholder_token_ids(model.config))
+    return _to_eos(out[0, inputs["input_ids"].size(1):].tolist(), processor.tokenizer.eos_token_id)
+
+
+def _to_eos(ids, eos):
+    return ids[:ids.index(eos) + 1] if eos in ids else ids
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_generation_sees_each_row_s_image(tmp_path, family):
+    """Sampling at top_k=1 (greedy), every completion is the model's own greedy continuation given
+    its row's image; the same model without the images' pixels continues otherwise for some row, so
+    generation that dropped the images would fail here. Prompts padded to a multiple of 8."""
+    model, processor = FAMILIES[family]()
+    model.eval()
+    reference = copy.deepcopy(model)
+    dataset = vlm_dataset(4)
+    images = [row["image"] for row in dataset]
+    seen = {}
+
+    def reward(completion_ids, image, **kwargs):
+        for ids, row_image in zip(completion_ids, image):
+            seen.setdefault(row_image.tobytes(), set()).add(tuple(ids))
+        return [0.0] * len(completion_ids)
+
+    args = make_args(tmp_path, max_steps=1, learning_rate=0.0, top_k=1, num_generations=2,
+                     per_device_train_batch_size=8, max_completion_length=6,
+                     pad_to_multiple_of=8)
+    RLOOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                processing_class=processor).train()
+    eos = processor.tokenizer.eos_token_id
+    expected = {image.tobytes(): _greedy(reference, processor, image, 6) for image in images}
+    blind = {image.tobytes(): _greedy(reference, processor, image, 6, False) for image in images}
+    assert blind != expected  # the images change this model's continuations
+    assert set(seen) == set(expected)
+    for key, completions in seen.items():
+        assert {tuple(_to_eos(list(ids), eos)) for ids in completions} == {tuple(expected[key])}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -1,8 +1,12 @@
-"""Tiny random vision-language models of three families with different image mechanics, built here
+"""Tiny random vision-language models of five families with different image mechanics, built here
 (nothing is downloaded), with their processors:
 
 - Qwen2-VL: M-RoPE positions, patches of every image in one `pixel_values` matrix and
   `image_grid_thw` saying which rows belong to which image;
+- Qwen2.5-VL (the docs' quick start): Qwen2-VL's inputs, a vision tower with windowed attention
+  and full-attention blocks;
+- Idefics3 (SmolVLM): `pixel_values` of shape rows x images x C x H x W (all-zero images are
+  padding) with a `pixel_attention_mask`, pixel-shuffled patches;
 - Gemma3: a fixed number of soft tokens per image, bidirectional attention over them
   (`token_type_ids`);
 - LLaVA-NeXT: any-resolution tiles (`pixel_values` of shape images x tiles x C x H x W) and
@@ -88,7 +92,65 @@ def tiny_llava_next(seed: int = 0):
     return _finish(model, tokenizer), processor
 
 
-FAMILIES = {"qwen2_vl": tiny_qwen2_vl, "gemma3": tiny_gemma3, "llava_next": tiny_llava_next}
+def tiny_qwen2_5_vl(seed: int = 0):
+    """(model, processor): Qwen2.5-VL with 4-pixel patches merged 2x2, windows of 16 pixels in its
+    first vision block and full attention in its second."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
+        Qwen2VLImageProcessorPil
+
+    from rloo.vision import images_only
+    tokenizer = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+                           "<|vision_start|><|image_pad|><|vision_end|>")
+    ids = tokenizer.convert_tokens_to_ids
+    text = _text(len(tokenizer))
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 1, 1],
+                               "rope_theta": 10000.0}
+    config = Qwen2_5_VLConfig(
+        text_config=text, vision_config=dict(depth=2, hidden_size=16, intermediate_size=32,
+                                             num_heads=2, patch_size=4, spatial_merge_size=2,
+                                             temporal_patch_size=2, window_size=16,
+                                             out_hidden_size=32, fullatt_block_indexes=[1]),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=2, pad_token_id=2, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 16 * 16,
+                                                     "longest_edge": 32 * 32},
+                                               patch_size=4, merge_size=2, temporal_patch_size=2)
+    processor = images_only(Qwen2_5_VLProcessor)(image_processor=image_processor,
+                                                 tokenizer=tokenizer,
+                                                 chat_template=tokenizer.chat_template)
+    return _finish(model, tokenizer), processor
+
+
+def tiny_idefics3(seed: int = 0):
+    """(model, processor): Idefics3 (SmolVLM's architecture), each image resized to 32x32 without
+    splitting, 8-pixel patches shuffled 2x2 into 4 image tokens."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import \
+        Idefics3ImageProcessorPil
+    tokenizer = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>",
+                            "<global-img>"], "<image>")
+    config = Idefics3Config(
+        text_config={"model_type": "llama", **_text(len(tokenizer))},
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=32, patch_size=8),
+        scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 32}, max_image_size={"longest_edge": 32}, do_image_splitting=False)
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                  image_seq_len=4, chat_template=tokenizer.chat_template)
+    return _finish(model, tokenizer), processor
+
+
+FAMILIES = {"qwen2_vl": tiny_qwen2_vl, "qwen2_5_vl": tiny_qwen2_5_vl, "gemma3": tiny_gemma3,
+            "llava_next": tiny_llava_next, "idefics3": tiny_idefics3}
 
 
 def _finish(model, tokenizer):
