@@ -88,6 +88,12 @@ def check_backend_combinations(config) -> None:
             "embeddings of the training forward, so the log-probabilities the loss uses would not "
             "be those of the policy that sampled the completions (the ratio drifts from 1 on "
             "policy). Fix: drop it (NEFTune is for supervised fine-tuning).")
+    if config.use_liger_kernel:
+        from transformers.utils import is_liger_kernel_available
+        if not is_liger_kernel_available():
+            raise ValueError(
+                "use_liger_kernel=True, but liger-kernel is not installed (its Triton kernels need "
+                "a GPU). Fix: `pip install liger-kernel` on a GPU machine, or drop the flag.")
     fsdp = bool(config.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
     if fsdp:
         raise ValueError(

@@ -123,8 +123,9 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
                          callbacks=callbacks, optimizers=optimizers)
         # torchrun with one CPU process: no DDP wrapper (rloo.zero)
         single_process_ddp(self.accelerator)
-        # the speed layer on, or the reference path (rloo.engine): always for images
-        self._fast = engine.is_fast(args.engine) and not self._vision
+        # the speed layer on, or the reference path (rloo.engine): always for images and Liger
+        forced = engine.reference_reason(self._vision, args.use_liger_kernel)
+        self._fast = engine.is_fast(args.engine) and forced is None
         engine.keep_freed_memory(self._fast)
         self._gather_object = gather_object if self.accelerator.num_processes > 1 else None
 
@@ -170,7 +171,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         self._metrics, self._timer = MetricBuffer(), device_timer(self.accelerator.device)
         self.generator.timer = self._timer
         logger.info(engine.describe(self._fast, self.model, self.generator, self.ref_model,
-                                    self._vision))
+                                    forced))
         self.add_callback(StepTimingCallback(self._timer, self._metrics))
         self._watchdog = None  # no silent hang (rloo.watchdog)
         if args.stall_timeout_s:

@@ -96,3 +96,41 @@ def test_a_registered_class_whose_forward_changed_keeps_its_own_forward(tokenize
     from rloo.engine.recompute import covered_modules
     assert covered_modules(model) == sum(type(m).__name__ == "LlamaMLP" for m in model.modules())
     assert engine.describe(True, model, None, None).startswith("rloo engine: decode loop: off")
+
+
+def test_liger_kernels_are_refused_without_the_package_and_take_the_reference_path(tmp_path, tokenizer, model,
+                                                                                   monkeypatch, caplog):
+    """Liger's kernels replace the model's own modules: the speed layer's forwards would bypass them, so the
+    model takes the reference path; without liger-kernel the flag is refused before any model is loaded."""
+    import transformers.utils
+    monkeypatch.setattr(transformers.utils, "is_liger_kernel_available", lambda: False)
+    with pytest.raises(ValueError, match="liger-kernel is not installed.*pip install liger-kernel"):
+        make_args(tmp_path, use_liger_kernel=True)
+    monkeypatch.setattr(transformers.utils, "is_liger_kernel_available", lambda: True)
+    caplog.set_level(logging.INFO, logger="rloo.trainer")
+    monkeypatch.setattr(logging.getLogger("rloo.trainer"), "propagate", True)
+    trainer = RLOOTrainer(model=model, reward_funcs=position_reward, processing_class=tokenizer,
+                          args=make_args(tmp_path, use_liger_kernel=True), train_dataset=conversational())
+    assert type(trainer.generator) is TransformersGenerator and not trainer._fast
+    assert any(record.message.startswith("rloo engine: reference (use_liger_kernel") for record in caplog.records)
+
+
+def test_torch_compile_trains_the_compiled_model_to_the_same_update(tmp_path, tokenizer, model):
+    """torch_compile (accelerate's dynamo plugin; the eager backend here, to stay quick) compiles the model the
+    loss's forward runs; the step equals the uncompiled one."""
+    steps = {}
+    for compiled in (False, True):
+        policy = copy.deepcopy(model)
+        extra = dict(torch_compile=True, torch_compile_backend="eager") if compiled else {}
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)  # the step is the gradient
+        trainer = RLOOTrainer(model=policy, reward_funcs=position_reward, processing_class=tokenizer,
+                              args=make_args(tmp_path / str(compiled), max_steps=1, max_grad_norm=0.0, **extra),
+                              train_dataset=conversational(),
+                              optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)))
+        trainer.train()
+        assert (type(trainer.model_wrapped).__name__ == "OptimizedModule") is compiled
+        steps[compiled] = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    for name, value in steps[True].items():
+        torch.testing.assert_close(value, steps[False][name], atol=1e-6, rtol=1e-5, msg=name)
+    assert any(not torch.equal(value, p.detach()) for (name, value), p in zip(steps[True].items(),
+                                                                             model.parameters()))

@@ -58,14 +58,27 @@ def keep_freed_memory(fast: bool) -> None:
         heap.keep_freed_memory()
 
 
+REFERENCE_REASONS = {
+    "vision": "a vision-language model: the speed layer's decode loop and forwards take no images",
+    "liger": "use_liger_kernel: Liger's kernels replace the model's own modules, which the speed "
+             "layer's forwards would bypass",
+}
+
+
+def reference_reason(vision: bool, use_liger_kernel: bool) -> str | None:
+    """Why a model takes the reference path whatever the engine mode (a key of REFERENCE_REASONS),
+    or None."""
+    return "vision" if vision else "liger" if use_liger_kernel else None
+
+
 def describe(fast: bool, model: nn.Module, generator: object, reference: nn.Module | None,
-             vision: bool = False) -> str:
+             forced: str | None = None) -> str:
     """One line: each part of the speed layer, on or off and why, for this model and machine
-    (`vision`: a vision-language model, which takes the reference path)."""
+    (`forced`: why it takes the reference path whatever the mode, from reference_reason)."""
     model, reference = _unwrapped(model), reference and _unwrapped(reference)
-    if vision:
-        return ("rloo engine: reference (a vision-language model: the speed layer's decode loop "
-                "and forwards take no images): model.generate and plain forwards")
+    if forced is not None:
+        return (f"rloo engine: reference ({REFERENCE_REASONS[forced]}): model.generate and plain "
+                "forwards")
     if not fast:
         return (f"rloo engine: reference ({ENVIRONMENT}=reference or engine='reference'): "
                 "model.generate and plain forwards; no fast path on")
