@@ -97,14 +97,9 @@ def main() -> int:
     from rloo.models import eos_token_ids
     device, dtype = torch.device(options.device), getattr(torch, options.dtype)
     if options.random_weights:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from rloo.tiny import tiny_tokenizer
+        from rloo.tiny import smollm2_shaped, tiny_tokenizer
         tokenizer = tiny_tokenizer()  # (its ids are SmolLM2's too: the weights are random either way)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-            num_key_value_heads=3, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0))
+        model = smollm2_shaped(seed=0)
     else:
         from rloo.assets import smollm2_path
         path = smollm2_path()

