@@ -262,3 +262,35 @@ def test_four_trainer_nodes_and_a_real_vllm_server_on_node_five(cluster, tmp_pat
     assert any(m.get("grad_norm", 0) > 0 for m in metrics)
     assert [m["async/staleness_max"] for m in metrics if "async/staleness_max" in m] == [0, 1, 1]
     print(f"4+1 SLURM with a real vLLM server: {elapsed:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_sweep_on_the_cluster_cancels_its_pruned_trials_job(cluster, tmp_path):
+    """`rloo-pipeline sweep` with launch.executor=slurm: each trial is a SLURM job, and the trial pruned at its first
+    checkpoint has its job cancelled there (scancel), its checkpoints kept."""
+    import json
+
+    from sweeps import checkpoint_steps, cli, study, sweep_config, trial_dirs
+    sweep = dict(n_trials=2, parallel=1, objective="completion_length", direction="minimize",
+                 space={"evaluation.max_completion_length": {"type": "categorical", "choices": [2, 8]}},
+                 enqueue=[{"evaluation.max_completion_length": n} for n in (2, 8)],
+                 pruner={"kind": "median", "n_startup_trials": 1})
+    path = sweep_config(str(tmp_path), **sweep)
+    run_root, max_steps = str(tmp_path / "runs"), 20
+    settings = [f"training.max_steps={max_steps}", "training.save_steps=4", "launch.executor=slurm",
+                "launch.poll_seconds=1", "launch.slurm.trainer_nodes=1", "launch.slurm.generation_nodes=0",
+                "launch.slurm.rendezvous_port=29633"]
+    done = cli("sweep", path, *[arg for setting in settings for arg in ("--set", setting)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = study(run_root, "sweep-tiny")
+    assert [t.state.name for t in found.trials] == ["COMPLETE", "PRUNED"]
+    dirs = trial_dirs(run_root, "sweep-tiny")
+    jobs = {n: json.load(open(os.path.join(d, "train", "job.json")))["handle"] for n, d in dirs.items()}
+    assert {job["executor"] for job in jobs.values()} == {"slurm"}
+    from infra.slurm import slurm_state
+    assert slurm_state(jobs[0]["job_id"]) == "COMPLETED"
+    assert slurm_state(jobs[1]["job_id"]) == "CANCELLED"  # stopped by the sweep, not finished
+    steps = checkpoint_steps(dirs[1])
+    assert steps and max(steps) < max_steps
+    output = os.path.join(dirs[1], "train", "output")
+    assert os.path.isdir(os.path.join(output, f"checkpoint-{min(steps)}"))  # its checkpoints kept
