@@ -150,7 +150,8 @@ def _to_eos(ids, eos) -> list[int]:
 
 
 def step_seconds(trainer_class, config_class, model, tokenizer, device, dtype, out, steps: int) -> float:
-    """Median seconds of an optimizer step (the first, warm-up, left out) of one trainer."""
+    """Median seconds of an optimizer step (the first, warm-up, left out) of one trainer; `model` a saved folder
+    (TRL builds its reference model from the policy's path)."""
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
@@ -168,7 +169,7 @@ def step_seconds(trainer_class, config_class, model, tokenizer, device, dtype, o
     clock = Clock()
     args = config_class(**settings(out, device, dtype, max_steps=steps + 1,
                                    generation_kwargs={"min_new_tokens": 32}))
-    trainer = trainer_class(model=copy.deepcopy(model), reward_funcs=length_reward, args=args,
+    trainer = trainer_class(model=model, reward_funcs=length_reward, args=args,
                             train_dataset=dataset(8 * (steps + 1)), processing_class=tokenizer, callbacks=[clock])
     trainer.train()
     return statistics.median(clock.seconds[1:] or clock.seconds)
@@ -176,6 +177,8 @@ def step_seconds(trainer_class, config_class, model, tokenizer, device, dtype, o
 
 def check_steps(model, tokenizer, device, dtype, out, steps: int):
     from rloo import RLOOConfig, RLOOTrainer
+    from rloo.tiny import save_tiny
+    model, _ = save_tiny(out + "-model", model, tokenizer)  # both trainers load the same folder
     ours = step_seconds(RLOOTrainer, RLOOConfig, model, tokenizer, device, dtype, out, steps)
     try:
         import trl
