@@ -38,13 +38,15 @@ for i in $(seq 1 "$total"); do
 done
 
 # --- slurm.conf
+# cred_expire: how long a requeued job waits before it may start again (SLURM's default, 120 s, is
+# for credentials crossing a real network; every daemon here is on loopback)
 {
   cat <<CONF
 ClusterName=rloo-local
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort=$PORT_BASE
 AuthType=auth/munge
-AuthInfo=socket=$STATE/munge/munge.socket
+AuthInfo=socket=$STATE/munge/munge.socket,cred_expire=10
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
