@@ -51,9 +51,9 @@ def load_processor(name: str, config: Any, trust_remote_code: bool, revision: st
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
     class_name = PROCESSOR_MAPPING_NAMES.get(getattr(config, "model_type", None))
     processor_class = getattr(transformers, class_name or "", None)
-    # transformers without torchvision: the stock processor cannot be built (its video part)
-    images_alone = (processor_class is not None and not is_torchvision_available()
-                    and "video_processor" in processor_class.get_attributes())
+    # transformers without torchvision: the stock processor may not be buildable (its video part,
+    # or, in older releases, AutoImageProcessor itself)
+    images_alone = processor_class is not None and not is_torchvision_available()
     try:
         processor = AutoProcessor.from_pretrained(name, **kwargs)
     except (OSError, TypeError, ValueError):
@@ -68,13 +68,32 @@ def load_processor(name: str, config: Any, trust_remote_code: bool, revision: st
             f"could not be loaded (AutoProcessor gave a {type(processor).__name__}). Fix: make "
             "sure the folder or repo has its processor_config.json / preprocessor_config.json, or "
             "pass processing_class=AutoProcessor.from_pretrained(...) yourself.")
-    image_processor = AutoImageProcessor.from_pretrained(name, backend="pil", **kwargs)
+    image_processor = _pil_image_processor(name, config, kwargs)
     tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
-    logger.info(
-        "rloo: torchvision is not installed, so %s is built for images only (no video "
-        "processor, PIL image backend).", class_name)
-    return images_only(processor_class)(image_processor=image_processor, tokenizer=tokenizer,
-                                        chat_template=tokenizer.chat_template)
+    attributes = processor_class.get_attributes()
+    saved, _ = processor_class.get_processor_dict(name, **kwargs)
+    # the processor's own settings (Idefics3's image_seq_len, ...), not its parts
+    settings = {key: value for key, value in saved.items()
+                if key not in attributes and key not in ("processor_class", "auto_map")
+                and key != "chat_template"}
+    logger.info("rloo: torchvision is not installed, so %s is built with its PIL image processor%s.",
+                class_name, " and no video processor" if "video_processor" in attributes else "")
+    built = images_only(processor_class) if "video_processor" in attributes else processor_class
+    return built(image_processor=image_processor, tokenizer=tokenizer,
+                 chat_template=tokenizer.chat_template, **settings)
+
+
+def _pil_image_processor(name: str, config: Any, kwargs: dict):
+    """The model's image processor with transformers' PIL backend, by class (some transformers
+    releases make AutoImageProcessor itself need torchvision)."""
+    import transformers
+    from transformers import AutoImageProcessor
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    pil = getattr(transformers, names.get("pil") or "", None) if isinstance(names, dict) else None
+    if pil is None:
+        return AutoImageProcessor.from_pretrained(name, backend="pil", **kwargs)
+    return pil.from_pretrained(name, **kwargs)
 
 
 def row_images(row: dict) -> list:
