@@ -42,7 +42,7 @@ def has_image_processor(processing_class: Any) -> bool:
 def load_processor(name: str, config: Any, trust_remote_code: bool, revision: str | None = None):
     """AutoProcessor for a VLM; where transformers falls back to the bare tokenizer because the
     processor's video part needs torchvision, the same processor for images only (one log line)."""
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
     from transformers.utils import is_torchvision_available
     kwargs = dict(trust_remote_code=trust_remote_code)
     if revision is not None:
@@ -74,11 +74,12 @@ def load_processor(name: str, config: Any, trust_remote_code: bool, revision: st
     saved, _ = processor_class.get_processor_dict(name, **kwargs)
     # the processor's own settings (Idefics3's image_seq_len, ...), not its parts
     settings = {key: value for key, value in saved.items()
-                if key not in attributes and key not in ("processor_class", "auto_map")
-                and key != "chat_template"}
-    logger.info("rloo: torchvision is not installed, so %s is built with its PIL image processor%s.",
-                class_name, " and no video processor" if "video_processor" in attributes else "")
-    built = images_only(processor_class) if "video_processor" in attributes else processor_class
+                if key not in attributes
+                and key not in ("processor_class", "auto_map", "chat_template")}
+    video = "video_processor" in attributes
+    logger.info("rloo: torchvision is not installed, so %s is built with its PIL image "
+                "processor%s.", class_name, " and no video processor" if video else "")
+    built = images_only(processor_class) if video else processor_class
     return built(image_processor=image_processor, tokenizer=tokenizer,
                  chat_template=tokenizer.chat_template, **settings)
 
