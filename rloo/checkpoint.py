@@ -105,7 +105,6 @@ def save_complete(trainer, trial, save) -> None:
     every rank's files are written (the marker goes last), and save_total_limit's rotation runs only
     after that: whatever moment a save is interrupted at, the previous complete checkpoint is still
     there."""
-    from transformers.trainer_utils import rotate_checkpoints
     args = trainer.args
     run_dir = trainer._get_output_dir(trial=trial)
     folder = os.path.join(run_dir, f"checkpoint-{trainer.state.global_step}")
@@ -138,9 +137,20 @@ def save_complete(trainer, trial, save) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(marker_path(folder) + ".tmp", marker_path(folder))
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
-                           best_model_checkpoint=trainer.state.best_model_checkpoint,
-                           use_mtime=True)
+        _rotate(trainer, run_dir, limit)
+
+
+def _rotate(trainer, run_dir: str, limit: int | None) -> None:
+    """save_total_limit's rotation of the run's checkpoints, the newest kept (transformers 5's
+    function; 4.x has it as a Trainer method reading args.save_total_limit, which is `limit` again
+    here)."""
+    try:
+        from transformers.trainer_utils import rotate_checkpoints
+    except ImportError:
+        trainer._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
+        return
+    rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                       best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
 
 
 def save_final(trainer, output_dir: str) -> None:

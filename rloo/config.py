@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
-from rloo.config_checks import (LEGACY_PARAMETERS, check_backend_combinations,
+from rloo.config_checks import (LEGACY_PARAMETERS, check_available, check_backend_combinations,
                                 check_kl_logps_from_generation, check_rloo_fields, json_dict,
                                 parse_pad_to_multiple_of, resolve_batch_sizes)
+from rloo.versions import TRANSFORMERS_4, precision_environment
 from rloo.zero import start_deepspeed_on_cpu
 
 @dataclass
@@ -306,6 +307,7 @@ class RLOOConfig(TrainingArguments):
             raise ValueError(
                 "auto_find_batch_size=True is not supported by RLOO: changing the batch size would "
                 "split prompt groups. Fix: set per_device_train_batch_size yourself.")
+        precision_environment(self)
         super().__post_init__()
         resolve_batch_sizes(self)
         zero3 = self.deepspeed and self.hf_deepspeed_config.is_zero3()
@@ -323,6 +325,7 @@ class RLOOConfig(TrainingArguments):
         self.engine = mode(self.engine)
         if self.kl_logps_from_generation:
             check_kl_logps_from_generation(self)
+        check_available(self)
 
     @functools.cached_property
     def _setup_devices(self) -> torch.device:
@@ -335,7 +338,9 @@ class RLOOConfig(TrainingArguments):
                 and "LOCAL_RANK" in os.environ:
             start_deepspeed_on_cpu(self.ddp_timeout)
             self.accelerator_config.use_configured_state = True  # read (and removed) by the parent
-        return TrainingArguments._setup_devices.func(self)
+        parent = TrainingArguments.__dict__["_setup_devices"]
+        # functools' cached_property (transformers 5) or transformers 4's own (a property)
+        return (parent.fget if TRANSFORMERS_4 else parent.func)(self)
 
 
 def _bf16_device_available() -> bool:

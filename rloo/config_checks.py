@@ -5,6 +5,7 @@ and the TRL <= 0.21 parameter names (each with what replaced it)."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import torch
@@ -67,7 +68,6 @@ def reject_legacy_trainer_arguments(init):
 def check_backend_combinations(config) -> None:
     """Distributed and generation settings that cannot work together (after TrainingArguments has
     parsed them)."""
-    import os
     if config.use_vllm and not config.ds3_gather_for_generation:
         raise ValueError(
             "ds3_gather_for_generation=False with use_vllm=True: vLLM loads full weights, so they "
@@ -75,6 +75,7 @@ def check_backend_combinations(config) -> None:
             "drop ds3_gather_for_generation=False, or use_vllm=False to generate layer by layer.")
     check_async_generation(config)
     check_importance_sampling(config)
+
     parallelism = getattr(config, "parallelism_config", None)
     if parallelism is not None and (getattr(parallelism, "cp_enabled", False) or
                                     getattr(parallelism, "sp_enabled", False)):
@@ -94,14 +95,6 @@ def check_backend_combinations(config) -> None:
             raise ValueError(
                 "use_liger_kernel=True, but liger-kernel is not installed (its Triton kernels need "
                 "a GPU). Fix: `pip install liger-kernel` on a GPU machine, or drop the flag.")
-    fsdp = bool(config.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
-    if fsdp:
-        raise ValueError(
-            "FSDP (fsdp / fsdp_config / accelerate's FSDP plugin) is not supported: RLOO needs the "
-            "full parameters gathered for generation and the reference sharded like the policy, "
-            "which this trainer does for DeepSpeed ZeRO-3 only; under FSDP it would generate from "
-            "a shard. Fix: deepspeed='configs/deepspeed/zero3.json' (ZeRO-3, same memory "
-            "savings), or no FSDP.")
 
 
 def check_importance_sampling(config) -> None:
@@ -215,6 +208,16 @@ def parse_pad_to_multiple_of(value: int | str | None) -> int | None:
 
 def check_rloo_fields(config) -> None:
     """The RLOO fields' values, before TrainingArguments' own checks."""
+    # (FSDP first: transformers 4.x writes ACCELERATE_USE_FSDP into the process environment as it
+    # parses fsdp, which every later config would read back)
+    fsdp = bool(config.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    if fsdp:
+        raise ValueError(
+            "FSDP (fsdp / fsdp_config / accelerate's FSDP plugin) is not supported: RLOO needs the "
+            "full parameters gathered for generation and the reference sharded like the policy, "
+            "which this trainer does for DeepSpeed ZeRO-3 only; under FSDP it would generate from "
+            "a shard. Fix: deepspeed='configs/deepspeed/zero3.json' (ZeRO-3, same memory "
+            "savings), or no FSDP.")
     if config.num_generations is None or config.num_generations < 2:
         raise ValueError(
             f"num_generations={config.num_generations}: RLOO requires at least 2 generations per "
@@ -377,3 +380,14 @@ def check_kl_logps_from_generation(config) -> None:
     if reason:
         raise ValueError(
             f"kl_logps_from_generation=True: {reason}. Fix: kl_logps_from_generation=False.")
+
+
+def check_available(config) -> None:
+    """What the installed libraries cannot do (after the settings themselves are known good)."""
+    if config.use_transformers_continuous_batching:
+        import transformers
+        if not hasattr(transformers, "ContinuousBatchingConfig"):
+            raise ValueError(
+                "use_transformers_continuous_batching=True needs transformers 5 (its paged "
+                f"generation API); transformers {transformers.__version__} is installed. Fix: pip "
+                "install -U 'transformers>=5', or drop the flag (the default in-process backend).")

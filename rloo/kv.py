@@ -22,6 +22,25 @@ def cache_argument(model: nn.Module) -> str | None:
     return next((name for name in ("cache", "past_key_values") if name in names), None)
 
 
+def layer_initialized(layer: Any) -> bool:
+    """The cache layer holds keys and values (transformers 5 says so; 4.x layers start as None)."""
+    initialized = getattr(layer, "is_initialized", None)
+    return layer.keys is not None if initialized is None else bool(initialized)
+
+
+def initialize_layer(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """A cache layer's own lazy initialization from its first keys and values (transformers 4.x
+    takes the keys only)."""
+    if _INITIALIZES_FROM_KEYS_ONLY:
+        layer.lazy_initialization(keys)
+    else:
+        layer.lazy_initialization(keys, values)
+
+
+_INITIALIZES_FROM_KEYS_ONLY = len(
+    inspect.signature(DynamicLayer.lazy_initialization).parameters) == 2
+
+
 def distinct_prompts(prompt_ids: torch.Tensor,
                      prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(one row index per distinct prompt, row -> its distinct prompt's position) where rows repeat

@@ -213,6 +213,21 @@ def prepare_reference(policy: PreTrainedModel, accelerator, mapped: bool = True)
                                      evaluation_mode=True)
 
 
+def prepare_reward_model(model: nn.Module, accelerator) -> nn.Module:
+    """A reward model prepared by accelerate for evaluation, not compiled under torch_compile:
+    dynamo's trace of a compiled sequence-classification model loses its input ids (transformers'
+    forward then fails with "You must specify exactly one of input_ids or inputs_embeds"), and
+    torch_compile is there for the model being trained."""
+    plugin = accelerator.state.dynamo_plugin
+    backend = plugin.backend
+    from accelerate.utils import DynamoBackend
+    plugin.backend = DynamoBackend.NO
+    try:
+        return accelerator.prepare_model(model, evaluation_mode=True)
+    finally:
+        plugin.backend = backend
+
+
 DROPOUT_ATTRIBUTES = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop",
                       "attn_pdrop")
 

@@ -33,13 +33,15 @@ from rloo.logps import per_token_logps
 from rloo.metrics import MetricBuffer
 from rloo.models import (disable_dropout, dropout_active, eos_token_ids, is_moe, is_peft_model,
                          load_policy, load_reward_model, load_tokenizer, model_identity,
-                         prepare_reference, prepare_tokenizer, reference_for_zero3,
+                         prepare_reference, prepare_reward_model, prepare_tokenizer,
+                         reference_for_zero3,
                          resolve_router_aux_loss_coef, reward_tokenizers, text_tokenizer_of)
 from rloo.rewards.runner import RewardRunner
 from rloo.rollout import (Rollout, RolloutSettings, build_rollout, complete_rollout,
                           global_masked_mean, pi_old_plan, rollout_metrics)
 from rloo.sampling import shuffle_rows, split_rows
 from rloo.timing import StepTimingCallback, device_timer
+from rloo.versions import TRANSFORMERS, TRANSFORMERS_4, precision_environment
 from rloo.vision import check_image_rows, is_vision_config
 from rloo.watchdog import StallWatchdog, awaiting
 from rloo.zero import gathered_parameters, prepare_frozen, single_process_ddp, zero_stage
@@ -77,6 +79,11 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
 
         # Tokenizer, or processor for a vision-language model (rloo.vision).
         self._vision = is_vision_config(model.config)
+        if self._vision and TRANSFORMERS_4:
+            raise ValueError(
+                f"{type(model).__name__} is a vision-language model: rloo trains those with "
+                f"transformers 5 (their processors and image inputs), and transformers "
+                f"{TRANSFORMERS} is installed. Fix: pip install -U 'transformers>=5'.")
         if processing_class is None:
             processing_class = load_tokenizer(
                 model.config._name_or_path, args.trust_remote_code,
@@ -118,6 +125,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
 
         prepare_for_iterable_datasets(args, train_dataset, eval_dataset)
         set_seed(args.seed)
+        precision_environment(args)  # (this trainer's Accelerator reads it on transformers 4.x)
         super().__init__(model=model, args=args, data_collator=list, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers)
@@ -162,8 +170,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
                     self._frozen_engines.append(prepare_frozen(func, self.accelerator,
                                                                args.per_device_train_batch_size))
                 else:
-                    self.reward_funcs[index] = self.accelerator.prepare_model(
-                        func, evaluation_mode=True)
+                    self.reward_funcs[index] = prepare_reward_model(func, self.accelerator)
 
         self.generator = make_generation_backend(
             args, self.accelerator, self.model, tokenizer, self.pad_token_id, self.eos_token_ids,

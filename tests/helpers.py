@@ -122,3 +122,16 @@ def printed_logs(stdout: str) -> list[dict]:
     return [ast.literal_eval(line[:line.index("}") + 1]) for line in stdout.splitlines()
             if line.startswith("{'loss'")]
 
+
+
+def assert_same_update(mine: dict, theirs: dict, start: dict, exact: bool = True):
+    """Two runs from the `start` weights ended at the same ones (name -> tensor each): to 1e-6 where
+    `exact`, else up to what float rounding in a loss becomes through Adam's normalised steps,
+    measured against how far training moved each tensor (~1e-6 from last-bit differences, ~0.1 % of
+    the move)."""
+    for name, value in theirs.items():
+        if exact:
+            assert torch.allclose(mine[name], value, atol=1e-6, rtol=1e-5), name
+        else:
+            moved = (value - start[name]).abs().max().item()
+            assert (mine[name] - value).abs().max().item() <= 1e-2 * moved + 1e-7, name

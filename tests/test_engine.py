@@ -3,6 +3,8 @@ way, and a registered module class whose forward changed is left to itself with 
 
 import copy
 import logging
+import sys
+import types
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from rloo.engine import registry
 from rloo.generation import LeanGenerator, TransformersGenerator
 
 from helpers import conversational, make_args, position_reward
+from tiny_models import tiny_reward_model
 
 
 def test_the_switch_from_the_environment_and_the_config(tmp_path, monkeypatch):
@@ -102,11 +105,21 @@ def test_liger_kernels_are_refused_without_the_package_and_take_the_reference_pa
                                                                                    monkeypatch, caplog):
     """Liger's kernels replace the model's own modules: the speed layer's forwards would bypass them, so the
     model takes the reference path; without liger-kernel the flag is refused before any model is loaded."""
+    import transformers.trainer
     import transformers.utils
-    monkeypatch.setattr(transformers.utils, "is_liger_kernel_available", lambda: False)
+    # (transformers 4.x's Trainer checks it under the name it imported)
+    for module in (transformers.utils, transformers.trainer):
+        monkeypatch.setattr(module, "is_liger_kernel_available", lambda: False, raising=False)
     with pytest.raises(ValueError, match="liger-kernel is not installed.*pip install liger-kernel"):
         make_args(tmp_path, use_liger_kernel=True)
-    monkeypatch.setattr(transformers.utils, "is_liger_kernel_available", lambda: True)
+    for module in (transformers.utils, transformers.trainer):
+        monkeypatch.setattr(module, "is_liger_kernel_available", lambda: True, raising=False)
+    # (Liger itself needs Triton and a GPU: a stand-in of the one function transformers 4.x's Trainer calls at
+    # construction, to patch the model's modules in place)
+    stand_in = types.ModuleType("liger_kernel.transformers")
+    stand_in._apply_liger_kernel_to_instance = lambda model, **kwargs: None
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", stand_in)
     caplog.set_level(logging.INFO, logger="rloo.trainer")
     monkeypatch.setattr(logging.getLogger("rloo.trainer"), "propagate", True)
     trainer = RLOOTrainer(model=model, reward_funcs=position_reward, processing_class=tokenizer,
@@ -117,13 +130,15 @@ def test_liger_kernels_are_refused_without_the_package_and_take_the_reference_pa
 
 def test_torch_compile_trains_the_compiled_model_to_the_same_update(tmp_path, tokenizer, model):
     """torch_compile (accelerate's dynamo plugin; the eager backend here, to stay quick) compiles the model the
-    loss's forward runs; the step equals the uncompiled one."""
+    loss's forward runs, not a reward model (dynamo's trace of a compiled one fails in transformers' forward);
+    the step equals the uncompiled one."""
     steps = {}
     for compiled in (False, True):
         policy = copy.deepcopy(model)
         extra = dict(torch_compile=True, torch_compile_backend="eager") if compiled else {}
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)  # the step is the gradient
-        trainer = RLOOTrainer(model=policy, reward_funcs=position_reward, processing_class=tokenizer,
+        trainer = RLOOTrainer(model=policy, reward_funcs=[position_reward, tiny_reward_model(tokenizer)],
+                              processing_class=tokenizer, reward_processing_classes=[None, tokenizer],
                               args=make_args(tmp_path / str(compiled), max_steps=1, max_grad_norm=0.0, **extra),
                               train_dataset=conversational(),
                               optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)))

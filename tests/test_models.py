@@ -8,9 +8,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from rloo import RLOOTrainer
+from rloo.versions import TRANSFORMERS_4
 from tiny_models import save_remote_code_model, save_tiny, tiny_causal_lm, tiny_moe_causal_lm
 
-from helpers import conversational, length_reward, logged, make_args, position_reward, with_lora
+from helpers import (assert_same_update, conversational, length_reward, logged, make_args, position_reward,
+                     with_lora)
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
@@ -169,8 +171,9 @@ def test_gradient_checkpointing_on_and_off_give_the_same_update(tmp_path, tokeni
         trainer.train()
         assert model.is_gradient_checkpointing == checkpointing
         results[checkpointing] = snapshot(model)
-    for name, value in results[True].items():
-        assert torch.allclose(value, results[False][name], atol=1e-6), name
+    # (transformers 4.x: the checkpointed run's forwards take whole rows, the other's share prompts)
+    assert_same_update(results[True], results[False], snapshot(tiny_causal_lm(tokenizer)),
+                       exact=not TRANSFORMERS_4)
 
 
 def test_same_seed_gives_the_same_lora_initialisation(tmp_path, tokenizer):
@@ -261,11 +264,13 @@ def test_shared_prompts_under_activation_checkpointing(tokenizer, model):
         if kwargs:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.zero_grad()
-        assert can_share_prompts(model)
+        # (transformers 4.x's checkpointed layers drop any cache they are given: whole rows there)
+        assert can_share_prompts(model) == (not kwargs or not TRANSFORMERS_4)
         per_token_logps(model, input_ids, attention_mask, 3, 1.0, share_prompts=True).logps.sum().backward()
         gradients.append([p.grad.clone() for p in model.parameters()])
     hook.remove()
-    assert forwards == [(1, 6), (3, 2)] * 2  # the prompt once, then the completions, with and without checkpoints
+    # the prompt once, then the completions, with and without checkpoints
+    assert forwards == [(1, 6), (3, 2)] + ([(3, 9)] if TRANSFORMERS_4 else [(1, 6), (3, 2)])
     for checkpointed, plain in zip(*gradients):
         torch.testing.assert_close(checkpointed, plain, atol=1e-6, rtol=1e-5)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})

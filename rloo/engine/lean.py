@@ -41,6 +41,7 @@ from rloo.engine.prompt_steps import prompt_steps
 from rloo.generation.transformers_backend import TransformersGenerator
 from rloo.kv import cache_argument, share_cache_rows
 from rloo.logps import selective_log_softmax
+from rloo.versions import TRANSFORMERS_4
 
 # GenerationConfig fields this loop implements; any other field set away from its default keeps
 # model.generate.
@@ -279,11 +280,12 @@ class LeanGenerator(TransformersGenerator):
 
     def _processors(self, attention_mask: torch.Tensor, prompt_length: int,
                     device) -> LogitsProcessorList:
-        """generate's processors for these settings, in generate's order (transformers 5.x
+        """generate's processors for these settings, in generate's order (transformers'
         _get_logits_processor)."""
         config, found = self.generation_config, LogitsProcessorList()
         if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-            padding = (attention_mask != 0).int().argmax(dim=1)
+            # (transformers 4.x's generate penalises every token of the row, left padding included)
+            padding = None if TRANSFORMERS_4 else (attention_mask != 0).int().argmax(dim=1)
             found.append(
                 RepetitionPenaltyLogitsProcessor(config.repetition_penalty,
                                                  prompt_ignore_length=padding))

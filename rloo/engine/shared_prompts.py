@@ -19,21 +19,24 @@ from rloo.engine.prompt_layers import PromptLayers
 from rloo.engine.recompute import checkpointed_layers, checkpointed_or_sharded
 from rloo.engine.registry import kind_of
 from rloo.engine.tied import head_weight
-from rloo.kv import cache_argument, distinct_prompts, plain_cache
+from rloo.kv import (cache_argument, distinct_prompts, initialize_layer, layer_initialized,
+                     plain_cache)
 from rloo.models import is_moe, is_peft_model
 
 
 def can_share_prompts(model: nn.Module) -> bool:
     """A decoder-only model whose forward takes a KV cache, without a router loss (computed over the
     tokens of one forward), and not checkpointing activations with the reentrant variant (its
-    forward runs without gradients, so the prompt's cache would carry none)."""
+    forward runs without gradients, so the prompt's cache would carry none) nor with layers that
+    drop any cache they are given (transformers 4.x's, which lack `_can_checkpoint_with_cache`)."""
     base = model.get_base_model() if is_peft_model(model) else model
     config = getattr(base, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False) or is_moe(base):
         return False
     checkpointed = checkpointed_layers(base)
-    if checkpointed and torch.is_grad_enabled() and base.training and not all(
-            _non_reentrant(layer) for layer in checkpointed):
+    if checkpointed and torch.is_grad_enabled() and base.training and (
+            not all(_non_reentrant(layer) for layer in checkpointed)
+            or not any(hasattr(layer, "_can_checkpoint_with_cache") for layer in checkpointed)):
         return False
     return cache_argument(model) is not None
 
@@ -73,8 +76,8 @@ class _WrittenOnceLayer(DynamicLayer):
     own and changes nothing."""
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        if not layer_initialized(self):
+            initialize_layer(self, key_states, value_states)
             self.keys, self.values = key_states, value_states
         return key_states, value_states
 
@@ -87,7 +90,7 @@ class _ReadOnlyLayer(DynamicLayer):
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, boundary=None):
         super().__init__()
-        self.lazy_initialization(keys, values)
+        initialize_layer(self, keys, values)
         self.keys, self.values, self.rows = keys, values, rows
         self.read, self.boundary = False, boundary
 
@@ -137,7 +140,7 @@ def shared_prompt_logits(model: nn.Module, input_ids: torch.Tensor, attention_ma
                               attention_mask=attention_mask[first, :prompt_length],
                               use_cache=use_cache,
                               **({"logits_to_keep": 1} if decoder is None else {}), **{name: cache})
-        if not all(layer.is_initialized for layer in cache.layers):
+        if not all(layer_initialized(layer) for layer in cache.layers):
             return None  # a forward that ignored the cache given
         # What predicts each row's first completion token (the decoder's: one per distinct prompt).
         last_prompt = (prompts.logits[inverse] if decoder is None
