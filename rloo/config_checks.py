@@ -75,7 +75,6 @@ def check_backend_combinations(config) -> None:
             "drop ds3_gather_for_generation=False, or use_vllm=False to generate layer by layer.")
     check_async_generation(config)
     check_importance_sampling(config)
-
     parallelism = getattr(config, "parallelism_config", None)
     if parallelism is not None and (getattr(parallelism, "cp_enabled", False) or
                                     getattr(parallelism, "sp_enabled", False)):

@@ -34,8 +34,8 @@ from rloo.metrics import MetricBuffer
 from rloo.models import (disable_dropout, dropout_active, eos_token_ids, is_moe, is_peft_model,
                          load_policy, load_reward_model, load_tokenizer, model_identity,
                          prepare_reference, prepare_reward_model, prepare_tokenizer,
-                         reference_for_zero3,
-                         resolve_router_aux_loss_coef, reward_tokenizers, text_tokenizer_of)
+                         reference_for_zero3, resolve_router_aux_loss_coef, reward_tokenizers,
+                         text_tokenizer_of)
 from rloo.rewards.runner import RewardRunner
 from rloo.rollout import (Rollout, RolloutSettings, build_rollout, complete_rollout,
                           global_masked_mean, pi_old_plan, rollout_metrics)
