@@ -123,7 +123,6 @@ def printed_logs(stdout: str) -> list[dict]:
             if line.startswith("{'loss'")]
 
 
-
 def assert_same_update(mine: dict, theirs: dict, start: dict, exact: bool = True):
     """Two runs from the `start` weights ended at the same ones (name -> tensor each): to 1e-6 where
     `exact`, else up to what float rounding in a loss becomes through Adam's normalised steps,

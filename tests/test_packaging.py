@@ -8,7 +8,6 @@ import tomllib
 
 import pytest
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PIPELINE = ("prefect", "mlflow", "submitit", "pydantic", "matplotlib", "flows", "tasks", "infra")
 
