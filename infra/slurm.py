@@ -65,6 +65,23 @@ def _ignore_usr2() -> None:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
+def wait_exited(process: subprocess.Popen, timeout_s: float) -> None:
+    """Wait up to timeout_s for process to exit, from a signal handler. The handler interrupted
+    `process.wait()` in the same thread, which holds the Popen's wait lock: `process.wait(timeout)`
+    would spin on that lock for the whole timeout even after the process exited (every preemption
+    then lost signal_delay_s - 10 seconds of the grace SLURM gives). waitpid needs no lock."""
+    deadline = time.time() + timeout_s
+    while process.returncode is None and time.time() < deadline:
+        try:
+            pid, status = os.waitpid(process.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already
+            return
+        if pid:
+            process.returncode = os.waitstatus_to_exitcode(status)
+            return
+        time.sleep(0.1)
+
+
 def fill_placeholders(command: list[str], **values) -> list[str]:
     """{model}, {port} and {host} replaced; any other brace (a JSON argument) left as written."""
     filled = []
@@ -184,10 +201,7 @@ class MultiNodeJob:
         import submitit
         process = getattr(self, "_process", None)
         if process is not None:
-            try:
-                process.wait(timeout=max(10, self.settings["signal_delay_s"] - 10))
-            except subprocess.TimeoutExpired:
-                pass
+            wait_exited(process, max(10, self.settings["signal_delay_s"] - 10))
         self._process = None  # not picklable; the requeued job starts a new one
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 

@@ -40,6 +40,27 @@ def test_roles_and_sbatch_parameters():
         "processed_logprobs", "--max-logprobs", "-1"]
 
 
+def test_the_preemption_handler_sees_the_trainer_exit_while_its_wait_is_interrupted():
+    """submitit runs the checkpoint handler inside the signal handler, which interrupted the job's
+    own `process.wait()`: waiting there must return when the process exits, not at the timeout."""
+    import signal
+
+    from infra.slurm import wait_exited
+    process = subprocess.Popen(["sleep", "2"])
+    seen = []
+
+    def handler(signum, frame):
+        wait_exited(process, timeout_s=30)
+        seen.append(process.returncode)
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        process.wait()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert seen == [0]
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     if os.geteuid() != 0:
