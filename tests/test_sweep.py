@@ -104,3 +104,18 @@ def test_bad_sweeps_are_refused_before_any_trial(tmp_path):
     assert "extra_sets" in refused("sweep.objective_set=phrased")
     assert "PGPASSWORD" in refused("sweep.storage=postgresql://me:secret@127.0.0.1:5432/rloo")
     assert "save_strategy" in refused("training.save_strategy=no")
+
+
+def test_trials_at_once_share_the_cores_instead_of_each_taking_them_all(tmp_path, monkeypatch):
+    from infra.runconfig import load_run_config
+    from infra.stages import thread_environment
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    path = sweep_config(str(tmp_path), parallel=2)
+    trial = ["trial={sweep: s, number: 0, storage: 'sqlite:///x.db', objective: reward}"]
+    assert thread_environment(load_run_config(path, trial)) == {"OMP_NUM_THREADS": "4"}
+    assert thread_environment(load_run_config(path, [*trial, "launch.nproc_per_node=4"])) == {
+        "OMP_NUM_THREADS": "1"}
+    assert thread_environment(load_run_config(path)) == {}  # one process: torch's own default
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice
+    assert thread_environment(load_run_config(path, trial)) == {}
