@@ -88,14 +88,14 @@ def test_every_deployment_form_is_prefilled_with_its_recipes_values():
 
 
 def test_runs_started_like_the_ui_run_button_run_at_once_each_in_its_own_mlflow_run(served):
-    """Five flow runs created at once, as five clicks on the Run button do: four configs (learning rates), each
+    """Three flow runs created at once, as three clicks on the Run button do: two configs (learning rates), each
     completes with its own MLflow run and nothing of another's; the second repeats the first config, so one of that
     pair refuses to write the run directory the other is writing."""
     from mlflow import MlflowClient
 
     from infra.runconfig import load_run_config
     base, tiny = served["base"], served["deployments"]["tiny"]
-    rates = [0.001, 0.001, 0.002, 0.003, 0.004]  # the first two the same config, created one after the other
+    rates = [0.001, 0.001, 0.002]  # the first two the same config, created one after the other
     started, created = time.time(), []
     for rate in rates:
         parameters = dict(tiny["parameters"], settings={**tiny["parameters"]["settings"], "max_steps": 2,
@@ -112,9 +112,9 @@ def test_runs_started_like_the_ui_run_button_run_at_once_each_in_its_own_mlflow_
             run = api(base, f"/flow_runs/{run_id}")[1]
             if run["state_type"] in ("COMPLETED", "FAILED", "CRASHED"):
                 states[run_id] = run["state"]
-    print(f"five deployment-started tiny runs at once: {time.time() - started:.0f} s from the Run buttons to done")
+    print(f"three deployment-started tiny runs at once: {time.time() - started:.0f} s from the Run buttons to done")
     pair = [created[0], created[1]]
-    assert [states[i]["type"] for i in created[2:]] == ["COMPLETED"] * 3, (
+    assert [states[i]["type"] for i in created[2:]] == ["COMPLETED"], (
         [states[i]["message"] for i in created[2:]], open(served["log"]).read()[-4000:])
     assert sorted(states[i]["type"] for i in pair) == ["COMPLETED", "FAILED"], [states[i] for i in pair]
     winner, loser = pair if states[pair[0]]["type"] == "COMPLETED" else pair[::-1]

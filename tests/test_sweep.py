@@ -1,7 +1,8 @@
 """Sweeps end to end, as a person runs them: `rloo-pipeline sweep` in its own process on the embedded
 default (an ephemeral Prefect API, a SQLite MLflow store and Optuna study under the run root), real
-torchrun training jobs two at a time, a trial pruned while it trains, `compare --sweep` and
-`promote --sweep`; a sweep killed (the orchestrator, then one trial's job) and run again."""
+torchrun training jobs two at a time, a sweep killed (the orchestrator, then one trial's job) and run
+again. The pruned sweep with `compare --sweep` and `promote --sweep` runs on a team's PostgreSQL
+(tests/test_team_database.py); a sweep started from the Prefect UI's form in tests/test_deployments.py."""
 
 import json
 import os
@@ -9,21 +10,9 @@ import signal
 
 import pytest
 
-from sweeps import (PRUNED_SWEEP, check_pruned_sweep, checkpoint_steps, cli, study, sweep_config,
-                    trial_dirs, wait_for)
+from sweeps import checkpoint_steps, cli, study, sweep_config, trial_dirs, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def test_a_sweep_runs_in_parallel_prunes_a_loser_and_promotes_the_best(tmp_path):
-    path = sweep_config(str(tmp_path), **PRUNED_SWEEP)
-    run_root, max_steps = str(tmp_path / "runs"), 30
-    done = cli("sweep", path, "--set", f"training.max_steps={max_steps}", "--set",
-               "training.save_steps=5")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "[sweep] trial 3 started" in done.stderr and "pruned at checkpoint-" in done.stderr
-
-    check_pruned_sweep(str(tmp_path), "sqlite:///" + os.path.join(run_root, "mlflow.db"), max_steps)
 
 
 def first_started(metrics_path):
