@@ -26,7 +26,7 @@ def sampler_weights(args, inputs: Rollout, token_logps: torch.Tensor, metrics: M
     difference = (token_logps.detach().float() - sampler).abs() * mask
     metrics.add(mode, "vllm/logprob_diff_mean", global_masked_mean(difference, mask, gather))
     worst = difference.max() if difference.numel() else difference.new_zeros(())
-    metrics.add(mode, "vllm/logprob_diff_max", gather(worst.reshape(1)).max())
+    metrics.add(mode, "vllm/logprob_diff_max", gather(worst.reshape(1)).max(), reduce="max")
     if not args.vllm_importance_sampling_correction:
         return None
     old = inputs.old_token_logps if inputs.old_token_logps is not None else token_logps.detach()
@@ -42,9 +42,9 @@ def sampler_weights(args, inputs: Rollout, token_logps: torch.Tensor, metrics: M
                 gather(kept.sum().reshape(1)).sum() / total)
     none = weights.new_tensor([float("inf")])
     metrics.add(mode, "sampling/importance_sampling_ratio/max",
-                gather(kept.max().reshape(1) if kept.numel() else -none).max())
+                gather(kept.max().reshape(1) if kept.numel() else -none).max(), reduce="max")
     metrics.add(mode, "sampling/importance_sampling_ratio/min",
-                gather(kept.min().reshape(1) if kept.numel() else none).min())
+                gather(kept.min().reshape(1) if kept.numel() else none).min(), reduce="min")
     metrics.add(mode, "sampling/importance_sampling_limited_frac",
                 gather(limited.to(weights).sum().reshape(1)).sum() / total)
     return weights

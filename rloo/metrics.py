@@ -11,18 +11,26 @@ import torch
 from rloo.algorithm import nanstd
 
 
+REDUCERS = {"mean": lambda values: sum(values) / len(values), "max": max, "min": min}
+
+
 class MetricBuffer:
-    """Per mode ('train' / 'eval') lists of values; `flush` returns spec-named means and clears."""
+    """Per mode ('train' / 'eval') lists of values; `flush` returns each metric reduced over the
+    logging window (the mean, as TRL logs its metrics, or the max / min for a metric added so:
+    an extreme averaged over micro-batches would hide the one that was extreme) and clears."""
 
     def __init__(self):
         self._values: dict[str, dict[str, list[float]]] = {
             "train": defaultdict(list), "eval": defaultdict(list)
         }
+        self._reduce: dict[str, str] = {}
 
-    def add(self, mode: str, name: str, value: float | torch.Tensor) -> None:
+    def add(self, mode: str, name: str, value: float | torch.Tensor,
+            reduce: str = "mean") -> None:
         if isinstance(value, torch.Tensor):
             value = value.item()
         self._values[mode][name].append(float(value))
+        self._reduce[name] = reduce
 
     def set(self, mode: str, name: str, value: float) -> None:
         """A cumulative metric (num_tokens): the latest value replaces the earlier ones."""
@@ -32,7 +40,7 @@ class MetricBuffer:
         result = {}
         for name, values in self._values[mode].items():
             valid = [v for v in values if not math.isnan(v)]
-            result[name] = sum(valid) / len(valid) if valid else None
+            result[name] = REDUCERS[self._reduce.get(name, "mean")](valid) if valid else None
         self._values[mode].clear()
         return result
 

@@ -118,3 +118,24 @@ def test_the_correction_is_on_by_default_only_where_samples_lag(tmp_path):
     assert correction(async_generation=True) is True
     assert correction(async_generation=True, max_staleness=0) is False  # synchronous, exactly
     assert correction(async_generation=True, vllm_importance_sampling_correction=False) is False
+
+
+def test_the_extreme_weights_are_the_extremes_of_the_logging_window_not_their_mean():
+    """Two micro-batches in one logging window: the max / min logged are the window's, so one
+    extreme micro-batch is not averaged away."""
+    from types import SimpleNamespace
+
+    from rloo.importance import sampler_weights
+    from rloo.metrics import MetricBuffer
+    args = SimpleNamespace(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_truncate",
+                           vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=None)
+    metrics, mask = MetricBuffer(), torch.ones(2, 1)
+    for gap in (0.5, 2.0):  # log pi_old - log mu per row: ratios e^gap and e^-gap
+        inputs = SimpleNamespace(sampler_logps=torch.tensor([[-1.0 - gap], [-1.0 + gap]]), completion_mask=mask,
+                                 old_token_logps=None)
+        sampler_weights(args, inputs, torch.full((2, 1), -1.0), metrics, "train", gather=lambda t: t)
+    logged = metrics.flush("train")
+    assert logged["sampling/importance_sampling_ratio/max"] == pytest.approx(torch.e ** 2.0)
+    assert logged["sampling/importance_sampling_ratio/min"] == pytest.approx(torch.e ** -2.0)
+    assert logged["vllm/logprob_diff_max"] == pytest.approx(2.0)
+    assert logged["vllm/logprob_diff_mean"] == pytest.approx(1.25)  # the rest stay means, as TRL logs them

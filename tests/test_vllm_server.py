@@ -177,6 +177,48 @@ def test_unreachable_server_fails_naming_the_url(tmp_path):
     assert time.monotonic() - start < 30
 
 
+def test_a_server_without_the_sampled_distributions_log_probs_is_refused_when_they_weight_samples():
+    from types import SimpleNamespace
+
+    from rloo.generation.vllm_server import check_logprobs_mode
+    args = SimpleNamespace(vllm_importance_sampling_correction=True, vllm_server_base_url="http://127.0.0.1:1",
+                           vllm_server_host="127.0.0.1", vllm_server_port=1)
+    for config in ({"model_config": {"logprobs_mode": "raw_logprobs"}}, {}):  # vLLM's default either way
+        with pytest.raises(ValueError, match=r"mode 'raw_logprobs'.*--logprobs-mode processed_logprobs"):
+            check_logprobs_mode(config, args)
+    check_logprobs_mode({"model_config": {"logprobs_mode": "processed_logprobs"}}, args)
+    check_logprobs_mode({}, SimpleNamespace(**{**vars(args), "vllm_importance_sampling_correction": False}))
+
+
+def test_a_sampled_completion_without_a_log_prob_per_token_is_refused_naming_the_request():
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Answers(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"choices": [  # the second completion's last log-prob missing
+                {"index": 0, "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -0.25]}},
+                {"index": 1, "token_ids": [7, 8, 9], "logprobs": {"token_logprobs": [-1.0, -2.0]}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+    httpd = HTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = VLLMServerClient(f"http://127.0.0.1:{httpd.server_port}")
+        with pytest.raises(VLLMServerError, match=r"/v1/completions answered completion 1 \(prompt 0\) with 3 token "
+                                                  r"ids and 2 log-probs"):
+            client.complete("m", [[1, 2]], 2, {"max_tokens": 3})
+    finally:
+        httpd.shutdown()
+
+
 def test_a_server_with_another_model_is_refused(server, tmp_path):
     other = tiny_causal_lm(tiny_tokenizer())  # hidden size 32, not the served 64
     with pytest.raises(ValueError, match=r"serves .* with hidden_size=64, the policy has hidden_size=32"):

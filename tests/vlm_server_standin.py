@@ -140,7 +140,9 @@ def handler_for(served: Served):
             elif route == "/v1/models":
                 self._answer(200, {"data": [{"id": served.folder}]})
             elif route == "/server_info":
+                # generate's scores are the processed distribution's: vLLM's processed_logprobs mode
                 self._answer(200, {"vllm_config": {"lora_config": None,
+                                                   "model_config": {"logprobs_mode": "processed_logprobs"},
                                                    "weight_transfer_config": {"backend": "gloo"}}})
             elif route == "/get_world_size":
                 self._answer(200, {"world_size": 1})

@@ -257,10 +257,9 @@ class VLLMServerClient:
                 f"POST {self.base_url}/v1/completions returned {len(choices)} choices for "
                 f"{len(prompts)} prompts x n={n}")
         choices = sorted(choices, key=lambda c: c["index"])
-        rows = [{
-            "ids": list(c["token_ids"]), "logprobs": list(
-                (c.get("logprobs") or {}).get("token_logprobs") or [])
-        } for c in choices]
+        rows = [_sampled(c, list((c.get("logprobs") or {}).get("token_logprobs") or []),
+                         f"POST {self.base_url}/v1/completions", f"prompt {c['index'] // n}")
+                for c in choices]
         return [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def score(self, model: str, prompt: list[int], completion: list[int]) -> list[float]:
@@ -282,9 +281,9 @@ class VLLMServerClient:
         if len(choices) != n:
             raise VLLMServerError(f"POST {self.base_url}{TOKENS_ROUTE} returned {len(choices)} "
                                   f"choices for n={n}")
-        return [{"ids": list(c["token_ids"]),
-                 "logprobs": [float(entry["logprob"])
-                              for entry in (c.get("logprobs") or {}).get("content") or []]}
+        return [_sampled(c, [float(entry["logprob"])
+                             for entry in (c.get("logprobs") or {}).get("content") or []],
+                         f"POST {self.base_url}{TOKENS_ROUTE}", "the prompt")
                 for c in choices]
 
     def score_with_images(self, model: str, prompt: list[int], completion: list[int],
@@ -379,6 +378,18 @@ def named_tensor_source():
             return ((name, tensor.contiguous()) for name, tensor in self.named)
 
     return NamedTensors()
+
+
+def _sampled(choice: dict, logprobs: list[float], request: str, prompt: str) -> dict:
+    """A sampled completion and its sampled tokens' log-probs, one per token: a server answering
+    with fewer (or none) would leave importance weights computed from the wrong tokens, or none."""
+    ids = list(choice["token_ids"])
+    if len(logprobs) != len(ids):
+        raise VLLMServerError(
+            f"{request} answered completion {choice['index']} ({prompt}) with {len(ids)} token ids "
+            f"and {len(logprobs)} log-probs; the request asked for the log-prob of every sampled "
+            "token (logprobs=0). Is the server a vLLM that returns them?")
+    return {"ids": ids, "logprobs": [float(value) for value in logprobs]}
 
 
 def _completion_logprobs(entries: list, prompt: list[int], completion: list[int]) -> list[float]:

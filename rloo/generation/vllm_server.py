@@ -46,6 +46,21 @@ def local_address_towards(url: str) -> str:
 ADAPTER_NAME = "rloo-policy"
 
 
+def check_logprobs_mode(server_config: dict, args) -> None:
+    """The importance weights divide by the sampler's probability of each token: the distribution
+    it sampled from (temperature and penalties applied), which vLLM returns only with
+    --logprobs-mode processed_logprobs. Its default, raw_logprobs, gives the model's unscaled
+    log-probs: at any temperature but 1 every weight would be off, with nothing to show it."""
+    mode = (server_config.get("model_config") or {}).get("logprobs_mode", "raw_logprobs")
+    if args.vllm_importance_sampling_correction and mode != "processed_logprobs":
+        raise ValueError(
+            f"the vLLM server at {server_url(args)} returns log-probs in mode {mode!r}; the "
+            "importance sampling correction (vllm_importance_sampling_correction, on with "
+            "async_generation) needs those of the distribution it sampled from. Fix: restart the "
+            "server with --logprobs-mode processed_logprobs (as docs/vllm.md and the pipeline's "
+            "generation node do), or set vllm_importance_sampling_correction=False.")
+
+
 def check_same_model(served: str, model: torch.nn.Module) -> None:
     """Refuse a server that serves another architecture (a checkpoint folder we can read)."""
     import json
@@ -93,6 +108,7 @@ class VLLMServerGenerator(GenerationBackend):
             self.model_id = self.client.model_info()["id"]
             check_same_model(self.model_id, model)
             config = self.client.server_config()
+            check_logprobs_mode(config, args)
             lora_enabled = config.get("lora_config") is not None
             if is_peft_model(model) and args.vllm_peft_sync == "adapter" and not lora_enabled:
                 raise ValueError(
