@@ -403,15 +403,20 @@ def thread_environment(config: RunConfig) -> dict[str, str]:
 
 def training_progress(config: RunConfig) -> tuple[int, int | None, float | None, str | None]:
     """(last logged optimizer step, max_steps, that step's mean reward, its step-time breakdown as
-    text) from the job's metrics file."""
+    text) of the job's latest attempt, from its metrics file. Every attempt of a job appends to the
+    file; a step counter that goes back is a new attempt (resumed from an earlier checkpoint, or
+    restarted from the start), which is the one followed."""
     from infra.job_tracking import read_metrics
     from rloo.timing import timing_summary
     step, reward, timing = 0, None, None
     for record in read_metrics(train_dir(config)):
-        if record.get("step", 0) >= step:
-            step = record.get("step", 0)
-            reward = record.get("reward", reward)
-            timing = timing_summary(record) or timing
+        if "step" not in record:
+            continue
+        if record["step"] < step:  # a new attempt: nothing of the earlier one carries over
+            reward = timing = None
+        step = record["step"]
+        reward = record.get("reward", reward)
+        timing = timing_summary(record) or timing
     max_steps = config.recipe_value("max_steps")
     return step, max_steps if max_steps and max_steps > 0 else None, reward, timing
 

@@ -38,7 +38,7 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
     artifact = create_progress_artifact(0.0, key=f"{config.name}-training-progress",
                                         description=f"Optimizer steps of {config.run_key}",
                                         _sync=True)
-    start, state = time.time(), {"logged": 0.0, "first": None}
+    start, state, pace = time.time(), {"logged": 0.0}, Pace()
 
     def on_progress(step: int, max_steps: int | None, reward: float | None,
                     timing: str | None = None) -> None:
@@ -58,21 +58,47 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
             stall_alert.emit(stall_alert.STEP, config.run_key, config.name,
                              {"step": step, "reward": reward})
         now = time.time()
-        if step and state["first"] is None:
-            # ETA from the pace after the first step (it includes start-up)
-            state["first"] = (step, now)
+        if pace.update(step, now):
+            say("train", f"a new attempt of the job is training: its step counter went back to "
+                f"{step}", config=config)
         if now - state["logged"] < every_s and step != max_steps:
             return
         state["logged"] = now
         parts = [f"step {step}" + (f"/{max_steps}" if max_steps else "")]
         if reward is not None:
             parts.append(f"reward {reward:.3f}")
-        first = state["first"]
-        if max_steps and first and step > first[0]:
-            remaining = (now - first[1]) / (step - first[0]) * (max_steps - step)
+        remaining = pace.eta(step, max_steps, now)
+        if remaining is not None:
             parts.append(f"ETA {int(remaining // 60)}m{int(remaining % 60):02d}s")
         parts.append(f"{int(now - start)}s elapsed")
         if timing:
             parts.append(timing)
         say("train", ", ".join(parts), config=config)
     return on_progress
+
+
+class Pace:
+    """The ETA of the attempt that is training. Its baseline is the first step seen to advance
+    while following (the first step read may be an earlier attempt's last, and the first step of
+    an attempt includes its start-up); a step counter that goes back is a new attempt, whose pace
+    starts afresh."""
+
+    def __init__(self):
+        self.last: int | None = None
+        self.first: tuple[int, float] | None = None
+
+    def update(self, step: int, now: float) -> bool:
+        """Take a step read at `now`; True when it is a new attempt's."""
+        restarted = self.last is not None and step < self.last
+        if restarted:
+            self.first = None
+        elif self.last is not None and step > self.last and self.first is None:
+            self.first = (step, now)
+        self.last = step
+        return restarted
+
+    def eta(self, step: int, max_steps: int | None, now: float) -> float | None:
+        """Seconds left at this pace (None: not known yet)."""
+        if not max_steps or self.first is None or step <= self.first[0]:
+            return None
+        return (now - self.first[1]) / (step - self.first[0]) * (max_steps - step)

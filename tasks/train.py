@@ -19,11 +19,17 @@ async def train_task(config: RunConfig, dataset_result: dict, model_result: dict
             tracking.log_datasets(config.tracking_uri, run_id,
                                   stages.pipeline_datasets(config, dataset_result))
         record = stages.start_or_reattach_training(config, dataset_result, model_result, run_id)
-        how = "reattached to" if record["reattached"] else (
-            f"resumed from {record['resumed_from']} as" if record["resumed_from"] else "started")
-        say("train",
-            f"{how} local job {record['handle']['job_id']} (log: {record['handle']['log_path']})",
-            config=config)
+        if record["reattached"]:
+            how = "reattached to"
+        elif record["resumed_from"]:
+            how = f"resumed from {record['resumed_from']} as"
+        elif previous:
+            how = "restarted from the start (the earlier attempt saved no checkpoint) as"
+        else:
+            how = "started"
+        where = "SLURM" if record["handle"].get("executor") == "slurm" else "local"
+        say("train", f"{how} {where} job {record['handle']['job_id']} (log: "
+            f"{record['handle']['log_path']})", config=config)
         on_progress = progress_reporter(config)
         stall_alert.emit(stall_alert.STARTED, config.run_key, config.name)
         try:

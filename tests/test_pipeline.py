@@ -234,6 +234,31 @@ def test_reattach_then_resume_after_the_job_is_killed(run_root, monkeypatch):
     assert finished["reattached"] and finished["handle"]["job_id"] == resumed["handle"]["job_id"]
 
 
+def test_progress_follows_the_attempt_that_trains_not_an_earlier_ones_last_step(tmp_path):
+    """A job killed at step 6 before its first checkpoint and run again trains from the start: its
+    metrics file holds both attempts. The progress is the running attempt's, and its ETA is paced
+    from that attempt's own steps, not from the killed attempt's last line."""
+    from tasks.common import Pace
+    config = load_run_config(TINY, [f"run_root={tmp_path}", "training.max_steps=60"])
+    os.makedirs(stages.train_dir(config))
+
+    def log(*records):
+        with open(os.path.join(stages.train_dir(config), "metrics.jsonl"), "a") as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in records)
+    log(*({"step": step, "reward": 0.5, "time": step} for step in range(1, 7)))
+    assert stages.training_progress(config)[:3] == (6, 60, 0.5)
+    pace = Pace()
+    assert not pace.update(6, now=100.0)  # read when following began: the killed attempt's
+    log({"step": 1, "time": 130})  # a step that logged no reward: none of the killed attempt's shows
+    assert stages.training_progress(config)[:3] == (1, 60, None)
+    assert pace.update(1, now=130.0)  # a new attempt
+    assert pace.eta(1, 60, now=130.0) is None
+    log({"step": 2, "reward": 0.2, "time": 135})
+    assert stages.training_progress(config)[:3] == (2, 60, 0.2)
+    assert not pace.update(2, now=135.0) and not pace.update(4, now=145.0)
+    assert pace.eta(4, 60, now=145.0) == pytest.approx(5.0 * 56)  # 5 s a step since step 2, 56 to go
+
+
 def test_mlflow_unreachable_at_start_fails_before_any_stage(run_root, capsys):
     from flows.cli import main
     from services import free_port
