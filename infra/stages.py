@@ -395,7 +395,8 @@ def thread_environment(config: RunConfig) -> dict[str, str]:
     once (its ranks, a sweep's parallel trials): the cores divided among them. torch otherwise gives
     each process a thread per core, and the oversubscribed cores run every process slower (a sweep
     of two trials at once on 2 cores: 20% longer). Set by the user, it is left alone."""
-    at_once = config.launch.nproc_per_node * (config.sweep.parallel if config.trial and config.sweep else 1)
+    trials = config.sweep.parallel if config.trial and config.sweep else 1
+    at_once = config.launch.nproc_per_node * trials
     if at_once == 1 or "OMP_NUM_THREADS" in os.environ:
         return {}
     return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // at_once))}

