@@ -336,10 +336,12 @@ def test_training_progress_line_has_step_reward_and_eta(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "say", lambda stage, message, config=None: lines.append(message))
     monkeypatch.setattr(common.time, "time", lambda: clock["now"])
     report = common.progress_reporter(tiny(tmp_path))
-    for step, now in ((1, 1010.0), (2, 1020.0), (3, 1045.0), (4, 1050.0), (10, 1110.0)):
+    # the job's first poll finds no step yet, as follow_training's does
+    for step, now in ((0, 1000.0), (1, 1010.0), (2, 1020.0), (3, 1045.0), (4, 1050.0), (10, 1110.0)):
         clock["now"] = now
-        report(step, 10, 0.25 * step, "4.00 s/step (generation 3.00, train 1.00)" if step == 10 else None)
-    assert lines == ["step 1/10, reward 0.250, 10s elapsed",
+        report(step, 10, 0.25 * step if step else None,
+               "4.00 s/step (generation 3.00, train 1.00)" if step == 10 else None)
+    assert lines == ["step 0/10, 0s elapsed",
                      "step 3/10, reward 0.750, ETA 2m02s, 45s elapsed",  # 17.5 s/step since step 1, 7 left
                      "step 10/10, reward 2.500, ETA 0m00s, 110s elapsed, 4.00 s/step (generation 3.00, train 1.00)"]
 
