@@ -101,33 +101,6 @@ def prepared(config):
     return dataset, stages.prepare_model(config, dataset)
 
 
-@pytest.mark.slow
-def test_four_trainer_nodes_and_a_generation_node(cluster, tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", TESTS)
-    config = slurm_config(tmp_path, *ZERO3)
-    dataset, model = prepared(config)
-    start = time.time()
-    record = stages.start_or_reattach_training(config, dataset, model, None)
-    assert record["handle"]["executor"] == "slurm"
-    result = asyncio.run(stages.follow_training(config, record))
-    elapsed = time.time() - start
-    assert result["global_step"] == 3
-    train_dir = stages.train_dir(config)
-    job_id = record["handle"]["job_id"]
-    logs = sorted(f for f in os.listdir(train_dir) if f.startswith(f"trainer-{job_id}-node"))
-    assert logs == [f"trainer-{job_id}-node{n}.log" for n in range(4)]
-    node0 = open(os.path.join(train_dir, logs[0])).read()
-    assert "--nnodes 4" in node0 and "--rdzv_endpoint node1:29631" in node0
-    assert "ZeRO-3 sharding on 4 ranks" in node0  # DeepSpeed over gloo across the 4 trainer nodes
-    checkpoint = os.path.join(stages.stage_path(config, "train", "output"), "checkpoint-2")
-    assert sorted(os.listdir(os.path.join(checkpoint, "global_step2"))) == sorted(
-        [f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" for rank in range(4)]
-        + [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in range(4)]), "one shard per rank"
-    assert open(os.path.join(train_dir, f"training-finished-{job_id}")).read() == "0"  # server told to stop
-    assert os.path.exists(os.path.join(train_dir, f"generation-{job_id}.log"))
-    print(f"4+1 SLURM tiny training: {elapsed:.1f} s")
-
-
 def test_impossible_request_fails_at_submission(cluster, tmp_path):
     config = slurm_config(tmp_path, "launch.slurm.trainer_nodes=10")
     dataset, model = prepared(config)
@@ -223,7 +196,8 @@ def test_preempted_job_is_requeued_and_ends_with_the_same_weights(cluster, tmp_p
 
 @pytest.mark.slow
 def test_the_flow_trains_on_slurm_when_the_recipe_says_so(cluster, tmp_path, monkeypatch):
-    """The pipeline's flow, unchanged, with launch.executor=slurm: the train stage runs the 4+1 job."""
+    """The pipeline's flow, unchanged, with launch.executor=slurm: the train stage runs the 4+1 job, the 4 trainer
+    nodes sharding the model with ZeRO-3 over gloo, the fifth serving generation (a stand-in server here)."""
     import json
 
     from prefect.testing.utilities import prefect_test_harness
@@ -234,13 +208,26 @@ def test_the_flow_trains_on_slurm_when_the_recipe_says_so(cluster, tmp_path, mon
     assignments = [f"run_root={tmp_path}", f"data.source={ROOT}/data/arithmetic.jsonl", "launch.executor=slurm",
                    "launch.poll_seconds=1", "training.per_device_train_batch_size=2",
                    "launch.slurm.generation_port=18432", "launch.slurm.rendezvous_port=29632",
-                   f"launch.slurm.generation_command={json.dumps(server)}", "evaluation.enabled=false"]
+                   f"launch.slurm.generation_command={json.dumps(server)}", "evaluation.enabled=false", *ZERO3]
     with prefect_test_harness(server_startup_timeout=180):
         state = asyncio.run(rloo_pipeline(TINY, overrides=assignments, return_state=True))
     assert state.is_completed(), state
     summary = state.result()
-    record = json.load(open(os.path.join(summary["run_dir"], "train", "job.json")))
+    train_dir = os.path.join(summary["run_dir"], "train")
+    record = json.load(open(os.path.join(train_dir, "job.json")))
     assert record["handle"]["executor"] == "slurm" and summary["train"]["global_step"] == 3
+    job_id = record["handle"]["job_id"]
+    logs = sorted(f for f in os.listdir(train_dir) if f.startswith(f"trainer-{job_id}-node"))
+    assert logs == [f"trainer-{job_id}-node{n}.log" for n in range(4)]
+    node0 = open(os.path.join(train_dir, logs[0])).read()
+    assert "--nnodes 4" in node0 and "--rdzv_endpoint node1:29632" in node0
+    assert "ZeRO-3 sharding on 4 ranks" in node0  # DeepSpeed over gloo across the 4 trainer nodes
+    checkpoint = os.path.join(train_dir, "output", "checkpoint-2")
+    assert sorted(os.listdir(os.path.join(checkpoint, "global_step2"))) == sorted(
+        [f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" for rank in range(4)]
+        + [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in range(4)]), "one shard per rank"
+    assert open(os.path.join(train_dir, f"training-finished-{job_id}")).read() == "0"  # server told to stop
+    assert os.path.exists(os.path.join(train_dir, f"generation-{job_id}.log"))
     # system metrics from each trainer node, named by node, in the train stage's MLflow run
     from infra import tracking
     metrics = tracking.client(f"sqlite:///{tmp_path}/mlflow.db").get_run(record["mlflow_run_id"]).data.metrics
