@@ -10,7 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
-# The tests that run on a CUDA GPU (their CUDA cases skip themselves without one)
-"$PYTHON" -m pytest -q -p no:cacheprovider -k cuda \
+# The tests that run on a CUDA GPU (their CUDA cases skip themselves without one); the project's
+# addopts name pytest-xdist, which a GPU image need not have
+"$PYTHON" -m pytest -q -p no:cacheprovider -o addopts=-ra -k cuda \
   tests/test_trainer.py tests/test_decode_step.py tests/test_lean_generation.py tests/test_timing.py
 exec "$PYTHON" benchmarks/gpu_check.py "$@"

@@ -15,10 +15,11 @@ from tiny_models import tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 # The suite runs many processes at once on a few cores (ranks, sweep trials, SLURM "nodes" that share
 # this machine, servers): each child's torch taking a thread per core oversubscribes the cores (the
-# 4+1 SLURM test ran 30% slower). Children get one thread each; this process keeps torch's default.
+# 4+1 SLURM test ran 30% slower). Children get one thread each; this process keeps torch's default,
+# shared with the other pytest-xdist workers running beside it.
 _threads = torch.get_num_threads()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(_threads)
+torch.set_num_threads(max(1, _threads // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 def pytest_generate_tests(metafunc):

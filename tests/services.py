@@ -2,6 +2,7 @@
 command line, with the gloo weight-transfer backend, and the tiny servable model started under it)."""
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -61,10 +62,23 @@ def stop_vllm_cpu_server(server: dict) -> None:
     server["log"].close()
 
 
+_PORTS = random.SystemRandom()  # (not the random module's state, which tests seed alike)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listens on, drawn below the kernel's ephemeral range (32768-60999 by default),
+    which outgoing connections take theirs from: a port the system handed out (bind to 0) could be
+    given to another process's connection before this one's user binds it, as happened with two
+    pytest-xdist workers. Between the tests' fixed ports (17200-18599, 29500-29699)."""
+    for _ in range(200):
+        port = _PORTS.randint(20000, 29399)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29399")
 
 
 class MlflowServer:
