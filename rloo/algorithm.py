@@ -147,7 +147,8 @@ def completion_mask_after_eos(completion_ids: torch.Tensor,
     return (positions <= first_eos.unsqueeze(1)).int()
 
 
-IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                             "geometric_truncate", "geometric_mask")
 
 
 def importance_weights(old_per_token_logps: torch.Tensor, sampler_per_token_logps: torch.Tensor,
@@ -159,6 +160,9 @@ def importance_weights(old_per_token_logps: torch.Tensor, sampler_per_token_logp
     sequence_*: w_i = exp(sum_t mask (log pi_old - log mu)), shape (rows,): the exact ratio of the
       sequence's probabilities; *_truncate clamps it to [clip_min, clip_max], *_mask sets it to 0
       outside (a None bound is no bound).
+    geometric_*: w_i = exp(mean_t over the completion (log pi_old - log mu)), shape (rows,): the
+      per-token geometric mean of the ratio, which does not shrink or grow with the completion's
+      length (not the exact ratio: biased, bounded variance), bounded the same way.
     token_*: w_it = exp(log pi_old - log mu) per token, shape (rows, T), bounded the same way; 0
       on masked positions.
     """
@@ -167,6 +171,8 @@ def importance_weights(old_per_token_logps: torch.Tensor, sampler_per_token_logp
             completion_mask
         if mode.startswith("sequence"):
             difference = difference.sum(dim=1)
+        elif mode.startswith("geometric"):
+            difference = difference.sum(dim=1) / completion_mask.sum(dim=1).clamp(min=1)
         ratio = torch.exp(difference)
         low = -float("inf") if clip_min is None else clip_min
         high = float("inf") if clip_max is None else clip_max

@@ -185,13 +185,20 @@ class RLOOConfig(TrainingArguments):
     vllm_importance_sampling_mode: str = field(
         default="sequence_mask", metadata={
             "help": "'sequence_mask' / 'sequence_truncate': one weight per completion, set to 0 / "
-            "clamped outside [clip_min, clip_max]; 'token_mask' / 'token_truncate': one per token, "
-            "weighting that token's share of the gradient."
+            "clamped outside [clip_min, clip_max]; 'geometric_mask' / 'geometric_truncate': the "
+            "same with the ratio's geometric mean per token (length-aware: a long completion's "
+            "weight does not shrink with its length); 'token_mask' / 'token_truncate': one per "
+            "token, weighting that token's share of the gradient. docs/vllm.md says what each "
+            "estimates."
         })
     vllm_importance_sampling_clip_max: float | None = field(
         default=3.0, metadata={"help": "Upper bound of the importance weights (None: none)."})
     vllm_importance_sampling_clip_min: float | None = field(
-        default=None, metadata={"help": "Lower bound of the importance weights (None: none)."})
+        default=1.0 / 3.0, metadata={
+            "help": "Lower bound of the importance weights (None: none): by default 1/3, so a "
+            "weight far below 1 is masked or clamped, and counted in "
+            "sampling/importance_sampling_limited_frac, not silently shrunk."
+        })
 
     # Training.
     beta: float = field(default=0.05,

@@ -186,6 +186,13 @@ def test_importance_weights_in_the_four_modes():
     w, outside = weights("sequence_truncate", low=None, high=None)  # no bounds: the exact ratio
     close(w, [e5, e3])
     assert not outside.any()
+    # the geometric modes: the mean per completion token, row 0 (0.5 + 0.0) / 2, row 1 -0.3 / 1
+    w, outside = weights("geometric_truncate", low=0.8, high=1.2)
+    close(w, [1.2, 0.8])
+    assert outside.tolist() == [True, True]
+    w, outside = weights("geometric_mask", low=0.7)
+    close(w, [math.exp(0.25), e3])
+    assert not outside.any()
 
 
 def test_loss_with_importance_weights_per_sequence_and_per_token():

@@ -38,7 +38,8 @@ class Mismatched(GenerationBackend):
         return Completions(rows, logprobs)
 
 
-@pytest.mark.parametrize("mode,low,high", [("sequence_truncate", 0.9, 1.1), ("token_mask", 0.9, 1.1)])
+@pytest.mark.parametrize("mode,low,high", [("sequence_truncate", 0.9, 1.1), ("token_mask", 0.9, 1.1),
+                                           ("geometric_mask", 0.95, 1.05)])
 def test_one_step_equals_the_weighted_leave_one_out_gradient(tmp_path, tokenizer, model, mode, low, high):
     before, recorded, lr, group = copy.deepcopy(model), {}, 0.1, 3
 
@@ -73,6 +74,11 @@ def test_one_step_equals_the_weighted_leave_one_out_gradient(tmp_path, tokenizer
             weight = ratio.prod()
             bounded += int(not low <= weight <= high)
             term = weight.clamp(low, high) * logp.sum()
+        elif mode == "geometric_mask":  # the ratio's geometric mean over the completion's tokens
+            weight = ratio.prod() ** (1.0 / max(len(ratio), 1))
+            inside = bool(low <= weight <= high)
+            bounded += int(not inside)
+            term = weight * inside * logp.sum()
         else:
             inside = (ratio >= low) & (ratio <= high)
             bounded += int((~inside).sum())

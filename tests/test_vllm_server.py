@@ -440,7 +440,7 @@ def test_an_async_step_is_the_importance_weighted_leave_one_out_gradient(server,
         logits = before["model"](input_ids=ids).logits[0, len(prompt_ids) - 1:-1]
         logp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(completion)[:, None]).sum()
         ratio = torch.exp(logp.detach() - sum(mu))
-        weight = ratio if ratio <= 3.0 else 0.0  # sequence_mask, vllm_importance_sampling_clip_max 3.0
+        weight = ratio if 1 / 3 <= ratio <= 3.0 else 0.0  # sequence_mask, the default bounds [1/3, 3]
         weights.append(float(weight))
         objective = objective + advantage * weight * logp / len(rewards)
     assert max(abs(w - 1) for w in weights) > 1e-3  # the policy moved since the server sampled
