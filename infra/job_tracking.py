@@ -83,6 +83,10 @@ class RunDirTrackingCallback(TrainerCallback):
             # what is left (MLflow down, slow) stays queued for the stage to send
             self.wait_sent(timeout=60)
 
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._active(state):  # every optimizer step, whatever logging_steps logs
+            write_step(self.train_dir, state.global_step)
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self._active(state) or not logs:
             return
@@ -131,7 +135,10 @@ class RunDirTrackingCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         """MLflow's system metrics (CPU, memory, disk, network; GPU where present) into the train
-        run, one monitor per node (its local rank 0), named by the node on a multi-node run."""
+        run, one monitor per node (its local rank 0), named by the node on a multi-node run; and
+        this attempt's first step (0, or the one of the checkpoint it resumed from)."""
+        if self._active(state):
+            write_step(self.train_dir, state.global_step)
         if not (state.is_local_process_zero and self.run_id and self.tracking_uri):
             return
         nodes = int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -186,6 +193,26 @@ class Sender:
 def read_metrics(train_dir: str) -> list[dict]:
     """The log lines of `<train_dir>/metrics.jsonl`, in order (none yet: [])."""
     return read_jsonl(os.path.join(train_dir, "metrics.jsonl"))
+
+
+STEP_FILE = "step.json"  # in the train directory: the running attempt's last optimizer step
+
+
+def write_step(train_dir: str, step: int) -> None:
+    """The attempt's optimizer step, replaced in one rename (a reader never sees half of it)."""
+    path = os.path.join(train_dir, STEP_FILE)
+    with open(path + ".tmp", "w") as handle:
+        json.dump({"step": step, "time": time.time()}, handle)
+    os.replace(path + ".tmp", path)
+
+
+def read_step(train_dir: str) -> dict | None:
+    """{"step", "time"} of write_step, or None before the job's first."""
+    try:
+        with open(os.path.join(train_dir, STEP_FILE)) as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return None
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -403,21 +403,27 @@ def thread_environment(config: RunConfig) -> dict[str, str]:
 
 
 def training_progress(config: RunConfig) -> tuple[int, int | None, float | None, str | None]:
-    """(last logged optimizer step, max_steps, that step's mean reward, its step-time breakdown as
-    text) of the job's latest attempt, from its metrics file. Every attempt of a job appends to the
-    file; a step counter that goes back is a new attempt (resumed from an earlier checkpoint, or
-    restarted from the start), which is the one followed."""
-    from infra.job_tracking import read_metrics
+    """(last optimizer step, max_steps, the last logged mean reward, its step-time breakdown as
+    text) of the job's latest attempt: the step from the file the job rewrites at every optimizer
+    step (a recipe that logs every 10 steps still shows each), the rest from its metrics file.
+    Every attempt of a job appends to that file; a step counter that goes back is a new attempt
+    (resumed from an earlier checkpoint, or restarted from the start), which is the one followed."""
+    from infra.job_tracking import read_metrics, read_step
     from rloo.timing import timing_summary
-    step, reward, timing = 0, None, None
+    step, reward, timing, logged = 0, None, None, 0.0
     for record in read_metrics(train_dir(config)):
         if "step" not in record:
             continue
         if record["step"] < step:  # a new attempt: nothing of the earlier one carries over
             reward = timing = None
-        step = record["step"]
+        step, logged = record["step"], record.get("time", logged)
         reward = record.get("reward", reward)
         timing = timing_summary(record) or timing
+    beat = read_step(train_dir(config))
+    if beat is not None and beat["time"] >= logged:
+        if beat["step"] < step:  # a new attempt that has logged nothing yet
+            reward = timing = None
+        step = beat["step"]
     max_steps = config.recipe_value("max_steps")
     return step, max_steps if max_steps and max_steps > 0 else None, reward, timing
 

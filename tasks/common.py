@@ -3,10 +3,13 @@ summary line, and training's progress (a Prefect progress artifact and a log lin
 
 from __future__ import annotations
 
+import logging
 import time
 
 from infra.runconfig import RunConfig
 from infra.stages import STAGE_VERSIONS
+
+logger = logging.getLogger(__name__)
 
 
 def cache_key(stage: str):
@@ -39,6 +42,7 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
                                         description=f"Optimizer steps of {config.run_key}",
                                         _sync=True)
     start, state, pace = time.time(), {"logged": 0.0}, Pace()
+    report_step = stall_alert.StepReporter(config.run_key, config.name)
 
     def on_progress(step: int, max_steps: int | None, reward: float | None,
                     timing: str | None = None) -> None:
@@ -55,8 +59,10 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
                     "picks the job up.", config=config)
         if step != state.get("step") and not state.get("api_away"):  # the stalled-run watch
             state["step"] = step
-            stall_alert.emit(stall_alert.STEP, config.run_key, config.name,
-                             {"step": step, "reward": reward})
+            try:
+                report_step(step, reward)
+            except Exception as err:  # best effort, like the artifact: the job trains on
+                logger.warning("rloo: the step event was not sent: %s", err)
         now = time.time()
         if pace.update(step, now):
             say("train", f"a new attempt of the job is training: its step counter went back to "

@@ -182,8 +182,9 @@ def test_the_browser_shows_the_typed_form_and_the_finished_run(served, tmp_path)
 
 def test_serve_installs_the_stalled_run_automation_and_it_flags_a_run_without_steps(served):
     """`rloo-pipeline serve` installs the automation (Prefect's proactive trigger, 30 minutes by default); installed
-    again with 10 s (Prefect's least), a flow run whose training emitted a start and one step, then nothing, is flagged `Stalled` by the
-    server itself, while one that said it finished is left alone."""
+    again with 10 s (Prefect's least), a flow run whose training emitted a start and one step, then nothing, is flagged
+    `Stalled` by the server itself and put back to Running by its next step, while one that said it finished is left
+    alone."""
     from prefect import flow
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
@@ -201,9 +202,11 @@ def test_serve_installs_the_stalled_run_automation_and_it_flags_a_run_without_st
         set(installed["trigger"]["expect"]) == {stall_alert.STEP, stall_alert.FINISHED}
 
     @flow(name="stall-watch")
-    def training(key: str, finish: bool) -> str | None:
+    def training(key: str, finish: bool) -> tuple[str | None, str | None]:
+        """The Stalled message (None: never flagged) and, after a step reported then, the state's name."""
         stall_alert.emit(stall_alert.STARTED, key, key)
-        stall_alert.emit(stall_alert.STEP, key, key, {"step": 1})
+        report = stall_alert.StepReporter(key, key)
+        report(1, 0.5)
         if finish:
             stall_alert.emit(stall_alert.FINISHED, key, key)
         deadline = time.monotonic() + (30 if finish else 120)
@@ -211,15 +214,16 @@ def test_serve_installs_the_stalled_run_automation_and_it_flags_a_run_without_st
             while time.monotonic() < deadline:
                 state = client.read_flow_run(flow_run.id).state
                 if state.name == "Stalled":
-                    return state.message
+                    report(2, 0.5)  # the job trains again
+                    return state.message, client.read_flow_run(flow_run.id).state.name
                 time.sleep(1)
-        return None
+        return None, None
 
     # (no log shipping: it would outlive the server and complain at exit)
     with temporary_settings({PREFECT_API_URL: served["base"] + "/api", PREFECT_LOGGING_TO_API_ENABLED: False}):
         stall_alert.install(10)
-        assert training("stuck-run", False) == "no training step for 10 s (rloo)"
-        assert training("finished-run", True) is None
+        assert training("stuck-run", False) == ("no training step for 10 s (rloo)", "Running")
+        assert training("finished-run", True) == (None, None)
 
 
 def test_a_sweep_started_from_its_form_shows_its_trials_as_flow_runs(served, tmp_path):

@@ -259,6 +259,32 @@ def test_progress_follows_the_attempt_that_trains_not_an_earlier_ones_last_step(
     assert pace.eta(4, 60, now=145.0) == pytest.approx(5.0 * 56)  # 5 s a step since step 2, 56 to go
 
 
+def test_progress_shows_every_optimizer_step_of_a_recipe_that_logs_every_tenth(tmp_path, monkeypatch):
+    """The job rewrites its step at every optimizer step: the console, the progress artifact and the stalled-run
+    watch see steps 1, 2, 3 of a recipe with logging_steps=10 (its metrics file has none yet), and a new attempt
+    at its start."""
+    from transformers import TrainerState
+
+    from infra.job_tracking import RunDirTrackingCallback
+    config = load_run_config(TINY, [f"run_root={tmp_path}", "training.max_steps=60", "training.logging_steps=10"])
+    os.makedirs(stages.train_dir(config))
+    monkeypatch.setenv("RLOO_TRAIN_DIR", stages.train_dir(config))
+    callback, state = RunDirTrackingCallback(), TrainerState()
+    callback.on_train_begin(None, state, None)
+    assert stages.training_progress(config)[:3] == (0, 60, None)
+    for step in (1, 2, 3):
+        state.global_step = step
+        callback.on_step_end(None, state, None)
+        assert stages.training_progress(config)[:3] == (step, 60, None)
+    state.global_step = 10
+    callback.on_step_end(None, state, None)
+    callback.on_log(None, state, None, logs={"reward": 0.5})
+    assert stages.training_progress(config)[:3] == (10, 60, 0.5)
+    state.global_step = 5  # resumed from checkpoint 5
+    callback.on_train_begin(None, state, None)
+    assert stages.training_progress(config)[:3] == (5, 60, None)
+
+
 def test_mlflow_unreachable_at_start_fails_before_any_stage(run_root, capsys):
     from flows.cli import main
     from services import free_port
