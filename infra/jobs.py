@@ -5,6 +5,7 @@ server's health URL."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 
 
@@ -18,14 +19,18 @@ class TrainingStalled(TrainingFailed):
 
 
 def stall_cause(output_dir: str, since: float) -> str | None:
-    """The first line of the training's stall report (rloo.watchdog.REPORT) if it was written
-    after `since` (epoch seconds), with the report's path; else None."""
-    from rloo.watchdog import REPORT
-    path = os.path.join(output_dir, REPORT)
-    if not os.path.exists(path) or os.path.getmtime(path) < since:
-        return None
-    with open(path, errors="replace") as handle:
-        return f"{handle.readline().strip()} (report: {path})"
+    """The first line of each stall report (rloo.watchdog.REPORTS: one per process that found its
+    step stalled, on any node) written after `since` (epoch seconds), the first written first,
+    each with its path; else None."""
+    from rloo.watchdog import REPORTS
+    reports = sorted((os.path.getmtime(path), path)
+                     for path in glob.glob(os.path.join(output_dir, REPORTS))
+                     if os.path.getmtime(path) >= since)
+    lines = []
+    for _, path in reports:
+        with open(path, errors="replace") as handle:
+            lines.append(f"{handle.readline().strip()} (report: {path})")
+    return "; ".join(lines) or None
 
 
 @dataclasses.dataclass

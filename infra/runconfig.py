@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rloo.cli import (FIELD_NAMES, PIPELINE_SECTIONS, check_recipe_combinations, recipe_value,
                       unknown_field)
+from rloo.config_checks import STALL_MARGIN_S
 
 # What the pipeline sets in the recipe it hands to the job (the user sets everything else in
 # `training:`).
@@ -94,8 +95,11 @@ class SlurmSettings(Strict):
     generation_health_path: str = "/health"
     generation_timeout_s: float = Field(
         240.0, gt=0, description="Wait for the server's health (vllm_server_timeout).")
-    collective_timeout_s: int = Field(
-        600, ge=10, description="A crashed rank fails the job after this at most.")
+    collective_timeout_s: int | None = Field(
+        None, ge=10, description="How long a collective waits for the other ranks (ddp_timeout): "
+        "a crashed rank fails the job after this at most. None: the recipe's stall_timeout_s + "
+        "300 s (2400 s without the watchdog); above stall_timeout_s, so the stall watchdog reports "
+        "a frozen rank first.")
 
 
 class LaunchSettings(Strict):
@@ -364,7 +368,24 @@ class RunConfig(Strict):
             raise ValueError(
                 "training.per_device_train_batch_size x launch.nproc_per_node x trainer nodes = "
                 f"{batch} is not divisible by training.num_generations = {generations}.")
+        stall = self.recipe_value("stall_timeout_s")
+        collective = self.launch.slurm.collective_timeout_s
+        if self.launch.executor == "slurm" and stall and collective is not None \
+                and collective < stall + STALL_MARGIN_S:
+            raise ValueError(
+                f"launch.slurm.collective_timeout_s={collective} must exceed training."
+                f"stall_timeout_s={stall:g} by {STALL_MARGIN_S} s or more (the stall watchdog "
+                "reports a frozen rank, with every stack, before the collective's timeout ends the "
+                f"job without them). Fix: collective_timeout_s >= {int(stall) + STALL_MARGIN_S}, "
+                "or a lower training.stall_timeout_s, or leave collective_timeout_s unset.")
         return self
+
+    def collective_timeout_s(self) -> int:
+        """The trainers' ddp_timeout on the cluster (launch.slurm.collective_timeout_s)."""
+        if self.launch.slurm.collective_timeout_s is not None:
+            return self.launch.slurm.collective_timeout_s
+        stall = self.recipe_value("stall_timeout_s")
+        return int(stall) + 300 if stall else 2400
 
     @property
     def registered_model(self) -> str:

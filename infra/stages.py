@@ -373,7 +373,9 @@ def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_re
     if config.launch.executor == "slurm":
         from infra.slurm import MultiNodeJob, executor_parameters, submit_slurm
         settings = config.launch.slurm
-        job = MultiNodeJob(recipe, settings.model_dump(), config.launch.nproc_per_node, env,
+        job = MultiNodeJob(recipe, {**settings.model_dump(),
+                                    "collective_timeout_s": config.collective_timeout_s()},
+                           config.launch.nproc_per_node, env,
                            stage_path(config, "train"), workdir, model_result["policy"])
         handle = submit_slurm(
             job, stage_path(config, "train", "submitit"),

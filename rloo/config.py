@@ -24,7 +24,9 @@ class RLOOConfig(TrainingArguments):
     """Configuration of `RLOOTrainer`: TrainingArguments plus the RLOO parameters of the spec.
 
     Changed TrainingArguments defaults: logging_steps=10, gradient_checkpointing=True,
-    bf16=True unless fp16 is set, learning_rate=1e-6.
+    bf16=True unless fp16 is set, learning_rate=1e-6, and ddp_timeout=2400 (above
+    stall_timeout_s: a rank frozen in a collective is reported by the stall watchdog, with every
+    process's stacks, before the collective's own timeout ends the job without them).
     """
 
     # Changed TrainingArguments defaults.
@@ -36,6 +38,11 @@ class RLOOConfig(TrainingArguments):
     bf16: bool | None = field(
         default=None,
         metadata={"help": "bf16 mixed precision. Defaults to True unless fp16 is set."})
+    ddp_timeout: int = field(
+        default=2400, metadata={
+            "help": "Seconds a collective may wait for the other ranks; more than stall_timeout_s "
+            "(the watchdog names the stall first)."
+        })
 
     # Model and reference model.
     model_init_kwargs: dict | str | None = field(
@@ -172,8 +179,16 @@ class RLOOConfig(TrainingArguments):
     stall_timeout_s: float | None = field(
         default=1800.0, metadata={
             "help": "Fail an optimizer step in which nothing progressed for this many seconds (a "
-            "generation request, a weight push, a collective), naming what it waited for and "
-            "writing every process's stacks to <output_dir>/stall-report.txt. None: off."
+            "generation request, a weight push, a collective; a section that reports progress, "
+            "time suspended do not count), naming what it waited for and writing every process's "
+            "stacks to <output_dir>/stall-report-<host>-rank<N>.txt. None: off."
+        })
+    vllm_request_timeout_s: float | None = field(
+        default=None, metadata={
+            "help": "vLLM server mode: how long a request (a generation batch, a weight push) may "
+            "go without an answer before it counts as a stall (the run resumes from its last "
+            "checkpoint, as after the watchdog's). None: stall_timeout_s + 60 s (the watchdog, "
+            "with every stack, reports first), or 1800 s without the watchdog."
         })
     vllm_importance_sampling_correction: bool | None = field(
         default=None, metadata={

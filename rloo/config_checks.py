@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 VLLM_MODES = ("server", "colocate")
+STALL_MARGIN_S = 60  # ddp_timeout over stall_timeout_s: the watchdog's report and unwinding
 
 # TRL <= 0.21 names (spec, "Guia de migração") -> what replaced them.
 LEGACY_PARAMETERS = {
@@ -156,6 +157,18 @@ def check_async_generation(config) -> None:
     if config.stall_timeout_s is not None and config.stall_timeout_s <= 0:
         raise ValueError(f"stall_timeout_s={config.stall_timeout_s}: a positive number of seconds, "
                          "or None (no watchdog).")
+    # The watchdog fires first, its report written (ANSWER_S) and the step unwound (GRACE_S) before
+    # a collective waiting for a frozen rank times out with an error that names nobody.
+    if config.stall_timeout_s and config.ddp_timeout < config.stall_timeout_s + STALL_MARGIN_S:
+        raise ValueError(
+            f"ddp_timeout={config.ddp_timeout} must exceed stall_timeout_s="
+            f"{config.stall_timeout_s:g} by {STALL_MARGIN_S} s or more: a rank frozen in a "
+            "collective is then reported by the stall watchdog with every process's stacks, not by "
+            f"the collective's timeout. Fix: ddp_timeout >= "
+            f"{int(config.stall_timeout_s) + STALL_MARGIN_S}, or a lower stall_timeout_s.")
+    if config.vllm_request_timeout_s is not None and config.vllm_request_timeout_s <= 0:
+        raise ValueError(f"vllm_request_timeout_s={config.vllm_request_timeout_s}: a positive "
+                         "number of seconds, or None (stall_timeout_s).")
     if config.async_generation and not (config.use_vllm and config.vllm_mode == "server"):
         raise ValueError(
             "async_generation=True needs a generation server (use_vllm=True, vllm_mode='server'): "

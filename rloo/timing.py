@@ -72,6 +72,12 @@ class StepTimer:
         self._step_start = self._last_mark = self._now()
         self.progress = time.monotonic()
 
+    def advance(self) -> None:
+        """The work inside the open sections moved on (a weight chunk pushed, a token decoded, a
+        reward function or a forward micro-batch done): the stall watchdog's clock starts again, so
+        a long section that keeps reporting this is never taken for a stalled one."""
+        self.progress = time.monotonic()
+
     @property
     def in_step(self) -> bool:
         return self._step_start is not None

@@ -177,6 +177,7 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
             zero3=self._zero3, fast=self._fast, processor=processing_class)
         self._metrics, self._timer = MetricBuffer(), device_timer(self.accelerator.device)
         self.generator.timer = self._timer
+        self.reward_runner.progress = self._timer.advance
         logger.info(engine.describe(self._fast, self.model, self.generator, self.ref_model,
                                     forced))
         self.add_callback(StepTimingCallback(self._timer, self._metrics))
@@ -297,13 +298,14 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         share = self._fast and kl_forwards_share_prompts(unwrap(self.model), self.ref_model)
         if self._pi_old.kl == "loss" and self.model.training:  # as the loss's forward (no wrapper)
             share = share and unwrap(self.model_wrapped) is self.model_wrapped
-        return torch.cat([
-            per_token_logps(model, input_ids[start:start + chunk],
-                            attention_mask[start:start + chunk], logits_to_keep,
-                            self.args.temperature, share_prompts=share,
-                            media=media and media[start:start + chunk]).logps
-            for start in range(0, input_ids.size(0), chunk)
-        ], dim=0)
+        parts = []
+        for start in range(0, input_ids.size(0), chunk):
+            parts.append(per_token_logps(model, input_ids[start:start + chunk],
+                                         attention_mask[start:start + chunk], logits_to_keep,
+                                         self.args.temperature, share_prompts=share,
+                                         media=media and media[start:start + chunk]).logps)
+            self._timer.advance()  # a micro-batch done: progress for the stall watchdog
+        return torch.cat(parts, dim=0)
 
     def _reference_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, chunk,
                          media=None) -> torch.Tensor:

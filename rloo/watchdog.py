@@ -1,11 +1,13 @@
 """No silent hang: a watchdog thread in every training process fails the optimizer step in which
-nothing progressed for `stall_timeout_s` (no timing section entered or left: rloo.timing), with one
-message naming what the step was waiting in (e.g. `train > generation` and the vLLM server) and a
-report holding the Python stacks of every process of the job on this machine (faulthandler, on a
-real-time signal; a stopped process is named as not answering). The step fails by an exception
-raised in the main thread (TrainingStalled); where the main thread is blocked in native code (a
-collective waiting for a frozen peer), the process exits with STALLED_EXIT_CODE after the report.
-Either way the run resumes from its last checkpoint."""
+nothing progressed for `stall_timeout_s` (no timing section entered or left, no progress reported
+from inside one: a chunk pushed, a token decoded, a reward function or a forward micro-batch done;
+rloo.timing), with one message naming what the step was waiting in (e.g. `train > generation` and
+the vLLM server) and a report per process that fired holding the Python stacks of every process of
+the job on its machine (faulthandler, on a real-time signal; a stopped process is named as not
+answering). Time the process spent suspended (SIGSTOP, SLURM's suspend) does not count. The step
+fails by an exception raised in the main thread (TrainingStalled); where the main thread is blocked
+in native code (a collective waiting for a frozen peer), the process exits with STALLED_EXIT_CODE
+after the report. Either way the run resumes from its last checkpoint."""
 
 from __future__ import annotations
 
@@ -30,9 +32,18 @@ if hasattr(signal, "SIGRTMIN"):
     DUMP_SIGNAL, RAISE_SIGNAL = signal.SIGRTMIN + 1, signal.SIGRTMIN + 2
 else:  # (macOS: no real-time signals, and no SLURM either)
     DUMP_SIGNAL, RAISE_SIGNAL = signal.SIGUSR1, signal.SIGUSR2
-REPORT = "stall-report.txt"  # in output_dir
+REPORTS = "stall-report-*.txt"  # in output_dir, one per process that found its step stalled
 ANSWER_S = 2.0  # how long the other processes get to write their stacks
 GRACE_S = 15.0  # how long the main thread gets to unwind before the process exits
+# A watchdog poll that comes this much later than asked means the process was not running (SIGSTOP,
+# SLURM's suspend, a laptop's sleep): that time is not the step's.
+SUSPENDED_S = 5.0
+
+
+def report_path(output_dir: str, rank: int) -> str:
+    """Where a process's stall report goes: named by machine and rank, so that the ranks of a
+    multi-node run, which share output_dir, each keep theirs."""
+    return os.path.join(output_dir, f"stall-report-{socket.gethostname()}-rank{rank}.txt")
 
 
 class TrainingStalled(BaseException):
@@ -161,22 +172,33 @@ class StallWatchdog(TrainerCallback):
 
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 10)
+        last, cpu = time.monotonic(), time.process_time()
+        suspended: list[tuple[float, float]] = []  # (when the process ran again, seconds stopped)
         while not self.stop_event.wait(poll):
-            if self.timer.in_step and time.monotonic() - self.timer.progress > self.timeout_s:
+            now, cpu_now = time.monotonic(), time.process_time()
+            # woken late and the process used (almost) no CPU meanwhile: it was stopped (a main
+            # thread computing without releasing the GIL also wakes this one late, but uses CPU)
+            if now - last > poll + SUSPENDED_S and cpu_now - cpu < 0.25 * (now - last):
+                suspended.append((now, now - last - poll))
+            last, cpu, progress = now, cpu_now, self.timer.progress
+            suspended = [(at, gap) for at, gap in suspended if at > progress]
+            # only the time this process ran counts: a suspension is nobody's stall
+            idle = now - progress - sum(min(gap, at - progress) for at, gap in suspended)
+            if self.timer.in_step and idle > self.timeout_s:
                 self._fire()
                 return
 
     def _fire(self) -> None:
         sections = list(self.timer.open)
         where = " > ".join(sections) or "the optimizer step (between sections)"
-        report = os.path.join(self.output_dir, REPORT)
+        report = report_path(self.output_dir, self.rank)
         self.message = (
             f"training stalled: rank {self.rank} made no progress for {self.timeout_s:g} s "
             f"(stall_timeout_s) in step {self.step}, waiting in {where}{self.describe(sections)}. "
             f"The stacks of every process: {report}. The run resumes from its last checkpoint.")
         text = self.message + "\n\n" + collect_stacks(self.folder) + "\n"
         os.makedirs(self.output_dir, exist_ok=True)
-        temporary = f"{report}.rank{self.rank}.tmp"
+        temporary = f"{report}.tmp"
         with open(temporary, "w") as handle:
             handle.write(text)
         os.replace(temporary, report)

@@ -197,7 +197,7 @@ def test_a_stalled_training_job_is_reported_as_stalled_with_where_it_waited(run_
     record = stages.start_or_reattach_training(config, dataset, model, None)
     started = time.monotonic()
     with pytest.raises(TrainingStalled, match=r"stalled: training stalled: rank 0 made no progress for 2 s "
-                       r"\(stall_timeout_s\) in step 1, waiting in train > rewards.*\(report: .*stall-report.txt\)"):
+                       r"\(stall_timeout_s\) in step 1, waiting in train > rewards.*\(report: .*stall-report-.*-rank0.txt\)"):
         asyncio.run(stages.follow_training(config, record))
     assert time.monotonic() - started < 25  # the 30 s reward call was not waited for
 

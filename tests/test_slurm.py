@@ -152,7 +152,8 @@ def test_a_crashed_trainer_rank_fails_the_job_promptly(cluster, tmp_path, monkey
     monkeypatch.setenv("PYTHONPATH", TESTS)
     monkeypatch.setenv("RLOO_TEST_CRASH_RANK", "1")
     config = slurm_config(tmp_path, "training.reward_funcs=[pipeline_rewards:crash_on_rank_reward]", "training.reward_weights=null",
-                          "training.max_steps=50", "launch.slurm.collective_timeout_s=60", "launch.slurm.trainer_nodes=2")
+                          "training.max_steps=50", "launch.slurm.collective_timeout_s=90", "training.stall_timeout_s=30",
+                          "launch.slurm.trainer_nodes=2")
     dataset, model = prepared(config)
     record = stages.start_or_reattach_training(config, dataset, model, None)
     start = time.time()

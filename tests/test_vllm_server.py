@@ -491,11 +491,11 @@ def test_async_resume_with_batches_in_flight_trains_on_exactly_the_same_samples(
 @pytest.mark.slow
 def test_a_frozen_server_fails_the_step_naming_it_and_the_run_resumes(server, tmp_path):
     """The server stopped (SIGSTOP) while it samples the next batch: the step waiting for it fails within
-    stall_timeout_s with a message naming the section and the server, the stacks land in stall-report.txt, and
+    stall_timeout_s with a message naming the section and the server, the stacks land in its stall report, and
     the checkpoint before it is complete."""
     from transformers import TrainerCallback
 
-    from rloo.watchdog import TrainingStalled
+    from rloo.watchdog import TrainingStalled, report_path
     group = os.getpgid(server["process"].pid)
 
     class FreezeAfterFirstSave(TrainerCallback):
@@ -511,7 +511,7 @@ def test_a_frozen_server_fails_the_step_naming_it_and_the_run_resumes(server, tm
     finally:
         os.killpg(group, signal.SIGCONT)
     assert time.monotonic() - start < 120
-    report = (tmp_path / "out" / "stall-report.txt").read_text()
+    report = open(report_path(str(tmp_path / "out"), 0)).read()
     # the main thread's stack, down to the call that waits for the server
     assert "--- rank0 (pid" in report and "rloo/generation/vllm_" in report
     assert checkpoint_complete(str(tmp_path / "out" / "checkpoint-1"))

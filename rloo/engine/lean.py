@@ -343,6 +343,7 @@ class LeanGenerator(TransformersGenerator):
                 logps.append(policy_logps_of(logits, tokens, temperature))
             sequences = torch.cat([sequences, tokens[:, None]], dim=1)
             unfinished &= ~torch.isin(tokens, eos)
+            self.timer.advance()  # a token decoded: progress for the stall watchdog
             if index == config.max_new_tokens - 1 or not self._anyone_unfinished(unfinished):
                 break
             positions = positions[:, -1:] + 1

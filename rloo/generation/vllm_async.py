@@ -27,7 +27,7 @@ import torch
 
 from rloo.generation.base import Completions
 from rloo.generation.vllm_client import VLLMServerClient
-from rloo.generation.vllm_server import VLLMServerGenerator
+from rloo.generation.vllm_server import VLLMServerGenerator, request_timeout
 
 if TYPE_CHECKING:
     from rloo.batches import ReadAhead
@@ -100,7 +100,8 @@ class AsyncServerGenerator(VLLMServerGenerator):
                  zero3: bool = False):
         super().__init__(args, accelerator, model, eos_ids, zero3=zero3)
         # the background requests' own HTTP session (the weight pushes keep theirs)
-        self.producer = VLLMServerClient(self.url, args.vllm_server_timeout) \
+        self.producer = VLLMServerClient(self.url, args.vllm_server_timeout,
+                                         request_timeout(args)) \
             if self.client is not None else None
         self.pending: deque[_Request | _Done] = deque()  # in the order the trainers take them
         self.last_finished: float | None = None  # when the server last ran out of work

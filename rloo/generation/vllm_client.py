@@ -1,7 +1,8 @@
 """The vLLM server's HTTP side for server mode: every route the trainer calls (health, model info,
 the weight-transfer routes, LoRA loading, completions and scoring, with images through the token-in
 route), each with a timeout and a failure that names the route and the server's answer (and the
-server's last log lines where readable), and the weight source vLLM's NCCL engine reads from."""
+server's last log lines where readable; a request left unanswered is a resumable stall), and the
+weight source vLLM's NCCL engine reads from."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import requests
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rloo import faults
+from rloo.watchdog import TrainingStalled
 from rloo_vllm.wire import CHUNK_BYTES, pack, plan_chunks
 
 logger = logging.getLogger(__name__)
@@ -49,13 +52,21 @@ class VLLMServerError(RuntimeError):
     answer)."""
 
 
+class ServerStalled(TrainingStalled):
+    """A request got no answer within the read timeout: a stall, resumable like the watchdog's."""
+
+
 class VLLMServerClient:
+    """`request_timeout_s`: how long a request may go without an answer before it is a stall
+    (vllm_request_timeout_s); `progress`: called as each chunk of a weight push is sent (the
+    trainer's StepTimer.advance, so a long push is not taken for a stalled one)."""
 
     def __init__(self, base_url: str, connect_timeout_s: float = 240.0,
-                 request_timeout_s: float = 600.0):
+                 request_timeout_s: float = 1800.0, progress: Callable[[], None] | None = None):
         self.base_url = base_url.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
+        self.progress = progress or (lambda: None)
         self.session = requests.Session()
         self.group = None
         self._store = None
@@ -68,9 +79,11 @@ class VLLMServerClient:
     def _call(self, method: str, route: str, payload: dict | None = None,
               timeout: float | None = None):
         url = self.base_url + route
+        timeout = timeout or self.request_timeout_s
         try:
-            response = self.session.request(method, url, json=payload, timeout=timeout or
-                                            self.request_timeout_s)
+            response = self.session.request(method, url, json=payload, timeout=timeout)
+        except requests.ReadTimeout as err:
+            raise self._stalled(method, route, timeout) from err
         except requests.RequestException as err:
             raise VLLMServerError(f"{method} {url} failed: {err}{server_log_tail()}") from err
         if response.status_code != 200:
@@ -83,6 +96,13 @@ class VLLMServerClient:
             return response.json()
         except ValueError:  # some routes answer plain text ("Success: LoRA adapter ... loaded")
             return response.text
+
+    def _stalled(self, method: str, route: str, timeout: float) -> ServerStalled:
+        return ServerStalled(
+            f"{method} {self.base_url}{route} got no answer for {timeout:g} s "
+            "(vllm_request_timeout_s): the vLLM server is stopped or overloaded, or this batch "
+            "takes longer than that allows (then raise vllm_request_timeout_s). The run resumes "
+            f"from its last checkpoint.{server_log_tail()}")
 
     def wait_until_healthy(self) -> None:
         deadline = time.monotonic() + self.connect_timeout_s
@@ -229,6 +249,7 @@ class VLLMServerClient:
                 buffer = pack([tensors[i] for i in chunk])
                 self.group.broadcast(buffer, 0).wait()
                 sent += buffer.numel() * buffer.element_size()
+                self.progress()
                 faults.point("mid-push")  # the server waits for the next chunk, or the finish
         finally:
             errors.join_and_raise()
@@ -353,9 +374,7 @@ class _Call(threading.Thread):
     def join_and_raise(self) -> None:
         self.join(self.client.request_timeout_s)
         if self.is_alive():
-            raise VLLMServerError(
-                f"{self.method} {self.client.base_url}{self.route} did not answer within "
-                f"{self.client.request_timeout_s:.0f} s")
+            raise self.client._stalled(self.method, self.route, self.client.request_timeout_s)
         if self.error is not None:
             raise self.error
 

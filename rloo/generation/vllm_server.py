@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from rloo.config_checks import STALL_MARGIN_S
 from rloo.generation.base import Completions, GenerationBackend
 from rloo.generation.vllm_client import VLLMServerClient
 from rloo.generation.vllm_common import (cut_at_eos, full_weights, judge_sync, max_logprob_diff,
@@ -44,6 +45,15 @@ def local_address_towards(url: str) -> str:
 
 
 ADAPTER_NAME = "rloo-policy"
+
+
+def request_timeout(args) -> float:
+    """How long a request may go unanswered before it is a stall (vllm_request_timeout_s): by
+    default a margin after the watchdog's stall_timeout_s, whose report (every stack) then comes
+    first; the request's own timeout covers a run without the watchdog."""
+    if args.vllm_request_timeout_s is not None:
+        return args.vllm_request_timeout_s
+    return args.stall_timeout_s + STALL_MARGIN_S if args.stall_timeout_s else 1800.0
 
 
 def check_logprobs_mode(server_config: dict, args) -> None:
@@ -103,7 +113,8 @@ class VLLMServerGenerator(GenerationBackend):
         self.base_pending = False
         from rloo.models import is_peft_model
         if accelerator.is_main_process:
-            self.client = VLLMServerClient(self.url, args.vllm_server_timeout)
+            self.client = VLLMServerClient(self.url, args.vllm_server_timeout,
+                                           request_timeout(args), lambda: self.timer.advance())
             self.client.wait_until_healthy()
             self.model_id = self.client.model_info()["id"]
             check_same_model(self.model_id, model)

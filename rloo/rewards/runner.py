@@ -137,6 +137,9 @@ class RewardRunner:
         self.names = [reward_function_name(f) for f in reward_funcs]
         self.chat_template_kwargs = chat_template_kwargs or {}
         self._loop = _AsyncLoop() if any(is_async_reward(f) for f in reward_funcs) else None
+        # called as each function returns (the trainer's StepTimer.advance: the stall watchdog
+        # then takes a slow batch of several functions for one that progresses)
+        self.progress: Callable[[], None] = lambda: None
 
     def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]],
                  columns: dict[str, list], trainer_state: Any,
@@ -178,12 +181,15 @@ class RewardRunner:
                 except Exception as err:  # the user's code: name it and find the row
                     raise self._locate_failure(index, kwargs, num_rows, describe, err) from err
             outputs[index] = _check_output(name, output, num_rows, describe, self.nonfinite)
+            self.progress()
         if async_indices:
             async def bounded(index):
                 try:
                     return await asyncio.wait_for(self.reward_funcs[index](**kwargs), self.timeout)
                 except asyncio.TimeoutError:
                     return late(index)
+                finally:
+                    self.progress()
 
             async def gather():
                 return await asyncio.gather(*(bounded(i) for i in async_indices),
