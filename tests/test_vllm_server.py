@@ -450,6 +450,58 @@ def test_an_async_step_is_the_importance_weighted_leave_one_out_gradient(server,
                                    msg=name)
 
 
+def freeze_or_kill_after_the_next_launch(monkeypatch, server, signal_number):
+    """After the first checkpoint, the server is sent `signal_number` (to its process group) right after the
+    trainer's next generation request went out: that request is in flight. Returns the callback that arms it."""
+    from transformers import TrainerCallback
+
+    from rloo.generation.vllm_async import AsyncServerGenerator
+    launch, armed, sent = AsyncServerGenerator._launch, [], []
+    group = os.getpgid(server["process"].pid)
+
+    def launching(self, *args, **kwargs):
+        launch(self, *args, **kwargs)
+        if armed and not sent:
+            os.killpg(group, signal_number)
+            sent.append(self.pending[-1])
+
+    class Arm(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            armed.append(state.global_step)
+
+    monkeypatch.setattr(AsyncServerGenerator, "_launch", launching)
+    return Arm()
+
+
+@pytest.mark.slow
+def test_a_request_frozen_in_flight_stalls_the_checkpoints_wait_and_the_run_resumes_exactly(server, tmp_path,
+                                                                                             monkeypatch):
+    """The server stopped (SIGSTOP) just after the request for the next batch went out, once checkpoint-1 is
+    saved: checkpoint-2 waits for that batch at most stall_timeout_s, then fails as a stall naming the batch and
+    the server, leaving checkpoint-1 the latest complete one; resumed from it with the server running again, the
+    run ends with bitwise the weights of an uninterrupted one."""
+    from rloo.checkpoint import latest_checkpoint
+    from rloo.watchdog import TrainingStalled
+    settings = dict(save_strategy="steps", save_steps=1)
+    reference, _ = _async_run(server, tmp_path / "reference", vllm_group_port=18554, **settings)
+    arm = freeze_or_kill_after_the_next_launch(monkeypatch, server, signal.SIGSTOP)
+    try:
+        with pytest.raises(TrainingStalled, match=r"the generation request for the batch sampled from step \d's "
+                           r"weights made no progress for 3 s \(stall_timeout_s\) while a checkpoint waited for it: "
+                           r"is the vLLM server at http://127.0.0.1:18540 stopped"):
+            _async_run(server, tmp_path / "out", callbacks=[arm], stall_timeout_s=3, vllm_group_port=18555,
+                       **settings)
+    finally:
+        os.killpg(os.getpgid(server["process"].pid), signal.SIGCONT)
+    monkeypatch.undo()
+    out = str(tmp_path / "out")
+    assert latest_checkpoint(out) == os.path.join(out, "checkpoint-1")
+    resumed, _ = _async_run(server, tmp_path / "out", resume=os.path.join(out, "checkpoint-1"),
+                            vllm_group_port=18556, **settings)
+    for (name, a), b in zip(reference.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.slow
 def test_weight_sync_steps_pushes_every_k_steps_and_samples_the_batches_between_from_those_weights(server, tmp_path):
     """weight_sync_steps=2, max_staleness=2: pushes at steps 0, 2, 4 only, each verified; right after each, the
@@ -529,21 +581,13 @@ def test_async_generation_with_max_staleness_0_is_synchronous_training(server, t
 
 @pytest.mark.slow
 def test_server_dying_mid_run_fails_the_step_with_its_log_and_leaves_a_checkpoint(server, tmp_path, monkeypatch):
-    """Runs last: it stops the module's server."""
-    from transformers import TrainerCallback
-    process = server["process"]
-
-    class KillServerAfterFirstStep(TrainerCallback):
-        def on_save(self, args, state, control, **kwargs):
-            if state.global_step == 1 and process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)  # the server and its engine processes, at once
-                process.wait(timeout=30)
-
+    """Runs last: it stops the module's server. The server and its engine processes killed at once (SIGKILL) just
+    after the request for the next batch went out, once checkpoint-1 is saved: the request in flight fails (in its
+    thread; the failure reaches the step), naming the route and quoting the server's log."""
     monkeypatch.setenv("RLOO_VLLM_SERVER_LOG", str(server["root"] / "server.log"))
-    # (asynchronous: the request for step 2's batch runs in a thread; its failure reaches the step)
     trainer = _trainer(server, tmp_path, max_steps=3, save_strategy="steps", save_steps=1, vllm_group_port=18548,
                        async_generation=True)
-    trainer.add_callback(KillServerAfterFirstStep())
+    trainer.add_callback(freeze_or_kill_after_the_next_launch(monkeypatch, server, signal.SIGKILL))
     with pytest.raises(Exception, match=r"(?s)127.0.0.1:18540/.* failed.*last lines of the server's log"):
         trainer.train()
     assert os.path.exists(tmp_path / "out" / "checkpoint-1" / "rloo_state")  # resumable from step 1

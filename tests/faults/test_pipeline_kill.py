@@ -63,3 +63,23 @@ def test_a_pipeline_whose_job_is_killed_mid_save_resumes_to_the_same_weights(tmp
     with open(os.path.join(config.run_dir, "train", "metrics.jsonl")) as handle:
         steps = [json.loads(line)["step"] for line in handle if '"reward"' in line]
     assert steps == list(range(1, STEPS + 1))
+
+
+def test_a_pipeline_whose_job_is_killed_before_its_first_checkpoint_restarts_it_and_says_so(tmp_path, mlflow_server):
+    """Killed in its third optimizer step with no checkpoint saved yet: `rloo-pipeline resume RUN` says the job
+    restarted from the start and trains every step."""
+    run_root = str(tmp_path / "runs")
+    sets = [f"run_root={run_root}", f"tracking.tracking_uri={mlflow_server.uri}",
+            f"data.source={ROOT}/data/arithmetic.jsonl", f"training.max_steps={STEPS}", "training.save_steps=100",
+            "evaluation.enabled=false", "training.callbacks=[points:KillPoints]"]
+    killed = pipeline("run", TINY, *[f"--set={s}" for s in sets], env=environment(point="optimizer-step", at=3))
+    assert killed.returncode == 1, killed.stdout[-3000:] + killed.stderr[-3000:]
+    config = load_run_config(TINY, sets)
+    resumed = pipeline("resume", config.run_key, "--run-root", run_root, env=environment())
+    said = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, said[-3000:]
+    assert "[train] restarted from the start (the earlier attempt saved no checkpoint) as local job" in said
+    assert f"[train] step {STEPS}/{STEPS}" in said and f"{STEPS} optimizer steps done" in said
+    with open(os.path.join(config.run_dir, "train", "metrics.jsonl")) as handle:
+        steps = [json.loads(line)["step"] for line in handle if '"reward"' in line]
+    assert steps == list(range(1, STEPS + 1))  # each once: the new attempt's steps 1 and 2 were logged already
