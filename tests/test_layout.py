@@ -1,12 +1,25 @@
-"""The layout kept: module sizes, where mlflow may be imported, no test code in the product, no
-import cycle between the launchers."""
+"""The layout kept: the formatter's layout and the lint, where mlflow may be imported, no test code
+in the product, no import cycle between the launchers."""
 
+import os
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("rloo", "rloo_vllm", "infra", "tasks", "flows")
 PRODUCT = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
+
+
+def test_the_formatter_owns_the_layout_and_the_lint_passes():
+    """`ruff format --check` and `ruff check` over the whole tree, as pyproject's [tool.ruff] says."""
+    ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
+    assert ruff, "ruff is missing: pip install -e '.[test]'"
+    for command in (["format", "--check"], ["check"]):
+        result = subprocess.run([ruff, *command, "."], cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == 0, " ".join(command) + ":\n" + result.stdout[-3000:] + result.stderr[-2000:]
 
 
 def test_no_product_line_over_100_characters():

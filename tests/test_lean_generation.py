@@ -172,7 +172,8 @@ def test_inverse_cdf_draw_matches_the_probabilities_and_never_draws_zeros():
 
 def test_settings_it_does_not_implement_keep_generate(tokenizer, model):
     eos = [tokenizer.eos_token_id]
-    pick = lambda **s: type(in_process_generator(config(tokenizer, **s), tokenizer.pad_token_id, eos, model))
+    def pick(**settings):
+        return type(in_process_generator(config(tokenizer, **settings), tokenizer.pad_token_id, eos, model))
     assert pick(do_sample=True, top_k=5, top_p=0.8, min_p=0.05, temperature=0.7) is LeanGenerator
     for settings in (dict(num_beams=2), dict(no_repeat_ngram_size=2), dict(bad_words_ids=[[5]]),
                      dict(cache_implementation="static"), dict(typical_p=0.5, do_sample=True)):
@@ -192,7 +193,8 @@ def test_a_customised_generate_is_the_one_generation_goes_through(tmp_path, toke
     from rloo import RLOOTrainer
     from helpers import make_args
     eos = [tokenizer.eos_token_id]
-    pick = lambda: type(in_process_generator(config(tokenizer), tokenizer.pad_token_id, eos, model, fast=True))
+    def pick():
+        return type(in_process_generator(config(tokenizer), tokenizer.pad_token_id, eos, model, fast=True))
     assert pick() is LeanGenerator
     model.generate = functools.partial(type(model).generate, model)
     assert pick() is TransformersGenerator
