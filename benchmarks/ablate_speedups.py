@@ -20,8 +20,16 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("before", "shared prompts", "decode step", "packed weights", "KL from loss", "side by side", "heap kept",
-          "oneDNN")
+STAGES = (
+    "before",
+    "shared prompts",
+    "decode step",
+    "packed weights",
+    "KL from loss",
+    "side by side",
+    "heap kept",
+    "oneDNN",
+)
 
 
 def _one_projection_each(modules, rows, scratch=None):
@@ -33,24 +41,41 @@ def _one_projection_each(modules, rows, scratch=None):
 
     def one(module):
         if type(module) is torch.nn.Linear:
-            return packing.packed_linear(module.weight, module.bias, rows) if packing.packable(module.weight) \
+            return (
+                packing.packed_linear(module.weight, module.bias, rows)
+                if packing.packable(module.weight)
                 else module
+            )
         parts = packing.lora_parts(module)
         if parts is None:
             return module
         base, a, b, scaling = parts
-        base_linear = packing.packed_linear(base.weight, base.bias, rows) if packing.packable(base.weight) else base
+        base_linear = (
+            packing.packed_linear(base.weight, base.bias, rows)
+            if packing.packable(base.weight)
+            else base
+        )
         return lambda x: base_linear(x) + F.linear(F.linear(x, a), b) * scaling
+
     linears = [one(module) for module in modules]
-    return linears[0] if len(linears) == 1 else lambda x: torch.cat([linear(x) for linear in linears], dim=-1)
+    return (
+        linears[0]
+        if len(linears) == 1
+        else lambda x: torch.cat([linear(x) for linear in linears], dim=-1)
+    )
 
 
 def _one_cumulative_sum(probs):
     """rloo.engine.lean.sample_from as before the "side by side" stage."""
     import torch
+
     cumulative = probs.double().cumsum(dim=-1)
-    draw = torch.rand(probs.size(0), 1, dtype=torch.float64, device=probs.device) * cumulative[:, -1:]
-    return torch.searchsorted(cumulative, draw, right=True).clamp_(max=probs.size(-1) - 1).squeeze(1)
+    draw = (
+        torch.rand(probs.size(0), 1, dtype=torch.float64, device=probs.device) * cumulative[:, -1:]
+    )
+    return (
+        torch.searchsorted(cumulative, draw, right=True).clamp_(max=probs.size(-1) - 1).squeeze(1)
+    )
 
 
 def child(stage: str, case: str) -> dict:
@@ -66,6 +91,7 @@ def child(stage: str, case: str) -> dict:
     import rloo.engine.prefill as prefill
     import rloo.engine.shared_prompts as shared_prompts
     import rloo.trainer as trainer
+
     level = STAGES.index(stage)
     if level < 1:
         shared_prompts.can_share_prompts = lambda model: False
@@ -74,7 +100,8 @@ def child(stage: str, case: str) -> dict:
         lean.lean_decoder = lambda *args: None
     if level < 3:
         packing.packed_linear = lambda weight, bias, rows: functools.partial(
-            F.linear, weight=torch.cat(weight) if isinstance(weight, list) else weight, bias=bias)
+            F.linear, weight=torch.cat(weight) if isinstance(weight, list) else weight, bias=bias
+        )
     if level < 4:  # (the trainer takes pi_old from the loss only where no dropout is drawn)
         trainer.dropout_active = lambda model: True
     if level < 5:
@@ -82,12 +109,18 @@ def child(stage: str, case: str) -> dict:
         lean.sample_from = _one_cumulative_sum
     if level < 6:
         import rloo.engine.heap as heap
-        heap.keep_freed_memory = lambda: heap.libc() is not None and heap.libc().mallopt(
-            heap.M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD)
+
+        heap.keep_freed_memory = lambda: (
+            heap.libc() is not None
+            and heap.libc().mallopt(heap.M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD)
+        )
     if level < 7 and "mkl" in packing.kernels():
         packing.kernels = lambda: {"mkl": packing.mkl_linear}
-        decode.LeanDecoder._attention = staticmethod(lambda q, k, v, mask, scaling: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scaling))
+        decode.LeanDecoder._attention = staticmethod(
+            lambda q, k, v, mask, scaling: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scaling
+            )
+        )
     return bench_vs_trl.child("rloo", bench_vs_trl.cases()[case])
 
 
@@ -101,16 +134,27 @@ def main() -> int:
         return 0
     for case in options.cases.split(","):
         for stage in STAGES:
-            out = subprocess.run([sys.executable, __file__, "--child", stage, case], capture_output=True, text=True,
-                                 env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", stage, case],
+                capture_output=True,
+                text=True,
+                env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+            )
             lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
             if out.returncode != 0 or not lines:
                 print(out.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{case}/{stage} failed")
-            result = json.loads(lines[-1][len("RESULT "):])
-            parts = ", ".join(f"{name} {value:.2f}" for name, value in result["breakdown"].items() if value > 0.005)
-            print(f"{case:18} {stage:15} {result['step_s']:6.2f} s/step, peak RSS {result['peak_rss_gib']:.2f} GiB "
-                  f"({parts})", flush=True)
+            result = json.loads(lines[-1][len("RESULT ") :])
+            parts = ", ".join(
+                f"{name} {value:.2f}"
+                for name, value in result["breakdown"].items()
+                if value > 0.005
+            )
+            print(
+                f"{case:18} {stage:15} {result['step_s']:6.2f} s/step, peak RSS {result['peak_rss_gib']:.2f} GiB "
+                f"({parts})",
+                flush=True,
+            )
     return 0
 
 

@@ -29,10 +29,14 @@ def sweep_config(folder: str, trials: int, pruner: str) -> str:
     config["run_root"] = folder
     key = "evaluation.max_completion_length"
     config["sweep"].update(
-        n_trials=trials, parallel=2, objective="completion_length", direction="minimize",
+        n_trials=trials,
+        parallel=2,
+        objective="completion_length",
+        direction="minimize",
         space={key: {"type": "categorical", "choices": [2, 8]}},
         enqueue=[{key: 2 if index % 2 == 0 else 8} for index in range(trials)],
-        pruner={"kind": pruner, "n_startup_trials": 1})
+        pruner={"kind": pruner, "n_startup_trials": 1},
+    )
     path = os.path.join(folder, "sweep.yaml")
     with open(path, "w") as handle:
         yaml.safe_dump(config, handle)
@@ -62,18 +66,33 @@ def main() -> None:
     for pruner in ("median", "none"):
         folder = tempfile.mkdtemp(prefix=f"rloo-sweep-{pruner}-")
         try:
-            seconds, _ = timed([sys.executable, "-m", "flows.cli", "sweep", sweep_config(folder, options.trials, pruner),
-                                "--set", f"training.max_steps={options.max_steps}", "--set",
-                                f"training.save_steps={options.save_steps}"], env)
+            seconds, _ = timed(
+                [
+                    sys.executable,
+                    "-m",
+                    "flows.cli",
+                    "sweep",
+                    sweep_config(folder, options.trials, pruner),
+                    "--set",
+                    f"training.max_steps={options.max_steps}",
+                    "--set",
+                    f"training.save_steps={options.save_steps}",
+                ],
+                env,
+            )
             results[pruner] = {"wall": seconds, "steps": steps_trained(folder)}
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        print(f"pruner {pruner}: {results[pruner]['wall']:.1f} s, optimizer steps per trial {results[pruner]['steps']}",
-              flush=True)
+        print(
+            f"pruner {pruner}: {results[pruner]['wall']:.1f} s, optimizer steps per trial {results[pruner]['steps']}",
+            flush=True,
+        )
     pruned, full = results["median"], results["none"]
-    print(f"{options.trials} trials x {options.max_steps} steps, 2 at once: pruned sweep {pruned['wall']:.1f} s vs "
-          f"{full['wall']:.1f} s without pruning = {pruned['wall'] / full['wall']:.2f}x the wall time; "
-          f"{sum(pruned['steps'])} vs {sum(full['steps'])} optimizer steps trained")
+    print(
+        f"{options.trials} trials x {options.max_steps} steps, 2 at once: pruned sweep {pruned['wall']:.1f} s vs "
+        f"{full['wall']:.1f} s without pruning = {pruned['wall'] / full['wall']:.2f}x the wall time; "
+        f"{sum(pruned['steps'])} vs {sum(full['steps'])} optimizer steps trained"
+    )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,11 @@ def _on_console(handler: logging.Handler) -> bool:
     """A handler that writes to this process's terminal. A host's own capture (a StringIO, a
     file, pytest's caplog) keeps every record: quieting it would hide its logs for good."""
     streams = {id(stream) for stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)}
-    return (isinstance(handler, logging.StreamHandler)
-            and not isinstance(handler, logging.FileHandler)
-            and id(getattr(handler, "stream", None)) in streams)
+    return (
+        isinstance(handler, logging.StreamHandler)
+        and not isinstance(handler, logging.FileHandler)
+        and id(getattr(handler, "stream", None)) in streams
+    )
 
 
 def before_imports() -> None:
@@ -38,6 +40,7 @@ def before_imports() -> None:
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     if "DS_ACCELERATOR" not in os.environ:
         import torch
+
         if not torch.cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
 
@@ -57,10 +60,13 @@ def quiet(run_root: str) -> None:
     # warnings.warn -> the "py.warnings" logger -> the file, not the console
     logging.captureWarnings(True)
     from infra.tracking import log_to
+
     log_to(log_file)  # MLflow's own loggers do not propagate to the root
     consoles = [
-        handler for logger in [root, *map(logging.getLogger, list(root.manager.loggerDict))]
-        for handler in getattr(logger, "handlers", []) if _on_console(handler)
+        handler
+        for logger in [root, *map(logging.getLogger, list(root.manager.loggerDict))]
+        for handler in getattr(logger, "handlers", [])
+        if _on_console(handler)
     ]
     if not any(handler in root.handlers for handler in consoles):
         # (Prefect installs its console handler only on a root logger without handlers: ours stands

@@ -24,10 +24,12 @@ from tasks.evaluate import evaluate_task
 from tasks.model import model_task
 from tasks.train import train_task
 
+
 def result_storage(run_root: str) -> str:
     """A saved local-file-system block under the run root (Prefect needs result storage persisted
     server-side)."""
     from prefect.filesystems import LocalFileSystem
+
     root = os.path.abspath(os.path.join(run_root, ".prefect-results"))
     name = "rloo-results-" + hashlib.sha256(root.encode()).hexdigest()[:12]
     # the flow is async: save now
@@ -37,11 +39,12 @@ def result_storage(run_root: str) -> str:
 
 @flow(name="rloo-pipeline", log_prints=True)
 async def rloo_pipeline(
-        recipe: Annotated[str, Field(
-            json_schema_extra={"enum": shipped_recipes()})] = "configs/quickstart.yaml",
-        settings: RunSettings = RunSettings(),
-        overrides: list[str] = (),
-        if_running: Literal["refuse", "wait"] = "refuse",
+    recipe: Annotated[
+        str, Field(json_schema_extra={"enum": shipped_recipes()})
+    ] = "configs/quickstart.yaml",
+    settings: RunSettings = RunSettings(),
+    overrides: list[str] = (),
+    if_running: Literal["refuse", "wait"] = "refuse",
 ) -> dict:
     """The RLOO pipeline: dataset, model, train, evaluate.
 
@@ -66,24 +69,40 @@ async def _stages(config, recipe: str) -> dict:
     # What MLflow's run list and compare view filter on (rloo.promoted turns true when a promotion
     # publishes it).
     tags = {
-        "rloo.recipe": recipe, "rloo.model": str(config.training["model_name_or_path"]),
-        "rloo.promoted": "false", "prefect.flow_run_id": str(flow_run.id) if flow_run.id else "",
-        "prefect.flow_run_name": flow_run.name or ""
+        "rloo.recipe": recipe,
+        "rloo.model": str(config.training["model_name_or_path"]),
+        "rloo.promoted": "false",
+        "prefect.flow_run_id": str(flow_run.id) if flow_run.id else "",
+        "prefect.flow_run_name": flow_run.name or "",
     }
     with tracking.pipeline_run(config, resolved_dict(config), tags) as (parent, experiment):
         link = tracking.run_link(config.tracking_uri, experiment, parent)
-        create_link_artifact(link, link_text=f"MLflow run {config.run_key}",
-                             key=f"{config.name}-mlflow-run", _sync=True)
-        print(f"[pipeline] {config.run_key}: run directory {config.run_dir}; MLflow run {parent} "
-              f"({config.tracking_uri})")
+        create_link_artifact(
+            link,
+            link_text=f"MLflow run {config.run_key}",
+            key=f"{config.name}-mlflow-run",
+            _sync=True,
+        )
+        print(
+            f"[pipeline] {config.run_key}: run directory {config.run_dir}; MLflow run {parent} "
+            f"({config.tracking_uri})"
+        )
         options = dict(result_storage=result_storage(config.run_root))
         dataset = dataset_task.with_options(**options)(config, parent)
         model = model_task.with_options(**options)(config, dataset, parent)
         trained = await train_task.with_options(**options)(config, dataset, model, parent)
-        summary = {"run_key": config.run_key, "run_dir": config.run_dir, "mlflow_run_id": parent,
-                   "mlflow_link": link, "dataset": dataset, "model": model, "train": trained}
+        summary = {
+            "run_key": config.run_key,
+            "run_dir": config.run_dir,
+            "mlflow_run_id": parent,
+            "mlflow_link": link,
+            "dataset": dataset,
+            "model": model,
+            "train": trained,
+        }
         if config.evaluation.enabled and not trained.get("pruned"):
-            summary["evaluate"] = evaluate_task.with_options(**options)(config, dataset, model,
-                                                                        trained, parent)
+            summary["evaluate"] = evaluate_task.with_options(**options)(
+                config, dataset, model, trained, parent
+            )
     stages.write_json(stages.stage_path(config, "summary.json"), summary)
     return summary

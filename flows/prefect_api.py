@@ -46,12 +46,15 @@ class EphemeralApi:
             return
         prefect_environment(run_root)
         from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
         if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
             return
         from prefect.server.api.server import SubprocessASGIServer
+
         database = local_database()
-        self.fresh = database is not None and not os.path.exists(database) and not seed_database(
-            database)
+        self.fresh = (
+            database is not None and not os.path.exists(database) and not seed_database(database)
+        )
 
         def start() -> None:
             try:
@@ -60,6 +63,7 @@ class EphemeralApi:
             # (the flow's own start raises it again, in the usual place)
             except Exception:  # noqa: BLE001
                 pass
+
         self.thread = threading.Thread(target=start, name="prefect-ephemeral-start")
         self.thread.start()
 
@@ -76,10 +80,14 @@ def local_database() -> str | None:
     """The SQLite file of the Prefect database the ephemeral API uses (None: another database is
     configured)."""
     from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
     url = PREFECT_API_DATABASE_CONNECTION_URL.value() or ""
     prefix = "sqlite+aiosqlite:///"
-    return url[len(prefix):] if url.startswith(prefix) and url[len(prefix):] not in (
-        "", ":memory:") else None
+    return (
+        url[len(prefix) :]
+        if url.startswith(prefix) and url[len(prefix) :] not in ("", ":memory:")
+        else None
+    )
 
 
 def template_path() -> str:
@@ -88,6 +96,7 @@ def template_path() -> str:
     import prefect
 
     from rloo.assets import cache_root
+
     return os.path.join(cache_root(), "prefect-db", f"prefect-{prefect.__version__}.db")
 
 
@@ -103,8 +112,10 @@ def seed_database(database: str) -> bool:
     if not os.path.exists(template):
         return False
     os.makedirs(os.path.dirname(database), exist_ok=True)
-    with closing(sqlite3.connect(template)) as source, closing(
-            sqlite3.connect(database + ".seeding")) as target:
+    with (
+        closing(sqlite3.connect(template)) as source,
+        closing(sqlite3.connect(database + ".seeding")) as target,
+    ):
         # a consistent copy, written beside the database then renamed into place
         source.backup(target)
     os.replace(database + ".seeding", database)
@@ -127,10 +138,14 @@ def save_template(database: str | None) -> None:
             tables = [
                 name
                 for (name,) in snapshot.execute(
-                    "select name from sqlite_master where type = 'table'")
+                    "select name from sqlite_master where type = 'table'"
+                )
             ]
-            if any(snapshot.execute(f'select exists (select 1 from "{name}")').fetchone()[0]
-                   for name in tables if name not in TEMPLATE_TABLES):
+            if any(
+                snapshot.execute(f'select exists (select 1 from "{name}")').fetchone()[0]
+                for name in tables
+                if name not in TEMPLATE_TABLES
+            ):
                 return
         os.replace(staging, template)
     except sqlite3.Error:
@@ -146,6 +161,7 @@ def known_run_root(config_path: str, assignments: list[str]) -> str | None:
     validation, no heavy import. Then the API can start while the config is validated; on a first
     run nothing is created before the config is valid."""
     import yaml
+
     try:
         with open(config_path) as handle:
             data = yaml.safe_load(handle)

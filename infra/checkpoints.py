@@ -42,7 +42,8 @@ class Checkpoint:
         if self.name != FINAL:
             return is_complete(self.path)
         return os.path.isfile(os.path.join(self.path, "adapter_config.json")) or os.path.isfile(
-            os.path.join(self.path, "config.json"))
+            os.path.join(self.path, "config.json")
+        )
 
     @property
     def adapter(self) -> bool:
@@ -55,8 +56,9 @@ def saved_checkpoints(config: RunConfig, train_result: dict) -> list[Checkpoint]
     models = train_result.get("models") or {}
     found = training_checkpoints(config)
     if not train_result.get("pruned"):  # a pruned trial's job was stopped before its end
-        found.append(Checkpoint(FINAL, int(train_result["global_step"]),
-                                train_result["output_dir"]))
+        found.append(
+            Checkpoint(FINAL, int(train_result["global_step"]), train_result["output_dir"])
+        )
     for checkpoint in found:
         checkpoint.model_id = models.get(checkpoint.name)
     return sorted(found, key=lambda c: (c.step, c.name == FINAL))
@@ -71,8 +73,10 @@ def training_checkpoints(config: RunConfig) -> list[Checkpoint]:
 def weight_files(path: str) -> list[str]:
     """The policy's weight files in a checkpoint folder (not the optimizer or other state)."""
     return sorted(
-        os.path.join(path, name) for name in os.listdir(path)
-        if name.endswith((".safetensors", ".bin")) and not name.startswith(TRAINING_STATE))
+        os.path.join(path, name)
+        for name in os.listdir(path)
+        if name.endswith((".safetensors", ".bin")) and not name.startswith(TRAINING_STATE)
+    )
 
 
 def weights_digest(path: str) -> str:
@@ -91,6 +95,7 @@ def log_models(config: RunConfig, train_result: dict, model_result: dict, run_id
     model id), persisted as the stage's result."""
     from rloo.vision import is_vision_config
     from transformers import AutoConfig
+
     uri, experiment = config.tracking_uri, config.tracking.experiment
     policy = model_result["policy"]
     trust = bool(config.recipe_value("trust_remote_code"))
@@ -105,12 +110,21 @@ def log_models(config: RunConfig, train_result: dict, model_result: dict, run_id
         if ready:
             models[checkpoint.name] = ready[0].model_id
             continue
-        tags = {**identity, "rloo.step": str(checkpoint.step), "rloo.base_model": policy,
-                "rloo.weights_path": checkpoint.path,
-                "rloo.weights": "adapter" if adapter else "full"}
+        tags = {
+            **identity,
+            "rloo.step": str(checkpoint.step),
+            "rloo.base_model": policy,
+            "rloo.weights_path": checkpoint.path,
+            "rloo.weights": "adapter" if adapter else "full",
+        }
         # a PENDING one is an earlier attempt killed while logging: its files are written again
-        model_id = existing[0].model_id if existing else tracking.create_logged_model(
-            uri, experiment, checkpoint.name, run_id, tags, config.training)
+        model_id = (
+            existing[0].model_id
+            if existing
+            else tracking.create_logged_model(
+                uri, experiment, checkpoint.name, run_id, tags, config.training
+            )
+        )
         models[checkpoint.name] = model_id
         if not checkpoint.exists:
             tracking.tag_logged_model(uri, model_id, {"rloo.stored": "deleted"})
@@ -135,31 +149,43 @@ def load_policy(policy: str, weights: str | None, trust: bool):
     from transformers.utils import logging as transformers_logging
 
     from rloo.models import load_causal_lm
+
     # one summary line per stage, not a bar per weight file
     transformers_logging.disable_progress_bar()
     if weights is None:
         return load_causal_lm(policy, {}, trust).eval()
     if os.path.exists(os.path.join(weights, "adapter_config.json")):
         from peft import PeftModel
+
         # peft 0.21 calls transformers' deprecated is_gradient_checkpointing
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
-                                    category=FutureWarning)
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+            )
             return PeftModel.from_pretrained(load_causal_lm(policy, {}, trust), weights).eval()
     return load_causal_lm(weights, {}, trust).eval()
 
 
-def _attach_weights(config: RunConfig, checkpoint: Checkpoint, model_result: dict,
-                    model_id: str) -> None:
+def _attach_weights(
+    config: RunConfig, checkpoint: Checkpoint, model_result: dict, model_id: str
+) -> None:
     from rloo.models import load_tokenizer, prepare_tokenizer
+
     policy = model_result["policy"]
     trust = bool(config.recipe_value("trust_remote_code"))
     model = load_policy(policy, checkpoint.path, trust)
-    tokenizer = prepare_tokenizer(load_tokenizer(model_result["tokenizer"] or policy, trust,
-                                                 config=model.config))
-    tracking.attach_transformers_weights(config.tracking_uri, model_id, checkpoint.name,
-                                         checkpoint.step, model, tokenizer,
-                                         policy if checkpoint.adapter else None)
+    tokenizer = prepare_tokenizer(
+        load_tokenizer(model_result["tokenizer"] or policy, trust, config=model.config)
+    )
+    tracking.attach_transformers_weights(
+        config.tracking_uri,
+        model_id,
+        checkpoint.name,
+        checkpoint.step,
+        model,
+        tokenizer,
+        policy if checkpoint.adapter else None,
+    )
 
 
 def to_evaluate(config: RunConfig, train_result: dict) -> list[Checkpoint]:
@@ -168,7 +194,7 @@ def to_evaluate(config: RunConfig, train_result: dict) -> list[Checkpoint]:
     interval = config.evaluation.checkpoint_interval
     saved = saved_checkpoints(config, train_result)
     kept = [c for c in saved if c.name != FINAL and c.exists]
-    chosen = kept[interval - 1::interval] if interval else []
+    chosen = kept[interval - 1 :: interval] if interval else []
     return chosen + [c for c in saved if c.name == FINAL]
 
 
@@ -178,22 +204,33 @@ def best(table: list[dict], metric: str) -> dict | None:
     scored = [row for row in table if row["held_out"].get(metric) is not None]
     if not scored:
         return None
-    return max(scored, key=lambda row: (row["held_out"][metric], -row["step"],
-                                        row["name"] != FINAL))
+    return max(
+        scored, key=lambda row: (row["held_out"][metric], -row["step"], row["name"] != FINAL)
+    )
 
 
 def render_table(table: list[dict], metric: str, set_names: list[str]) -> list[str]:
     """Markdown rows: one per evaluated checkpoint, its held-out `metric` (and every extra set's),
     the best marked."""
     chosen = best(table, metric)
-    header = ["checkpoint", "step", f"held-out {metric}", *(f"{name} {metric}" for name in
-                                                             set_names), ""]
+    header = [
+        "checkpoint",
+        "step",
+        f"held-out {metric}",
+        *(f"{name} {metric}" for name in set_names),
+        "",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in table:
-        values = [row["held_out"].get(metric), *(row["sets"].get(name, {}).get(metric)
-                                                 for name in set_names)]
-        cells = [row["name"], str(row["step"]),
-                 *("-" if value is None else f"{value:.3f}" for value in values),
-                 "**best**" if chosen is not None and row["name"] == chosen["name"] else ""]
+        values = [
+            row["held_out"].get(metric),
+            *(row["sets"].get(name, {}).get(metric) for name in set_names),
+        ]
+        cells = [
+            row["name"],
+            str(row["step"]),
+            *("-" if value is None else f"{value:.3f}" for value in values),
+            "**best**" if chosen is not None and row["name"] == chosen["name"] else "",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -12,19 +12,21 @@ import re
 from infra.runconfig import ConfigError
 
 # What a service's URL is read from when its option is not given.
-ENVIRONMENT = {"mlflow": "RLOO_MLFLOW_DB", "prefect": "RLOO_PREFECT_DB",
-               "sweep": "RLOO_SWEEP_DB"}
+ENVIRONMENT = {"mlflow": "RLOO_MLFLOW_DB", "prefect": "RLOO_PREFECT_DB", "sweep": "RLOO_SWEEP_DB"}
 DRIVERS = {"mlflow": "psycopg", "sweep": "psycopg", "prefect": "asyncpg"}
 
 
 def check(url: str, where: str) -> str:
     """A PostgreSQL URL without a password, or a SQLite one; else a ConfigError naming `where`."""
     if re.match(r"^[a-z0-9+]+://[^/@]*:[^/@]*@", url):
-        raise ConfigError(f"{where} has a password in it: remove it and set PGPASSWORD or "
-                          "~/.pgpass (URLs are logged; secrets never are).")
+        raise ConfigError(
+            f"{where} has a password in it: remove it and set PGPASSWORD or "
+            "~/.pgpass (URLs are logged; secrets never are)."
+        )
     if not re.match(r"^(sqlite|postgresql|postgres)(\+\w+)?://", url):
-        raise ConfigError(f"{where}: {url!r}: use postgresql://user@host:port/database (or "
-                          "sqlite:///path).")
+        raise ConfigError(
+            f"{where}: {url!r}: use postgresql://user@host:port/database (or sqlite:///path)."
+        )
     return url
 
 

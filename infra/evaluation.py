@@ -20,25 +20,38 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
 
     from rloo.rollout import RolloutSettings, build_rollout, rollout_metrics
     from rloo.vision import has_image_processor
+
     batch = config.evaluation.batch_size
 
     def generate(prompt_ids, media=None, images=None):  # a VLM's images (rloo.vision)
         completions = []
         with generator.reusing_weights():  # one policy's weights for every batch
             for start in range(0, len(prompt_ids), batch):
-                with_media = {} if media is None else {"media": media[start:start + batch]}
-                completions += generator.generate(model, prompt_ids[start:start + batch], 1,
-                                                  state.global_step, **with_media)
+                with_media = {} if media is None else {"media": media[start : start + batch]}
+                completions += generator.generate(
+                    model, prompt_ids[start : start + batch], 1, state.global_step, **with_media
+                )
         return completions
 
     weights = torch.tensor(
-        config.recipe_value("reward_weights") or [1.0] * len(runner.names), dtype=torch.float32)
-    settings = RolloutSettings(num_generations=1, pad_token_id=generator.pad_token_id,
-                               eos_token_ids=generator.eos_ids, reward_weights=weights,
-                               chat_template_kwargs=config.recipe_value("chat_template_kwargs"),
-                               vision=has_image_processor(tokenizer))
-    rollout = build_rollout(rows, settings, generate=generate, processing_class=tokenizer,
-                            reward_runner=runner, trainer_state=state)
+        config.recipe_value("reward_weights") or [1.0] * len(runner.names), dtype=torch.float32
+    )
+    settings = RolloutSettings(
+        num_generations=1,
+        pad_token_id=generator.pad_token_id,
+        eos_token_ids=generator.eos_ids,
+        reward_weights=weights,
+        chat_template_kwargs=config.recipe_value("chat_template_kwargs"),
+        vision=has_image_processor(tokenizer),
+    )
+    rollout = build_rollout(
+        rows,
+        settings,
+        generate=generate,
+        processing_class=tokenizer,
+        reward_runner=runner,
+        trainer_state=state,
+    )
     measured = rollout_metrics(rollout, runner.names, weights)
 
     def number(value: float) -> float | None:
@@ -57,19 +70,32 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
     return {"metrics": metrics, "texts": rollout.completion_texts}
 
 
-def score_policies(config: RunConfig, policy: str, tokenizer_name: str | None, rows: list[dict],
-                   weights: dict[str, str | None], steps: dict[str, int],
-                   max_steps: int) -> dict[str, dict]:
+def score_policies(
+    config: RunConfig,
+    policy: str,
+    tokenizer_name: str | None,
+    rows: list[dict],
+    weights: dict[str, str | None],
+    steps: dict[str, int],
+    max_steps: int,
+) -> dict[str, dict]:
     """Each labelled policy (`load_policy(policy, weights[label])`) on the same rows with the run's
     evaluation settings and reward functions: {label: {"metrics": ..., "texts": ...}}. Reward
     functions see a TrainerState at that policy's step, as in training."""
-    return score_sets(config, policy, tokenizer_name, {"held_out": rows}, weights, steps,
-                      max_steps)["held_out"]
+    return score_sets(
+        config, policy, tokenizer_name, {"held_out": rows}, weights, steps, max_steps
+    )["held_out"]
 
 
-def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None,
-               row_sets: dict[str, list[dict]], weights: dict[str, str | None],
-               steps: dict[str, int], max_steps: int) -> dict[str, dict]:
+def score_sets(
+    config: RunConfig,
+    policy: str,
+    tokenizer_name: str | None,
+    row_sets: dict[str, list[dict]],
+    weights: dict[str, str | None],
+    steps: dict[str, int],
+    max_steps: int,
+) -> dict[str, dict]:
     """score_policies for several sets of rows: {set: {label: {...}}}. One model in memory at a
     time; labels whose weights are equal (the final model and the checkpoint of the same step) are
     scored once."""
@@ -78,19 +104,29 @@ def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None,
 
     from rloo.cli import resolve_reward, reward_entries
     from rloo.generation import in_process_generator
-    from rloo.models import (eos_token_ids, load_reward_model, load_tokenizer, prepare_tokenizer,
-                             reward_tokenizers, text_tokenizer_of)
+    from rloo.models import (
+        eos_token_ids,
+        load_reward_model,
+        load_tokenizer,
+        prepare_tokenizer,
+        reward_tokenizers,
+        text_tokenizer_of,
+    )
     from rloo.vision import is_vision_config
     from rloo.rewards import RewardRunner
+
     trust = bool(config.recipe_value("trust_remote_code"))
     reward_funcs = [resolve_reward(entry) for entry in reward_entries(config.training)]
     reward_funcs = [
         load_reward_model(f, {}, trust) if isinstance(f, str) else f for f in reward_funcs
     ]
-    runner = RewardRunner(reward_funcs, reward_tokenizers(reward_funcs, None, trust),
-                          config.recipe_value("chat_template_kwargs"),
-                          config.recipe_value("reward_timeout"),
-                          config.recipe_value("nonfinite_rewards"))
+    runner = RewardRunner(
+        reward_funcs,
+        reward_tokenizers(reward_funcs, None, trust),
+        config.recipe_value("chat_template_kwargs"),
+        config.recipe_value("reward_timeout"),
+        config.recipe_value("nonfinite_rewards"),
+    )
     scored = {name: {} for name in row_sets}
     done = {}  # weights digest -> the label scored with them
     tokenizer = generator = None
@@ -104,18 +140,29 @@ def score_sets(config: RunConfig, policy: str, tokenizer_name: str | None,
         if generator is None:
             # a VLM: its processor, model.generate with the images (rloo.vision)
             vision = is_vision_config(model.config)
-            tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_name or policy, trust,
-                                                         config=model.config))
+            tokenizer = prepare_tokenizer(
+                load_tokenizer(tokenizer_name or policy, trust, config=model.config)
+            )
             text_tokenizer = text_tokenizer_of(tokenizer)
             eos = eos_token_ids(text_tokenizer, model)
             generator = in_process_generator(
                 generation_config(config, model, text_tokenizer.pad_token_id, eos),
-                text_tokenizer.pad_token_id, eos, model, fast=False if vision else None)
+                text_tokenizer.pad_token_id,
+                eos,
+                model,
+                fast=False if vision else None,
+            )
         for name, rows in row_sets.items():
             torch.manual_seed(config.data.seed)
-            scored[name][label] = _score(config, model, tokenizer, rows, runner, generator,
-                                         TrainerState(global_step=steps[label],
-                                                      max_steps=max_steps))
+            scored[name][label] = _score(
+                config,
+                model,
+                tokenizer,
+                rows,
+                runner,
+                generator,
+                TrainerState(global_step=steps[label], max_steps=max_steps),
+            )
         if digest is not None:
             done[digest] = label
         del model
@@ -129,15 +176,29 @@ def generation_config(config: RunConfig, model, pad_token_id: int, eos: list[int
     from transformers import GenerationConfig
 
     from rloo.vision import is_vision_config, placeholder_token_ids
+
     settings = config.evaluation
-    sampling = dict(do_sample=False) if settings.temperature == 0 else dict(
-        do_sample=True, temperature=settings.temperature, top_p=settings.top_p,
-        top_k=settings.top_k)
+    sampling = (
+        dict(do_sample=False)
+        if settings.temperature == 0
+        else dict(
+            do_sample=True,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+        )
+    )
     max_new = settings.max_completion_length or config.recipe_value("max_completion_length")
-    return GenerationConfig(max_new_tokens=max_new, pad_token_id=pad_token_id, eos_token_id=eos,
-                            repetition_penalty=settings.repetition_penalty, **sampling,
-                            suppress_tokens=placeholder_token_ids(model.config)
-                            if is_vision_config(model.config) else None)
+    return GenerationConfig(
+        max_new_tokens=max_new,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos,
+        repetition_penalty=settings.repetition_penalty,
+        **sampling,
+        suppress_tokens=placeholder_token_ids(model.config)
+        if is_vision_config(model.config)
+        else None,
+    )
 
 
 def evaluation_fingerprint(config: RunConfig, rows: list[dict]) -> str:
@@ -146,23 +207,28 @@ def evaluation_fingerprint(config: RunConfig, rows: list[dict]) -> str:
     import hashlib
 
     from rloo.cli import reward_entries
+
     payload = {
-        "prompts": [row["prompt"] for row in rows], "evaluation": config.evaluation.model_dump(),
+        "prompts": [row["prompt"] for row in rows],
+        "evaluation": config.evaluation.model_dump(),
         "max_completion_length": config.recipe_value("max_completion_length"),
         "reward_funcs": reward_entries(config.training),
         "reward_weights": config.recipe_value("reward_weights"),
-        "chat_template_kwargs": config.recipe_value("chat_template_kwargs")
+        "chat_template_kwargs": config.recipe_value("chat_template_kwargs"),
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True,
-                                     default=str).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[
+        :16
+    ]
 
 
 def held_out_rows(dataset_result: dict) -> list[dict]:
     from datasets import load_from_disk
+
     rows = list(load_from_disk(dataset_result["eval_path"]))
     if not rows:
         raise ValueError(
-            "no held-out prompts to evaluate (data.eval_size is 0); set evaluation.enabled: false.")
+            "no held-out prompts to evaluate (data.eval_size is 0); set evaluation.enabled: false."
+        )
     return rows
 
 
@@ -170,6 +236,7 @@ def extra_set_rows(config: RunConfig, name: str, training_prompts: list) -> list
     """evaluation.extra_sets[name]'s rows, checked as training rows are, none of whose prompts is a
     training prompt (a held-out set must be kept out of training)."""
     from rloo.data import load_prompt_dataset, validate_prompt_rows
+
     path = config.evaluation.extra_sets[name]
     if not os.path.isfile(path):
         raise ValueError(f"evaluation.extra_sets.{name}: {path!r}: no such file.")
@@ -177,19 +244,20 @@ def extra_set_rows(config: RunConfig, name: str, training_prompts: list) -> list
     validate_prompt_rows(dataset, path)
     rows = list(dataset)
     seen = {
-        json.dumps(prompt, sort_keys=True): index
-        for index, prompt in enumerate(training_prompts)
+        json.dumps(prompt, sort_keys=True): index for index, prompt in enumerate(training_prompts)
     }
     for index, row in enumerate(rows):
         if (found := seen.get(json.dumps(row["prompt"], sort_keys=True))) is not None:
             raise ValueError(
                 f"evaluation.extra_sets.{name}: row {index}'s prompt is training prompt {found} of "
-                "data.source. Fix: keep the set's prompts out of the training data.")
+                "data.source. Fix: keep the set's prompts out of the training data."
+            )
     return rows
 
 
-def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
-                    train_result: dict) -> dict:
+def evaluate_policy(
+    config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict
+) -> dict:
     """Held-out prompts (and evaluation.extra_sets): the base model, the final model and every
     `evaluation.checkpoint_interval`-th checkpoint, each scored the same way: mean reward per
     function, accuracy where a reward is 0/1, completion lengths; a markdown report with a table
@@ -199,47 +267,85 @@ def evaluate_policy(config: RunConfig, dataset_result: dict, model_result: dict,
 
     stages.record_execution(config, "evaluate")
     rows = held_out_rows(dataset_result)
-    training = load_from_disk(
-        dataset_result["train_path"])["prompt"] if config.evaluation.extra_sets else []
-    row_sets = {"held_out": rows, **{name: extra_set_rows(config, name, training)
-                                     for name in config.evaluation.extra_sets}}
+    training = (
+        load_from_disk(dataset_result["train_path"])["prompt"]
+        if config.evaluation.extra_sets
+        else []
+    )
+    row_sets = {
+        "held_out": rows,
+        **{name: extra_set_rows(config, name, training) for name in config.evaluation.extra_sets},
+    }
     step = train_result["global_step"]
     evaluated = checkpoints.to_evaluate(config, train_result)
     weights = {"base": None, **{c.name: c.path for c in evaluated}}
-    scored = score_sets(config, model_result["policy"], model_result["tokenizer"], row_sets,
-                        weights, {"base": 0, **{c.name: c.step for c in evaluated}}, step)
+    scored = score_sets(
+        config,
+        model_result["policy"],
+        model_result["tokenizer"],
+        row_sets,
+        weights,
+        {"base": 0, **{c.name: c.step for c in evaluated}},
+        step,
+    )
     for found in scored.values():  # the final model is "trained" in the report's tables
         found["trained"] = found.pop(checkpoints.FINAL)
     results = scored["held_out"]
     base_metrics, trained_metrics = results["base"]["metrics"], results["trained"]["metrics"]
     sets = {
         name: {
-            "base": scored[name]["base"]["metrics"], "trained": scored[name]["trained"]["metrics"],
-            "num_prompts": len(row_sets[name]), "path": config.evaluation.extra_sets[name]
+            "base": scored[name]["base"]["metrics"],
+            "trained": scored[name]["trained"]["metrics"],
+            "num_prompts": len(row_sets[name]),
+            "path": config.evaluation.extra_sets[name],
         }
         for name in config.evaluation.extra_sets
     }
-    table = [{
-        "name": c.name, "step": c.step, "model_id": c.model_id,
-        "held_out": scored["held_out"][_label(c)]["metrics"],
-        "sets": {name: scored[name][_label(c)]["metrics"] for name in config.evaluation.extra_sets}
-    } for c in evaluated]
+    table = [
+        {
+            "name": c.name,
+            "step": c.step,
+            "model_id": c.model_id,
+            "held_out": scored["held_out"][_label(c)]["metrics"],
+            "sets": {
+                name: scored[name][_label(c)]["metrics"] for name in config.evaluation.extra_sets
+            },
+        }
+        for c in evaluated
+    ]
     out = stages.stage_path(config, "eval")
     os.makedirs(out, exist_ok=True)
     plot = plot_reward_curve(train_result["metrics_path"], os.path.join(out, "reward_curve.png"))
-    timing_plot = plot_step_timing(train_result["metrics_path"],
-                                   os.path.join(out, "step_timing.png"))
-    report = render_report(config, dataset_result, base_metrics, trained_metrics, rows, results,
-                           plot, timing_plot, sets, table)
+    timing_plot = plot_step_timing(
+        train_result["metrics_path"], os.path.join(out, "step_timing.png")
+    )
+    report = render_report(
+        config,
+        dataset_result,
+        base_metrics,
+        trained_metrics,
+        rows,
+        results,
+        plot,
+        timing_plot,
+        sets,
+        table,
+    )
     with open(os.path.join(out, "report.md"), "w") as handle:
         handle.write(report)
     gain = None
     if base_metrics["reward"] is not None and trained_metrics["reward"] is not None:
         gain = trained_metrics["reward"] - base_metrics["reward"]
     result = {
-        "base": base_metrics, "trained": trained_metrics, "reward_gain": gain,
-        "num_prompts": len(rows), "report_path": os.path.join(out, "report.md"), "plot_path": plot,
-        "timing_plot_path": timing_plot, "extra_sets": sets, "checkpoints": table
+        "base": base_metrics,
+        "trained": trained_metrics,
+        "reward_gain": gain,
+        "num_prompts": len(rows),
+        "report_path": os.path.join(out, "report.md"),
+        "plot_path": plot,
+        "timing_plot_path": timing_plot,
+        "extra_sets": sets,
+        "checkpoints": table,
     }
     stages.write_json(os.path.join(out, "metrics.json"), result)
     return stages.save_stage_result(config, "evaluate", result)
@@ -251,13 +357,16 @@ def _label(checkpoint) -> str:
 
 def _training_records(metrics_path: str) -> list[dict]:
     from infra.job_tracking import read_metrics
+
     return [r for r in read_metrics(os.path.dirname(metrics_path)) if "train_runtime" not in r]
 
 
 def figure(size=(6, 3.5)):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt, *plt.subplots(figsize=size)
 
 
@@ -285,6 +394,7 @@ def plot_step_timing(metrics_path: str, target: str) -> str | None:
     """A stacked bar per logged step: seconds in each timing/* section (rloo.timing), the step's
     wall time on top."""
     from rloo.timing import SECTIONS
+
     records = [
         r for r in _training_records(metrics_path) if "step_time" in r and "timing/train" in r
     ]
@@ -313,31 +423,53 @@ def _table(base: dict, trained: dict) -> list[str]:
     lines = ["| metric | base | trained | change |", "| --- | --- | --- | --- |"]
     for key in base:
         change = None if base[key] is None or trained.get(key) is None else trained[key] - base[key]
-        lines.append(f"| {key} | {format_number(base[key])} | {format_number(trained.get(key))} | "
-                     f"{'-' if change is None else f'{change:+.3f}'} |")
+        lines.append(
+            f"| {key} | {format_number(base[key])} | {format_number(trained.get(key))} | "
+            f"{'-' if change is None else f'{change:+.3f}'} |"
+        )
     return lines
 
 
-def render_report(config, dataset_result, base, trained, rows, results, plot, timing_plot=None,
-                  sets: dict | None = None, table: list[dict] | None = None) -> str:
+def render_report(
+    config,
+    dataset_result,
+    base,
+    trained,
+    rows,
+    results,
+    plot,
+    timing_plot=None,
+    sets: dict | None = None,
+    table: list[dict] | None = None,
+) -> str:
     temperature = config.evaluation.temperature
     decoding = "greedy decoding" if temperature == 0 else f"temperature {temperature}"
-    lines = [f"# Evaluation of `{config.run_key}`", "",
-             f"{len(rows)} held-out prompts from `{dataset_result['source']}`, {decoding}.", "",
-             *_table(base, trained)]
+    lines = [
+        f"# Evaluation of `{config.run_key}`",
+        "",
+        f"{len(rows)} held-out prompts from `{dataset_result['source']}`, {decoding}.",
+        "",
+        *_table(base, trained),
+    ]
     for name, found in (sets or {}).items():
         lines += [
-            "", f"## Held-out set `{name}`", "",
-            f"{found['num_prompts']} prompts from `{found['path']}`, kept out of training.", "",
-            *_table(found["base"], found["trained"])
+            "",
+            f"## Held-out set `{name}`",
+            "",
+            f"{found['num_prompts']} prompts from `{found['path']}`, kept out of training.",
+            "",
+            *_table(found["base"], found["trained"]),
         ]
     if table:
         metric = config.promotion.metric
         lines += [
-            "", "## Checkpoints", "",
+            "",
+            "## Checkpoints",
+            "",
             f"Each evaluated checkpoint on the same prompts; the best by held-out `{metric}` "
-            "(promotion.metric) is what `rloo-pipeline promote` takes by default.", "",
-            *checkpoints.render_table(table, metric, list(sets or {}))
+            "(promotion.metric) is what `rloo-pipeline promote` takes by default.",
+            "",
+            *checkpoints.render_table(table, metric, list(sets or {})),
         ]
     if plot:
         lines += ["", f"![training reward]({os.path.basename(plot)})"]
@@ -345,12 +477,14 @@ def render_report(config, dataset_result, base, trained, rows, results, plot, ti
         lines += ["", f"![step time by section]({os.path.basename(timing_plot)})"]
     lines += ["", "## Samples", "", "| prompt | base | trained |", "| --- | --- | --- |"]
     from rloo.completion_log import as_text
+
     for index in range(min(5, len(rows))):
         cells = [
-            as_text(rows[index]["prompt"]), results["base"]["texts"][index],
-            results["trained"]["texts"][index]
+            as_text(rows[index]["prompt"]),
+            results["base"]["texts"][index],
+            results["trained"]["texts"][index],
         ]
-        lines.append("| " +
-                     " | ".join(c.replace("|", "\\|").replace("\n", " ")[:160]
-                                for c in cells) + " |")
+        lines.append(
+            "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ")[:160] for c in cells) + " |"
+        )
     return "\n".join(lines) + "\n"

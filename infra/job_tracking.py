@@ -21,8 +21,13 @@ import time
 
 from transformers import TrainerCallback
 
-from infra.tracking import (client, log_metrics, numeric_metrics, start_system_metrics,
-                            stop_system_metrics)
+from infra.tracking import (
+    client,
+    log_metrics,
+    numeric_metrics,
+    start_system_metrics,
+    stop_system_metrics,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +40,13 @@ CHECKPOINTS = "checkpoints.jsonl"
 def tracking_environment(tracking_uri: str, run_id: str, train_dir: str) -> dict[str, str]:
     """What the training job needs to log into the train stage's run (rank 0 only), failing fast on
     outages."""
-    return {"MLFLOW_TRACKING_URI": tracking_uri, ENV_RUN_ID: run_id, ENV_TRAIN_DIR: train_dir,
-            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+    return {
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        ENV_RUN_ID: run_id,
+        ENV_TRAIN_DIR: train_dir,
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    }
 
 
 class RunDirTrackingCallback(TrainerCallback):
@@ -52,8 +62,11 @@ class RunDirTrackingCallback(TrainerCallback):
         self.train_dir = os.environ.get(ENV_TRAIN_DIR)
         self.run_id = os.environ.get(ENV_RUN_ID)
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
-        self.logged = {_line_key(record)
-                       for record in read_metrics(self.train_dir)} if self.train_dir else set()
+        self.logged = (
+            {_line_key(record) for record in read_metrics(self.train_dir)}
+            if self.train_dir
+            else set()
+        )
         self.sender: Sender | None = None  # started at the first item to send
         self.monitor = None  # MLflow's system-metrics thread on a node's local rank 0
 
@@ -102,6 +115,7 @@ class RunDirTrackingCallback(TrainerCallback):
         if not self._active(state) or not rows:
             return
         from rloo.callbacks import image_columns
+
         path = os.path.join(self.train_dir, "completions", f"step_{state.global_step:07d}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "images"}
@@ -115,10 +129,14 @@ class RunDirTrackingCallback(TrainerCallback):
                 columns[column].append(name)
         with open(path, "w") as handle:
             json.dump(columns, handle, default=str)
-        self._send({
-            "kind": "table", "path": path, "artifact_file": f"completions/{os.path.basename(path)}",
-            "image_columns": list(images)
-        })
+        self._send(
+            {
+                "kind": "table",
+                "path": path,
+                "artifact_file": f"completions/{os.path.basename(path)}",
+                "image_columns": list(images),
+            }
+        )
 
     def on_save(self, args, state, control, **kwargs):
         """Each checkpoint saved, recorded once (a resumed attempt saves none twice) in
@@ -129,9 +147,14 @@ class RunDirTrackingCallback(TrainerCallback):
         path = os.path.join(self.train_dir, CHECKPOINTS)
         if any(record["step"] == state.global_step for record in read_jsonl(path)):
             return
-        _append(path, {"step": state.global_step, "time": time.time(),
-                       "path": os.path.join(args.output_dir,
-                                            f"checkpoint-{state.global_step}")})
+        _append(
+            path,
+            {
+                "step": state.global_step,
+                "time": time.time(),
+                "path": os.path.join(args.output_dir, f"checkpoint-{state.global_step}"),
+            },
+        )
 
     def on_train_begin(self, args, state, control, **kwargs):
         """MLflow's system metrics (CPU, memory, disk, network; GPU where present) into the train
@@ -230,8 +253,12 @@ def metrics_item(record: dict) -> dict:
     """What is sent (or queued) for one metrics.jsonl record, stamped with the time it was logged: a
     resend of an item that had in fact arrived (its answer lost) adds nothing."""
     logs = {key: value for key, value in record.items() if key not in ("step", "time")}
-    return {"kind": "metrics", "step": record["step"], "metrics": numeric_metrics(logs),
-            "time_ms": int(record["time"] * 1000)}
+    return {
+        "kind": "metrics",
+        "step": record["step"],
+        "metrics": numeric_metrics(logs),
+        "time_ms": int(record["time"] * 1000),
+    }
 
 
 def enqueue(train_dir: str, item: dict) -> None:
@@ -254,6 +281,7 @@ def _upload(item: dict, tracking_uri: str, run_id: str) -> bool:
                 data = json.load(handle)
             for column in item.get("image_columns", []):  # MLflow stores PIL cells as images
                 from PIL import Image
+
                 folder = os.path.dirname(item["path"])
                 data[column] = [Image.open(os.path.join(folder, name)) for name in data[column]]
             mlflow_client.log_table(run_id, data=data, artifact_file=item["artifact_file"])

@@ -23,9 +23,12 @@ def stall_cause(output_dir: str, since: float) -> str | None:
     step stalled, on any node) written after `since` (epoch seconds), the first written first,
     each with its path; else None."""
     from rloo.watchdog import REPORTS
-    reports = sorted((os.path.getmtime(path), path)
-                     for path in glob.glob(os.path.join(output_dir, REPORTS))
-                     if os.path.getmtime(path) >= since)
+
+    reports = sorted(
+        (os.path.getmtime(path), path)
+        for path in glob.glob(os.path.join(output_dir, REPORTS))
+        if os.path.getmtime(path) >= since
+    )
     lines = []
     for _, path in reports:
         with open(path, errors="replace") as handle:
@@ -69,12 +72,18 @@ def job_environment(extra: dict[str, str], workdir: str) -> dict[str, str]:
     return env
 
 
-def wait_for_health(url: str, timeout_s: float, what: str = "the server", alive=lambda: True,
-                    error: type[Exception] = TimeoutError) -> None:
+def wait_for_health(
+    url: str,
+    timeout_s: float,
+    what: str = "the server",
+    alive=lambda: True,
+    error: type[Exception] = TimeoutError,
+) -> None:
     """Until `url` answers 200; `error` when `alive()` turns false or after `timeout_s`, naming
     `what` and the URL."""
     import time
     import urllib.request
+
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if not alive():

@@ -15,8 +15,15 @@ import time
 from infra.jobs import JobHandle, TrainingFailed, job_environment, tail
 
 __all__ = [
-    "JobHandle", "TrainJob", "TrainingFailed", "cancel", "job_environment", "job_state",
-    "submit_local", "stop_process_groups", "tail"
+    "JobHandle",
+    "TrainJob",
+    "TrainingFailed",
+    "cancel",
+    "job_environment",
+    "job_state",
+    "submit_local",
+    "stop_process_groups",
+    "tail",
 ]
 
 
@@ -24,8 +31,14 @@ class TrainJob:
     """What submitit runs: torchrun on this node, output to a log file; raises with the log's tail
     on failure."""
 
-    def __init__(self, recipe_path: str, nproc_per_node: int, env: dict[str, str], log_path: str,
-                 workdir: str):
+    def __init__(
+        self,
+        recipe_path: str,
+        nproc_per_node: int,
+        env: dict[str, str],
+        log_path: str,
+        workdir: str,
+    ):
         self.recipe_path = recipe_path
         self.nproc_per_node = nproc_per_node
         self.env = env
@@ -33,8 +46,19 @@ class TrainJob:
         self.workdir = workdir
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                str(self.nproc_per_node), "-m", "rloo", "train", "--config", self.recipe_path]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(self.nproc_per_node),
+            "-m",
+            "rloo",
+            "train",
+            "--config",
+            self.recipe_path,
+        ]
 
     def __call__(self) -> dict:
         env = job_environment(self.env, self.workdir)
@@ -42,17 +66,20 @@ class TrainJob:
         with open(self.log_path, "a") as log:
             log.write(f"$ {' '.join(self.command())}\n")
             log.flush()
-            code = subprocess.call(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   cwd=self.workdir)
+            code = subprocess.call(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir
+            )
         if code != 0:
             raise TrainingFailed(
                 f"training exited with code {code}; last lines of "
-                f"{self.log_path}:\n{tail(self.log_path)}")
+                f"{self.log_path}:\n{tail(self.log_path)}"
+            )
         return {"seconds": time.time() - start}
 
 
 def submit_local(job: TrainJob, folder: str, timeout_min: int) -> JobHandle:
     import submitit
+
     os.makedirs(folder, exist_ok=True)
     executor = submitit.LocalExecutor(folder=folder)
     executor.update_parameters(timeout_min=timeout_min)
@@ -76,8 +103,10 @@ def job_state(handle: JobHandle) -> tuple[str, str | None]:
     """('RUNNING' | 'COMPLETED' | 'FAILED' | 'LOST', error text). LOST = gone without a result
     (killed)."""
     from submitit.core.utils import JobPaths, pickle_load
+
     if handle.executor == "slurm":
         from infra.slurm import slurm_job_state
+
         return slurm_job_state(handle)
     paths = JobPaths(handle.folder, job_id=handle.job_id, task_id=0)
     if paths.result_pickle.exists():
@@ -87,8 +116,10 @@ def job_state(handle: JobHandle) -> tuple[str, str | None]:
         return "FAILED", str(value)
     if handle.executor == "local" and _pid_alive(int(handle.job_id)):
         return "RUNNING", None
-    return "LOST", (f"the job (pid {handle.job_id}) ended without a result; last lines of "
-                    f"{handle.log_path}:\n{tail(handle.log_path)}")
+    return "LOST", (
+        f"the job (pid {handle.job_id}) ended without a result; last lines of "
+        f"{handle.log_path}:\n{tail(handle.log_path)}"
+    )
 
 
 def descendants(pid: int) -> list[int]:
@@ -112,8 +143,10 @@ def descendants(pid: int) -> list[int]:
 def cancel(handle: JobHandle) -> None:
     """Stop a local job and every process it started (torchrun and its ranks)."""
     import signal
+
     if handle.executor == "slurm":
         from infra.slurm import scancel
+
         scancel(handle.job_id)
         return
     pid = int(handle.job_id)

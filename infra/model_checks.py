@@ -14,13 +14,14 @@ def resolve_model_source(config: RunConfig) -> tuple[str, str | None]:
     (rloo.assets.resolve_model_alias; 'tiny' is built under the run root),
     training.tokenizer_name_or_path first."""
     from rloo.assets import resolve_model_alias
-    policy, tokenizer = resolve_model_alias(config.training["model_name_or_path"],
-                                            os.path.join(config.run_root, ".assets"))
+
+    policy, tokenizer = resolve_model_alias(
+        config.training["model_name_or_path"], os.path.join(config.run_root, ".assets")
+    )
     return policy, config.training.get("tokenizer_name_or_path") or tokenizer
 
 
-def check_lora_targets(model_source: str, targets,
-                       trust_remote_code: bool) -> tuple[int, object]:
+def check_lora_targets(model_source: str, targets, trust_remote_code: bool) -> tuple[int, object]:
     """Build the architecture on the meta device (no weights) and check that LoRA's targets exist
     (None: PEFT's default for the architecture); returns (the parameter count, the targets)."""
     import torch
@@ -28,6 +29,7 @@ def check_lora_targets(model_source: str, targets,
 
     from rloo.adapters import default_lora_targets, linear_module_names
     from rloo.vision import is_vision_config
+
     model_config = AutoConfig.from_pretrained(model_source, trust_remote_code=trust_remote_code)
     if targets is None:
         try:
@@ -43,7 +45,8 @@ def check_lora_targets(model_source: str, targets,
         if missing:
             raise ValueError(
                 f"training.lora_target_modules {missing} match no layer of "
-                f"{type(skeleton).__name__}; its Linear layers are: {', '.join(available)}.")
+                f"{type(skeleton).__name__}; its Linear layers are: {', '.join(available)}."
+            )
     return sum(p.numel() for p in skeleton.parameters()), targets
 
 
@@ -53,12 +56,15 @@ def check_tokenizer_fits(policy: str, tokenizer, args, dataset_result: dict) -> 
     truncated)."""
     import datasets
     from transformers import AutoConfig
+
     model_config = AutoConfig.from_pretrained(policy, trust_remote_code=args.trust_remote_code)
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") \
-        else model_config
+    text_config = (
+        model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    )
     vocab = getattr(text_config, "vocab_size", None)
     context = getattr(text_config, "max_position_embeddings", None)
     from rloo import vision
+
     processor, tokenizer = tokenizer, getattr(tokenizer, "tokenizer", tokenizer)
     if vocab and len(tokenizer) > vocab:
         raise ValueError(
@@ -74,19 +80,24 @@ def check_tokenizer_fits(policy: str, tokenizer, args, dataset_result: dict) -> 
     for index, row in enumerate(rows):
         prompt = text = row["prompt"]
         if with_images:  # the image tokens count: the processor expands them per image
-            ids, _ = vision.process_prompts(processor, [prompt], [vision.row_images(row)],
-                                            args.chat_template_kwargs)
+            ids, _ = vision.process_prompts(
+                processor, [prompt], [vision.row_images(row)], args.chat_template_kwargs
+            )
             length = len(ids[0])
             text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
         else:
             if isinstance(prompt, list):
-                text = tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                     add_generation_prompt=True,
-                                                     **(args.chat_template_kwargs or {}))
+                text = tokenizer.apply_chat_template(
+                    prompt,
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    **(args.chat_template_kwargs or {}),
+                )
             length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         if length + (args.max_completion_length or 1) > context:
             raise ValueError(
                 f"data: training prompt {index} ({str(text)[:50]!r}...) is {length} tokens; with "
                 f"training.max_completion_length={args.max_completion_length} it exceeds the "
                 f"context of {policy} ({context} tokens, max_position_embeddings). Fix: drop or "
-                "shorten the long prompts, or a smaller max_completion_length.")
+                "shorten the long prompts, or a smaller max_completion_length."
+            )

@@ -16,9 +16,16 @@ from rloo.checkpoint import is_complete
 
 # model aliases with a public counterpart
 HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
-                   "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 
 
 class PromotionError(ValueError):
@@ -67,12 +74,14 @@ def load_config(config_path: str, overrides: list[str]) -> RunConfig:
         if not assignment.startswith("promotion."):
             raise ConfigError(
                 f"--set {assignment!r}: only promotion.* settings can change at promotion (the "
-                "rest is the run's identity).")
+                "rest is the run's identity)."
+            )
     return load_run_config(config_path, overrides)
 
 
 def _uses_hub() -> bool:
     from rloo.hub import HfHubPublisher, get_publisher
+
     return isinstance(get_publisher(), HfHubPublisher)
 
 
@@ -83,7 +92,8 @@ def parse_checkpoint(value: str | int | None) -> str:
         return text
     raise PromotionError(
         f"--checkpoint {value!r}: use best (the checkpoint with the highest held-out "
-        "promotion.metric), last (the final model) or a checkpoint's step, e.g. 20.")
+        "promotion.metric), last (the final model) or a checkpoint's step, e.g. 20."
+    )
 
 
 def prepare(config: RunConfig, checkpoint: str | int | None = "best") -> Candidate:
@@ -100,46 +110,63 @@ def prepare(config: RunConfig, checkpoint: str | int | None = "best") -> Candida
         raise PromotionError(
             f"run {config.run_key} has no finished evaluation (stages not done: "
             f"{', '.join(missing)}). Fix: rloo-pipeline resume {config.run_key} --run-root "
-            f"{config.run_root}, with evaluation.enabled: true.")
+            f"{config.run_root}, with evaluation.enabled: true."
+        )
     train, table = result["train"], result["evaluate"].get("checkpoints") or []
     metric = config.promotion.metric
     known = sorted(result["evaluate"]["trained"])
     if metric not in known:
         raise PromotionError(
             f"promotion.metric={metric!r} is not a held-out metric of run {config.run_key} (it "
-            f"has: {', '.join(known)}). Fix: --set promotion.metric=<one of them>.")
+            f"has: {', '.join(known)}). Fix: --set promotion.metric=<one of them>."
+        )
     chosen, reason = _choose(config, train, table, choice, metric)
     settings = config.promotion
     if _uses_hub():
         if not settings.hub_repo:
             raise PromotionError(
                 "promotion.hub_repo is not set: where should the model go? Fix: --set "
-                "promotion.hub_repo=<user or org>/<name> (or RLOO_HUB_PUBLISHER=local:/dir).")
+                "promotion.hub_repo=<user or org>/<name> (or RLOO_HUB_PUBLISHER=local:/dir)."
+            )
         from huggingface_hub import get_token
+
         if not get_token():
             raise PromotionError(
                 "no Hugging Face token: publishing to the Hub needs one. Fix: export HF_TOKEN=... "
                 "(a write token) or `hf auth login`; RLOO_HUB_PUBLISHER=local:/dir publishes to a "
-                "directory instead.")
+                "directory instead."
+            )
     summary = stages.read_json(stages.stage_path(config, "summary.json")) or {}
     if not summary.get("mlflow_run_id"):
         raise PromotionError(
             f"run {config.run_key} has no MLflow run recorded in summary.json (did the pipeline "
-            "finish?). Fix: rloo-pipeline resume it.")
+            "finish?). Fix: rloo-pipeline resume it."
+        )
     if not chosen.model_id:
         raise PromotionError(
             f"{chosen.name} of run {config.run_key} is not a model in MLflow (the train stage "
-            "logs one per checkpoint). Fix: rloo-pipeline resume it with MLflow reachable.")
+            "logs one per checkpoint). Fix: rloo-pipeline resume it with MLflow reachable."
+        )
     rows = evaluation.held_out_rows(result["dataset"])
     row = next((row for row in table if row["name"] == chosen.name), None)
-    return Candidate(config=config, weights=chosen.path, step=chosen.step,
-                     checkpoint=chosen.name, adapter=chosen.adapter,
-                     policy=result["model"]["policy"], tokenizer=result["model"]["tokenizer"],
-                     evaluation=result["evaluate"], rows=rows,
-                     eval_fingerprint=evaluation.evaluation_fingerprint(config, rows),
-                     parent_run_id=summary["mlflow_run_id"], model_id=chosen.model_id,
-                     train_run_id=train["mlflow_run_id"], reason=reason, table=table,
-                     metrics=row["held_out"] if row else None)
+    return Candidate(
+        config=config,
+        weights=chosen.path,
+        step=chosen.step,
+        checkpoint=chosen.name,
+        adapter=chosen.adapter,
+        policy=result["model"]["policy"],
+        tokenizer=result["model"]["tokenizer"],
+        evaluation=result["evaluate"],
+        rows=rows,
+        eval_fingerprint=evaluation.evaluation_fingerprint(config, rows),
+        parent_run_id=summary["mlflow_run_id"],
+        model_id=chosen.model_id,
+        train_run_id=train["mlflow_run_id"],
+        reason=reason,
+        table=table,
+        metrics=row["held_out"] if row else None,
+    )
 
 
 def _choose(config: RunConfig, train: dict, table: list[dict], choice: str, metric: str):
@@ -157,25 +184,31 @@ def _choose(config: RunConfig, train: dict, table: list[dict], choice: str, metr
                 f"--checkpoint best: run {config.run_key}'s checkpoints were not evaluated "
                 f"(evaluation.checkpoint_interval={config.evaluation.checkpoint_interval}; "
                 "evaluated: the final model only). Fix: --checkpoint last, or a step of "
-                f"{', '.join(str(c.step) for c in kept) or 'none kept'}.")
+                f"{', '.join(str(c.step) for c in kept) or 'none kept'}."
+            )
         top = checkpoints.best(table, metric)
         if top is None:
             raise PromotionError(
                 f"--checkpoint best: no evaluated checkpoint of run {config.run_key} has a "
-                f"held-out {metric}. Fix: --checkpoint last or a step.")
+                f"held-out {metric}. Fix: --checkpoint last or a step."
+            )
         chosen = next(c for c in saved if c.name == top["name"])
         if not chosen.exists:
-            raise PromotionError(f"--checkpoint best: {chosen.name}'s folder is gone "
-                                 f"({chosen.path}). Fix: --checkpoint last or a kept step.")
+            raise PromotionError(
+                f"--checkpoint best: {chosen.name}'s folder is gone "
+                f"({chosen.path}). Fix: --checkpoint last or a kept step."
+            )
         return chosen, (
             f"the best held-out {metric} ({top['held_out'][metric]:.4f}) of the {len(table)} "
-            f"evaluated checkpoints (--checkpoint best; never the training reward)")
+            f"evaluated checkpoints (--checkpoint best; never the training reward)"
+        )
     step = int(choice)
     chosen = next((c for c in kept if c.step == step), None)
     if chosen is None or not is_complete(chosen.path):
         raise PromotionError(
             f"--checkpoint {step}: run {config.run_key} has no complete checkpoint-{step} (it "
-            f"has: {', '.join(c.name for c in kept) or 'none'}; or best, last).")
+            f"has: {', '.join(c.name for c in kept) or 'none'}; or best, last)."
+        )
     return chosen, f"checkpoint-{step}, as asked (--checkpoint {step})"
 
 
@@ -184,29 +217,34 @@ def candidate_metrics(candidate: Candidate) -> dict:
     measured now, the same way."""
     if candidate.metrics is not None:
         return candidate.metrics
-    scored = evaluation.score_policies(candidate.config, candidate.policy, candidate.tokenizer,
-                                       candidate.rows, {"candidate": candidate.weights},
-                                       {"candidate": candidate.step}, candidate.step)
+    scored = evaluation.score_policies(
+        candidate.config,
+        candidate.policy,
+        candidate.tokenizer,
+        candidate.rows,
+        {"candidate": candidate.weights},
+        {"candidate": candidate.step},
+        candidate.step,
+    )
     return scored["candidate"]["metrics"]
 
 
 def metric_tags(metrics: dict) -> dict[str, str]:
     return {
-        f"eval.{key}": repr(float(value))
-        for key, value in metrics.items() if value is not None
+        f"eval.{key}": repr(float(value)) for key, value in metrics.items() if value is not None
     }
 
 
 def tagged_metrics(tags: dict[str, str]) -> dict:
     return {
-        key[len("eval."):]: float(value)
-        for key, value in tags.items() if key.startswith("eval.")
+        key[len("eval.") :]: float(value) for key, value in tags.items() if key.startswith("eval.")
     }
 
 
 def find_registered(candidate: Candidate):
-    versions = tracking.find_versions(candidate.config.tracking_uri,
-                                      candidate.config.registered_model, candidate.identity)
+    versions = tracking.find_versions(
+        candidate.config.tracking_uri, candidate.config.registered_model, candidate.identity
+    )
     return versions[0] if versions else None
 
 
@@ -221,19 +259,27 @@ def register(candidate: Candidate, metrics: dict) -> str:
     else:
         dataset = stages.load_stage_result(config, "dataset")
         tags = {
-            **candidate.identity, "rloo.fingerprint": config.fingerprint(),
+            **candidate.identity,
+            "rloo.fingerprint": config.fingerprint(),
             "rloo.dataset_digest": dataset["digest"],
-            "rloo.eval_fingerprint": candidate.eval_fingerprint, "rloo.step": str(candidate.step),
-            "rloo.weights_path": candidate.weights, "rloo.base_model": candidate.policy,
+            "rloo.eval_fingerprint": candidate.eval_fingerprint,
+            "rloo.step": str(candidate.step),
+            "rloo.weights_path": candidate.weights,
+            "rloo.base_model": candidate.policy,
             "rloo.tokenizer": candidate.tokenizer or "",
             "rloo.adapter": str(candidate.adapter).lower(),
-            "rloo.num_prompts": str(len(candidate.rows)), "rloo.chosen_because": candidate.reason,
-            **metric_tags(metrics)
+            "rloo.num_prompts": str(len(candidate.rows)),
+            "rloo.chosen_because": candidate.reason,
+            **metric_tags(metrics),
         }
         version = tracking.register_version(
-            config.tracking_uri, config.registered_model, candidate.train_run_id,
-            candidate.model_id, tags,
-            f"RLOO policy of run {config.run_key}, {candidate.checkpoint}: {candidate.reason}")
+            config.tracking_uri,
+            config.registered_model,
+            candidate.train_run_id,
+            candidate.model_id,
+            tags,
+            f"RLOO policy of run {config.run_key}, {candidate.checkpoint}: {candidate.reason}",
+        )
     tracking.set_alias(config.tracking_uri, config.registered_model, "candidate", version)
     return version
 
@@ -245,52 +291,84 @@ def reference_metrics(candidate: Candidate, champion) -> tuple[str, dict]:
     if champion is None:
         return "base model (no champion yet)", candidate.evaluation["base"]
     tags = champion.tags
-    label = (f"champion v{champion.version} ({tags.get('rloo.run_key')}, "
-             f"{tags.get('rloo.checkpoint')})")
+    label = (
+        f"champion v{champion.version} ({tags.get('rloo.run_key')}, {tags.get('rloo.checkpoint')})"
+    )
     if champion.tags.get("rloo.eval_fingerprint") == candidate.eval_fingerprint:
         return label, tagged_metrics(champion.tags)
     weights = champion.tags.get("rloo.weights_path", "")
     if not os.path.isdir(weights):
         raise PromotionError(
             f"the champion v{champion.version}'s weights are gone ({weights!r}) and its stored "
-            "evaluation used other prompts or settings, so it cannot be compared fairly.")
-    scored = evaluation.score_policies(candidate.config, champion.tags["rloo.base_model"],
-                                       champion.tags.get("rloo.tokenizer") or None, candidate.rows,
-                                       {"champion": weights},
-                                       {"champion": int(champion.tags.get("rloo.step", 0))},
-                                       int(champion.tags.get("rloo.step", 0)))
+            "evaluation used other prompts or settings, so it cannot be compared fairly."
+        )
+    scored = evaluation.score_policies(
+        candidate.config,
+        champion.tags["rloo.base_model"],
+        champion.tags.get("rloo.tokenizer") or None,
+        candidate.rows,
+        {"champion": weights},
+        {"champion": int(champion.tags.get("rloo.step", 0))},
+        int(champion.tags.get("rloo.step", 0)),
+    )
     return label + ", re-evaluated on this run's held-out prompts", scored["champion"]["metrics"]
 
 
 def gate(candidate: dict, reference: dict, settings, num_prompts: int) -> Verdict:
     """The promotion rules, in order; the first that fails decides."""
-    checks = [("min_prompts", num_prompts >= settings.min_prompts,
-               f"{num_prompts} held-out prompts, at least {settings.min_prompts} required")]
+    checks = [
+        (
+            "min_prompts",
+            num_prompts >= settings.min_prompts,
+            f"{num_prompts} held-out prompts, at least {settings.min_prompts} required",
+        )
+    ]
     for name, allowed in [(settings.metric, None), *settings.max_regression.items()]:
         ours, theirs = candidate.get(name), reference.get(name)
         if ours is None or theirs is None:
-            checks.append((f"metric {name}", False,
-                           f"{name} is missing (candidate {ours}, reference {theirs})"))
+            checks.append(
+                (
+                    f"metric {name}",
+                    False,
+                    f"{name} is missing (candidate {ours}, reference {theirs})",
+                )
+            )
         elif allowed is None:
             checks.append(
-                ("min_gain", ours - theirs >= settings.min_gain,
-                 f"{name} {theirs:.4f} -> {ours:.4f}: change {ours - theirs:+.4f}, at least "
-                 f"{settings.min_gain:+.4f} required"))
+                (
+                    "min_gain",
+                    ours - theirs >= settings.min_gain,
+                    f"{name} {theirs:.4f} -> {ours:.4f}: change {ours - theirs:+.4f}, at least "
+                    f"{settings.min_gain:+.4f} required",
+                )
+            )
         else:
-            checks.append((
-                f"max_regression.{name}", theirs - ours <= allowed,
-                f"{name} {theirs:.4f} -> {ours:.4f}: drop {theirs - ours:+.4f}, at most "
-                f"{allowed:.4f} allowed"))
+            checks.append(
+                (
+                    f"max_regression.{name}",
+                    theirs - ours <= allowed,
+                    f"{name} {theirs:.4f} -> {ours:.4f}: drop {theirs - ours:+.4f}, at most "
+                    f"{allowed:.4f} allowed",
+                )
+            )
     failed = [check for check in checks if not check[1]]
-    return Verdict(passed=not failed, decided_by=(failed[0] if failed else checks[-1])[0],
-                   checks=checks)
+    return Verdict(
+        passed=not failed, decided_by=(failed[0] if failed else checks[-1])[0], checks=checks
+    )
 
 
-def render_report(candidate: Candidate, version: str, reference_label: str, reference: dict,
-                  metrics: dict, verdict: Verdict) -> str:
+def render_report(
+    candidate: Candidate,
+    version: str,
+    reference_label: str,
+    reference: dict,
+    metrics: dict,
+    verdict: Verdict,
+) -> str:
     config = candidate.config
     lines = [
-        f"# Promotion of `{config.run_key}` ({candidate.checkpoint}, step {candidate.step})", "",
+        f"# Promotion of `{config.run_key}` ({candidate.checkpoint}, step {candidate.step})",
+        "",
         f"Candidate: `{config.registered_model}` version {version}. Reference: {reference_label}.",
         "",
         f"**Verdict: {'PASSED' if verdict.passed else 'FAILED'}**, decided by "
@@ -298,8 +376,11 @@ def render_report(candidate: Candidate, version: str, reference_label: str, refe
         "",
         f"{len(candidate.rows)} held-out prompts (evaluation fingerprint "
         f"`{candidate.eval_fingerprint}`).",
-        "", f"Why this checkpoint: {candidate.reason}. MLflow model `{candidate.model_id}`.", "",
-        "| metric | reference | candidate | change |", "| --- | --- | --- | --- |"
+        "",
+        f"Why this checkpoint: {candidate.reason}. MLflow model `{candidate.model_id}`.",
+        "",
+        "| metric | reference | candidate | change |",
+        "| --- | --- | --- | --- |",
     ]
     for key in sorted(set(metrics) | set(reference)):
         ours, theirs = metrics.get(key), reference.get(key)
@@ -313,15 +394,21 @@ def render_report(candidate: Candidate, version: str, reference_label: str, refe
         f"| {rule} | {'pass' if ok else 'FAIL'} | {detail} |" for rule, ok, detail in verdict.checks
     ]
     if candidate.table:
-        lines += ["", "## Evaluated checkpoints", "",
-                  *checkpoints.render_table(candidate.table, config.promotion.metric,
-                                            list(config.evaluation.extra_sets))]
+        lines += [
+            "",
+            "## Evaluated checkpoints",
+            "",
+            *checkpoints.render_table(
+                candidate.table, config.promotion.metric, list(config.evaluation.extra_sets)
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 
 def promotion_dir(candidate: Candidate, version: str) -> str:
-    return stages.stage_path(candidate.config, "promotion",
-                             f"{candidate.config.registered_model}-v{version}")
+    return stages.stage_path(
+        candidate.config, "promotion", f"{candidate.config.registered_model}-v{version}"
+    )
 
 
 def judge(candidate: Candidate, version: str, metrics: dict) -> tuple[Verdict, str]:
@@ -336,18 +423,28 @@ def judge(candidate: Candidate, version: str, metrics: dict) -> tuple[Verdict, s
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as handle:
         handle.write(report)
-    tracking.log_text(config.tracking_uri, candidate.parent_run_id, report,
-                      f"promotion/{config.registered_model}-v{version}/promotion.md")
+    tracking.log_text(
+        config.tracking_uri,
+        candidate.parent_run_id,
+        report,
+        f"promotion/{config.registered_model}-v{version}/promotion.md",
+    )
     tracking.tag_version(
-        config.tracking_uri, config.registered_model, version,
-        {"rloo.gate": "passed" if verdict.passed else f"failed: {verdict.decided_by}"})
+        config.tracking_uri,
+        config.registered_model,
+        version,
+        {"rloo.gate": "passed" if verdict.passed else f"failed: {verdict.decided_by}"},
+    )
     return verdict, report
 
 
 def record_decision(candidate: Candidate, version: str, decision: str, comment: str = "") -> None:
     tracking.tag_version(
-        candidate.config.tracking_uri, candidate.config.registered_model, version,
-        {"rloo.decision": decision, **({"rloo.decision_comment": comment} if comment else {})})
+        candidate.config.tracking_uri,
+        candidate.config.registered_model,
+        version,
+        {"rloo.decision": decision, **({"rloo.decision_comment": comment} if comment else {})},
+    )
 
 
 def already_promoted(candidate: Candidate):
@@ -355,7 +452,10 @@ def already_promoted(candidate: Candidate):
     nothing)."""
     config = candidate.config
     champion = tracking.version_by_alias(config.tracking_uri, config.registered_model, "champion")
-    if champion is not None and champion.tags.get("hub.commit") and all(
-            champion.tags.get(k) == v for k, v in candidate.identity.items()):
+    if (
+        champion is not None
+        and champion.tags.get("hub.commit")
+        and all(champion.tags.get(k) == v for k, v in candidate.identity.items())
+    ):
         return champion
     return None

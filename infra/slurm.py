@@ -36,7 +36,7 @@ def executor_parameters(settings, timeout_min: int, job_name: str) -> dict:
         "slurm_signal_delay_s": settings.signal_delay_s,
         "slurm_max_num_timeout": settings.max_num_timeout,
         # one failed node (a crashed trainer, a dead server) ends the whole step at once
-        "slurm_srun_args": ["--kill-on-bad-exit=1"]
+        "slurm_srun_args": ["--kill-on-bad-exit=1"],
     }
     if settings.partition:
         params["slurm_partition"] = settings.partition
@@ -48,8 +48,11 @@ def executor_parameters(settings, timeout_min: int, job_name: str) -> dict:
         params["gpus_per_node"] = settings.gpus_per_node
     if settings.cpus_per_task:
         params["cpus_per_task"] = settings.cpus_per_task
-    by_features = (default_constraint(settings.trainer_nodes, settings.generation_nodes)
-                   if settings.use_node_features else None)
+    by_features = (
+        default_constraint(settings.trainer_nodes, settings.generation_nodes)
+        if settings.use_node_features
+        else None
+    )
     constraint = settings.constraint or by_features
     if constraint:
         params["slurm_constraint"] = constraint
@@ -62,6 +65,7 @@ def executor_parameters(settings, timeout_min: int, job_name: str) -> dict:
 
 def _ignore_usr2() -> None:
     import signal
+
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
@@ -96,8 +100,16 @@ class MultiNodeJob:
     """The callable submitit runs once per node (tasks_per_node=1). Requeued on preemption/time-out:
     training then resumes from the newest checkpoint in output_dir."""
 
-    def __init__(self, recipe_path: str, settings: dict, nproc_per_node: int, env: dict[str, str],
-                 log_dir: str, workdir: str, model: str):
+    def __init__(
+        self,
+        recipe_path: str,
+        settings: dict,
+        nproc_per_node: int,
+        env: dict[str, str],
+        log_dir: str,
+        workdir: str,
+        model: str,
+    ):
         self.recipe_path = recipe_path
         self.settings = settings
         self.nproc_per_node = nproc_per_node
@@ -113,6 +125,7 @@ class MultiNodeJob:
 
     def __call__(self) -> dict:
         import submitit
+
         job = submitit.JobEnvironment()
         generation_nodes = self.settings["generation_nodes"]
         role = role_of(job.node, job.num_nodes, generation_nodes)
@@ -125,8 +138,12 @@ class MultiNodeJob:
 
     def _serve(self, job, sentinel: str, url: str) -> dict:
         log_path = os.path.join(self.log_dir, f"generation-{job.job_id}.log")
-        command = fill_placeholders(self.settings["generation_command"], model=self.model,
-                                    port=self.settings["generation_port"], host=job.hostnames[-1])
+        command = fill_placeholders(
+            self.settings["generation_command"],
+            model=self.model,
+            port=self.settings["generation_port"],
+            host=job.hostnames[-1],
+        )
         with open(log_path, "a") as log:
             server = subprocess.Popen(
                 command,
@@ -135,13 +152,15 @@ class MultiNodeJob:
                 env=self._environment(),
                 # preemption: keep serving
                 cwd=self.workdir,
-                preexec_fn=_ignore_usr2)
+                preexec_fn=_ignore_usr2,
+            )
             try:
                 while not os.path.exists(sentinel):
                     if server.poll() is not None:
                         raise TrainingFailed(
                             f"the generation server ({' '.join(command)}) exited with code "
-                            f"{server.returncode}; last lines of {log_path}:\n{tail(log_path)}")
+                            f"{server.returncode}; last lines of {log_path}:\n{tail(log_path)}"
+                        )
                     time.sleep(0.5)
             finally:
                 if server.poll() is None:
@@ -156,18 +175,37 @@ class MultiNodeJob:
         trainers = job.num_nodes - self.settings["generation_nodes"]
         log_path = os.path.join(self.log_dir, f"trainer-{job.job_id}-node{job.node}.log")
         if url is not None:
-            wait_for_health(url + self.settings["generation_health_path"],
-                            self.settings["generation_timeout_s"],
-                            "the generation server (vllm_server_timeout)", error=TrainingFailed)
+            wait_for_health(
+                url + self.settings["generation_health_path"],
+                self.settings["generation_timeout_s"],
+                "the generation server (vllm_server_timeout)",
+                error=TrainingFailed,
+            )
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes",
-            str(trainers), "--nproc_per_node",
-            str(self.nproc_per_node), "--node_rank",
-            str(job.node), "--rdzv_backend", "c10d", "--rdzv_endpoint",
-            f"{job.hostnames[0]}:{self.settings['rendezvous_port']}", "--rdzv_id",
-            str(job.job_id), "-m", "rloo", "train", "--config", self.recipe_path,
-            "--resume_from_checkpoint", "latest", "--ddp_timeout",
-            str(self.settings["collective_timeout_s"])
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(trainers),
+            "--nproc_per_node",
+            str(self.nproc_per_node),
+            "--node_rank",
+            str(job.node),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"{job.hostnames[0]}:{self.settings['rendezvous_port']}",
+            "--rdzv_id",
+            str(job.job_id),
+            "-m",
+            "rloo",
+            "train",
+            "--config",
+            self.recipe_path,
+            "--resume_from_checkpoint",
+            "latest",
+            "--ddp_timeout",
+            str(self.settings["collective_timeout_s"]),
         ]
         if url is not None:
             command += ["--vllm_server_base_url", url]
@@ -180,10 +218,17 @@ class MultiNodeJob:
             # and save before stopping.
             env = self._environment()
             if url is not None:  # a failing server call then quotes the server's own last lines
-                env["RLOO_VLLM_SERVER_LOG"] = os.path.join(self.log_dir,
-                                                           f"generation-{job.job_id}.log")
-            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                             cwd=self.workdir, preexec_fn=_ignore_usr2)
+                env["RLOO_VLLM_SERVER_LOG"] = os.path.join(
+                    self.log_dir, f"generation-{job.job_id}.log"
+                )
+            self._process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.workdir,
+                preexec_fn=_ignore_usr2,
+            )
             code = self._process.wait()
         if job.node == 0:
             with open(sentinel, "w") as handle:
@@ -191,7 +236,8 @@ class MultiNodeJob:
         if code != 0:
             raise TrainingFailed(
                 f"trainer node {job.node} ({job.hostnames[job.node]}) exited with code {code}; "
-                f"last lines of {log_path}:\n{tail(log_path)}")
+                f"last lines of {log_path}:\n{tail(log_path)}"
+            )
         return {"role": "trainer", "node": job.node, "seconds": time.time() - start}
 
     def checkpoint(self, *args, **kwargs):
@@ -199,6 +245,7 @@ class MultiNodeJob:
         checkpoint and stop (they got the same signal), then requeue the same job; they resume from
         that checkpoint."""
         import submitit
+
         process = getattr(self, "_process", None)
         if process is not None:
             wait_exited(process, max(10, self.settings["signal_delay_s"] - 10))
@@ -217,22 +264,30 @@ def submit_slurm(job: MultiNodeJob, folder: str, parameters: dict):
     os.makedirs(folder, exist_ok=True)
     parameters = dict(parameters)
     executor = submitit.AutoExecutor(
-        folder=folder, cluster="slurm",
-        slurm_max_num_timeout=parameters.pop("slurm_max_num_timeout", 3))
+        folder=folder,
+        cluster="slurm",
+        slurm_max_num_timeout=parameters.pop("slurm_max_num_timeout", 3),
+    )
     executor.update_parameters(**parameters)
     try:
         submitted = executor.submit(job)
     except Exception as err:  # submitit raises FailedJobError with sbatch's message
         raise TrainingFailed(f"SLURM refused the job: {str(err).strip()}") from None
-    return JobHandle("slurm", str(submitted.job_id), folder,
-                     os.path.join(job.log_dir, "trainer-*.log"), time.time())
+    return JobHandle(
+        "slurm",
+        str(submitted.job_id),
+        folder,
+        os.path.join(job.log_dir, "trainer-*.log"),
+        time.time(),
+    )
 
 
 def slurm_state(job_id: str) -> str:
     """The job's state from scontrol (works without accounting), e.g. RUNNING, COMPLETED, FAILED,
     CANCELLED."""
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True
+    ).stdout
     for item in out.split():
         if item.startswith("JobState="):
             return item.split("=", 1)[1]
@@ -240,8 +295,17 @@ def slurm_state(job_id: str) -> str:
 
 
 ACTIVE_STATES = {
-    "PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING",
-    "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT"
+    "PENDING",
+    "RUNNING",
+    "REQUEUED",
+    "CONFIGURING",
+    "COMPLETING",
+    "SUSPENDED",
+    "RESIZING",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "SIGNALING",
+    "STAGE_OUT",
 }
 
 
@@ -251,6 +315,7 @@ def slurm_job_state(handle) -> tuple[str, str | None]:
     import glob
 
     from submitit.core.utils import pickle_load
+
     state = slurm_state(handle.job_id)
     if state in ACTIVE_STATES:
         return "RUNNING", None
@@ -276,14 +341,22 @@ def scancel(job_id: str) -> None:
     subprocess.run(["scancel", job_id], capture_output=True)
 
 
-CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "SignalException",
-                "ChildFailedError", "got signal", "Broken pipe", "DistNetworkError")
+CONSEQUENCES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "SignalException",
+    "ChildFailedError",
+    "got signal",
+    "Broken pipe",
+    "DistNetworkError",
+)
 
 
 def root_cause(log_path: str) -> str | None:
     """`rloo train`'s own one-line error in this log, else the last exception a rank raised in it,
     unless it only reports another rank's failure."""
     import re
+
     pattern = re.compile(r"^(?:\[rank(\d+)\]: )?([A-Za-z_.]*(?:Error|Exception)): (.+)$")
     found = None
     with open(log_path, errors="replace") as handle:
@@ -293,6 +366,7 @@ def root_cause(log_path: str) -> str | None:
             match = pattern.match(line.strip())
             if match and not any(marker in line for marker in CONSEQUENCES):
                 rank = f"rank {match.group(1)}: " if match.group(1) else ""
-                found = (f"{os.path.basename(log_path)}: {rank}{match.group(2)}: "
-                         f"{match.group(3)[:300]}")
+                found = (
+                    f"{os.path.basename(log_path)}: {rank}{match.group(2)}: {match.group(3)[:300]}"
+                )
     return found

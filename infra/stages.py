@@ -57,7 +57,8 @@ def read_json(path: str) -> dict | None:
 def save_stage_result(config: RunConfig, stage: str, result: dict) -> dict:
     write_json(
         stage_path(config, "stages", f"{stage}.json"),
-        {"version": STAGE_VERSIONS[stage], "fingerprint": config.fingerprint(), "result": result})
+        {"version": STAGE_VERSIONS[stage], "fingerprint": config.fingerprint(), "result": result},
+    )
     return result
 
 
@@ -65,19 +66,27 @@ def load_stage_result(config: RunConfig, stage: str) -> dict | None:
     """The stage's persisted result when it belongs to this config and stage version (else None: it
     would run)."""
     record = read_json(stage_path(config, "stages", f"{stage}.json"))
-    if record and record["version"] == STAGE_VERSIONS[stage] and record[
-            "fingerprint"] == config.fingerprint():
+    if (
+        record
+        and record["version"] == STAGE_VERSIONS[stage]
+        and record["fingerprint"] == config.fingerprint()
+    ):
         return record["result"]
     return None
 
 
 def write_config(config: RunConfig) -> str:
     from infra.runconfig import resolved_dict
+
     path = stage_path(config, "config.json")
-    write_json(path, {
-        "run_key": config.run_key, "fingerprint": config.fingerprint(),
-        "config": resolved_dict(config)
-    })
+    write_json(
+        path,
+        {
+            "run_key": config.run_key,
+            "fingerprint": config.fingerprint(),
+            "config": resolved_dict(config),
+        },
+    )
     return path
 
 
@@ -97,6 +106,7 @@ def prepare_dataset(config: RunConfig) -> dict:
     datasets.disable_progress_bars()  # one summary line per stage, not a bar per split
     record_execution(config, "dataset")
     from rloo.vision import embed_images
+
     data = config.data
     dataset, prompt_format = load_checked_rows(config)
     # images read from files go into the saved splits: the run directory holds its data
@@ -115,10 +125,16 @@ def prepare_dataset(config: RunConfig) -> dict:
         paths[name] = os.path.join(root, name)
         _replace_dir(staging, paths[name])
     result = {
-        "train_path": paths["train"], "eval_path": paths["eval"], "num_train": len(train_split),
-        "num_eval": len(eval_split), "format": prompt_format, "columns": dataset.column_names,
-        "source": data.source, "digest": dataset_digest(train_split, eval_split),
-        "train_digest": dataset_digest(train_split), "eval_digest": dataset_digest(eval_split)
+        "train_path": paths["train"],
+        "eval_path": paths["eval"],
+        "num_train": len(train_split),
+        "num_eval": len(eval_split),
+        "format": prompt_format,
+        "columns": dataset.column_names,
+        "source": data.source,
+        "digest": dataset_digest(train_split, eval_split),
+        "train_digest": dataset_digest(train_split),
+        "eval_digest": dataset_digest(eval_split),
     }
     return save_stage_result(config, "dataset", result)
 
@@ -126,18 +142,33 @@ def prepare_dataset(config: RunConfig) -> dict:
 def split_datasets(config: RunConfig, dataset_result: dict) -> list:
     """The training and held-out splits as MLflow datasets (tracking.DatasetRef), each with its
     own content digest and data.source as where it came from."""
-    return [DatasetRef(dataset_result[f"{split}_path"], f"{config.name}-{split}",
-                       dataset_result[f"{split}_digest"], dataset_result["source"], context)
-            for split, context in (("train", "training"), ("eval", "evaluation"))]
+    return [
+        DatasetRef(
+            dataset_result[f"{split}_path"],
+            f"{config.name}-{split}",
+            dataset_result[f"{split}_digest"],
+            dataset_result["source"],
+            context,
+        )
+        for split, context in (("train", "training"), ("eval", "evaluation"))
+    ]
 
 
 def pipeline_datasets(config: RunConfig, dataset_result: dict) -> list:
     """What the train and evaluate runs show as their inputs: both splits and every
     evaluation.extra_sets file (context evaluation, digest of its rows)."""
     from rloo.data import load_prompt_dataset
-    extra = [DatasetRef(path, f"{config.name}-{name}", dataset_digest(load_prompt_dataset(path)),
-                        path, "evaluation")
-             for name, path in config.evaluation.extra_sets.items()]
+
+    extra = [
+        DatasetRef(
+            path,
+            f"{config.name}-{name}",
+            dataset_digest(load_prompt_dataset(path)),
+            path,
+            "evaluation",
+        )
+        for name, path in config.evaluation.extra_sets.items()
+    ]
     return split_datasets(config, dataset_result) + extra
 
 
@@ -146,6 +177,7 @@ def load_checked_rows(config: RunConfig):
     (dataset, format)."""
     from rloo.data import load_prompt_dataset, validate_prompt_rows
     from rloo.vision import check_images_readable, check_rows_fit
+
     data = config.data
     dataset = load_prompt_dataset(data.source, data.config, data.split)
     prompt_format = validate_prompt_rows(dataset, data.source)
@@ -155,7 +187,8 @@ def load_checked_rows(config: RunConfig):
     if data.eval_size >= len(dataset):
         raise ValueError(
             f"data.eval_size={data.eval_size} leaves no training prompts ({len(dataset)} rows in "
-            f"{data.source}). Fix: a smaller data.eval_size.")
+            f"{data.source}). Fix: a smaller data.eval_size."
+        )
     return dataset, prompt_format
 
 
@@ -166,6 +199,7 @@ def check_config(config: RunConfig, read_rows: bool) -> bool:
     is downloaded here). True when rows were read."""
     from infra.runconfig import ConfigError
     from rloo.cli import resolve_reward, reward_entries
+
     try:
         script, args = validate_recipe(config)
         for entry in reward_entries(script):
@@ -181,11 +215,13 @@ def check_config(config: RunConfig, read_rows: bool) -> bool:
     if not (read_rows and os.path.exists(source)):
         return False
     import datasets
+
     datasets.disable_progress_bars()
     try:
         dataset, _ = load_checked_rows(config)
         check_enough_prompts(config, args, len(dataset) - config.data.eval_size)
         from infra.evaluation import extra_set_rows
+
         # (against every source row: the split is not drawn yet)
         for name in config.evaluation.extra_sets:
             extra_set_rows(config, name, dataset["prompt"])
@@ -202,20 +238,23 @@ def check_enough_prompts(config: RunConfig, args, num_train: int) -> None:
         num_train = min(num_train, config.data.max_train_samples)
     needed = args.generation_batch_size // args.num_generations
     if num_train < needed:
-        world = config.launch.nproc_per_node * (config.launch.slurm.trainer_nodes
-                                                if config.launch.executor == "slurm" else 1)
+        world = config.launch.nproc_per_node * (
+            config.launch.slurm.trainer_nodes if config.launch.executor == "slurm" else 1
+        )
         raise ValueError(
             f"{num_train} training prompts, but one generation batch of this launch ({world} "
             "process(es) x training.per_device_train_batch_size / num_generations x steps per "
             f"generation) takes {needed} distinct prompts. Fix: more prompts "
             "(data.max_train_samples, a smaller data.eval_size), fewer processes, or a smaller "
-            "per_device_train_batch_size.")
+            "per_device_train_batch_size."
+        )
 
 
 def dataset_digest(*splits) -> str:
     import hashlib
 
     from rloo.vision import undecoded
+
     digest = hashlib.sha256()
     for split in splits:
         for row in undecoded(split):  # an image by its bytes, not a PIL object's repr
@@ -228,9 +267,12 @@ def job_recipe(config: RunConfig, model_result: dict, dataset_path: str) -> dict
     resolved model alias, the prepared dataset, output_dir, report_to, its tracking callback)."""
     recipe = dict(config.training)
     recipe.update(
-        model_name_or_path=model_result["policy"], dataset_name=dataset_path,
-        output_dir=stage_path(config, "train", "output"), report_to="none",
-        callbacks=[*(recipe.get("callbacks") or []), "infra.job_tracking:RunDirTrackingCallback"])
+        model_name_or_path=model_result["policy"],
+        dataset_name=dataset_path,
+        output_dir=stage_path(config, "train", "output"),
+        report_to="none",
+        callbacks=[*(recipe.get("callbacks") or []), "infra.job_tracking:RunDirTrackingCallback"],
+    )
     if model_result.get("tokenizer"):
         recipe["tokenizer_name_or_path"] = model_result["tokenizer"]
     return recipe
@@ -241,9 +283,11 @@ def build_training_args(config: RunConfig, recipe: dict):
     rloo.cli.parse_recipe (what `rloo train` runs). The batch arithmetic is done for the launch's
     world size (trainer nodes x processes per node) by scaling the per-device batch sizes."""
     from rloo.cli import parse_recipe, recipe_value
+
     settings = dict(recipe)
-    world = config.launch.nproc_per_node * (config.launch.slurm.trainer_nodes
-                                            if config.launch.executor == "slurm" else 1)
+    world = config.launch.nproc_per_node * (
+        config.launch.slurm.trainer_nodes if config.launch.executor == "slurm" else 1
+    )
     for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
         settings[key] = recipe_value(recipe, key) * world
     if config.launch.executor == "slurm" and config.launch.slurm.gpus_per_node:
@@ -257,12 +301,14 @@ def build_training_args(config: RunConfig, recipe: dict):
             with open(deepspeed) as handle:
                 if "zero_optimization" not in json.load(handle):
                     raise ValueError(
-                        f"training.deepspeed={deepspeed!r} has no zero_optimization section.")
+                        f"training.deepspeed={deepspeed!r} has no zero_optimization section."
+                    )
     script_args, args = parse_recipe(settings)
     if args.deepspeed:
         # RLOOConfig switched transformers' process-wide ZeRO-3 flag on; models this (orchestration)
         # process loads later must not be built under zero.Init.
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
         unset_hf_deepspeed_config()
     return script_args, args
 
@@ -283,13 +329,16 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
     from rloo.cli import resolve_reward, reward_entries
     from rloo.adapters import check_quantization_supported
     from rloo.models import load_tokenizer, prepare_tokenizer
+
     transformers_logging.disable_progress_bar()  # building the 'tiny' alias: no bar per weight file
     record_execution(config, "model")
     policy, tokenizer_source = resolve_model_source(config)
     script, args = build_training_args(
         config,
-        job_recipe(config, {"policy": policy, "tokenizer": tokenizer_source},
-                   dataset_result["train_path"]))
+        job_recipe(
+            config, {"policy": policy, "tokenizer": tokenizer_source}, dataset_result["train_path"]
+        ),
+    )
     check_enough_prompts(config, args, dataset_result["num_train"])
     if script.load_in_4bit or script.load_in_8bit:
         check_quantization_supported(type("Q", (), {"quant_method": "bitsandbytes"})())
@@ -297,30 +346,42 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
     from transformers import AutoConfig
 
     from rloo.checks import check_image_columns
+
     model_config = AutoConfig.from_pretrained(policy, trust_remote_code=args.trust_remote_code)
     # images need a vision-language model (told from the config, before any weight loads)
     check_image_columns(dataset_result["columns"], "data.source", policy, args.trust_remote_code)
     # a VLM's processor (rloo.vision), else the tokenizer
-    tokenizer = prepare_tokenizer(load_tokenizer(tokenizer_source or policy,
-                                                 args.trust_remote_code, config=model_config))
-    if dataset_result["format"] == "conversational" and not getattr(tokenizer, "chat_template",
-                                                                    None):
+    tokenizer = prepare_tokenizer(
+        load_tokenizer(tokenizer_source or policy, args.trust_remote_code, config=model_config)
+    )
+    if dataset_result["format"] == "conversational" and not getattr(
+        tokenizer, "chat_template", None
+    ):
         raise ValueError(
             f"the dataset's prompts are conversational but the tokenizer of {policy!r} has no chat "
             "template. Fix: use an instruct model, set training.tokenizer_name_or_path to one "
-            "with a template, or give plain-text prompts.")
+            "with a template, or give plain-text prompts."
+        )
     check_tokenizer_fits(policy, tokenizer, args, dataset_result)
     from rloo.adapters import lora_targets
+
     targets = lora_targets(script.lora_target_modules) if script.use_peft else "all-linear"
     num_parameters, targets = check_lora_targets(policy, targets, args.trust_remote_code)
     peft = {
-        "enabled": script.use_peft, "r": script.lora_r, "alpha": script.lora_alpha,
-        "dropout": script.lora_dropout, "target_modules": targets,
-        "load_in_4bit": script.load_in_4bit, "load_in_8bit": script.load_in_8bit
+        "enabled": script.use_peft,
+        "r": script.lora_r,
+        "alpha": script.lora_alpha,
+        "dropout": script.lora_dropout,
+        "target_modules": targets,
+        "load_in_4bit": script.load_in_4bit,
+        "load_in_8bit": script.load_in_8bit,
     }
     result = {
-        "policy": policy, "tokenizer": tokenizer_source, "num_parameters": num_parameters,
-        "peft": peft, "reward_names": [getattr(r, "__name__", str(r)) for r in rewards]
+        "policy": policy,
+        "tokenizer": tokenizer_source,
+        "num_parameters": num_parameters,
+        "peft": peft,
+        "reward_names": [getattr(r, "__name__", str(r)) for r in rewards],
     }
     return save_stage_result(config, "model", result)
 
@@ -331,11 +392,13 @@ def train_dir(config: RunConfig) -> str:
     return stage_path(config, "train")
 
 
-def write_train_recipe(config: RunConfig, dataset_result: dict, model_result: dict,
-                       resume: bool) -> str:
+def write_train_recipe(
+    config: RunConfig, dataset_result: dict, model_result: dict, resume: bool
+) -> str:
     """train/recipe.yaml: the job's `rloo train` recipe (job_recipe), resuming from the latest
     checkpoint if asked."""
     import yaml
+
     recipe = job_recipe(config, model_result, dataset_result["train_path"])
     if resume:
         recipe["resume_from_checkpoint"] = "latest"
@@ -346,14 +409,16 @@ def write_train_recipe(config: RunConfig, dataset_result: dict, model_result: di
     return path
 
 
-def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_result: dict,
-                               mlflow_run_id: str | None) -> dict:
+def start_or_reattach_training(
+    config: RunConfig, dataset_result: dict, model_result: dict, mlflow_run_id: str | None
+) -> dict:
     """A job of an earlier attempt that is still running, or that trained to max_steps while nobody
     followed it (its orchestrator lost: the Prefect API away, the process killed), is reattached;
     otherwise a job is submitted, resuming from the newest checkpoint when there is one. Returns the
     job record (train/job.json)."""
     from infra.launch import JobHandle, TrainJob, job_state, submit_local
     from infra.job_tracking import tracking_environment
+
     job_file = stage_path(config, "train", "job.json")
     previous = read_json(job_file)
     if previous is not None:
@@ -364,30 +429,53 @@ def start_or_reattach_training(config: RunConfig, dataset_result: dict, model_re
     record_execution(config, "train")
     output_dir = stage_path(config, "train", "output")
     from rloo.checkpoint import latest_checkpoint
+
     checkpoint = latest_checkpoint(output_dir)
     recipe = write_train_recipe(config, dataset_result, model_result, resume=checkpoint is not None)
     run_id = (previous or {}).get("mlflow_run_id") or mlflow_run_id
-    env = tracking_environment(config.tracking_uri, run_id, train_dir(config)) if run_id else \
-        {"RLOO_TRAIN_DIR": train_dir(config)}
+    env = (
+        tracking_environment(config.tracking_uri, run_id, train_dir(config))
+        if run_id
+        else {"RLOO_TRAIN_DIR": train_dir(config)}
+    )
     workdir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if config.launch.executor == "slurm":
         from infra.slurm import MultiNodeJob, executor_parameters, submit_slurm
+
         settings = config.launch.slurm
-        job = MultiNodeJob(recipe, {**settings.model_dump(),
-                                    "collective_timeout_s": config.collective_timeout_s()},
-                           config.launch.nproc_per_node, env,
-                           stage_path(config, "train"), workdir, model_result["policy"])
+        job = MultiNodeJob(
+            recipe,
+            {**settings.model_dump(), "collective_timeout_s": config.collective_timeout_s()},
+            config.launch.nproc_per_node,
+            env,
+            stage_path(config, "train"),
+            workdir,
+            model_result["policy"],
+        )
         handle = submit_slurm(
-            job, stage_path(config, "train", "submitit"),
-            executor_parameters(settings, config.launch.timeout_min, config.run_key))
+            job,
+            stage_path(config, "train", "submitit"),
+            executor_parameters(settings, config.launch.timeout_min, config.run_key),
+        )
     else:
         env.update(thread_environment(config))
-        job = TrainJob(recipe, config.launch.nproc_per_node, env,
-                       stage_path(config, "train", "job.log"), workdir)
-        handle = submit_local(job, stage_path(config, "train", "submitit"),
-                              config.launch.timeout_min)
-    record = {"handle": handle.to_dict(), "mlflow_run_id": run_id, "resumed_from": checkpoint,
-              "attempt": (previous or {}).get("attempt", 0) + 1, "reattached": False}
+        job = TrainJob(
+            recipe,
+            config.launch.nproc_per_node,
+            env,
+            stage_path(config, "train", "job.log"),
+            workdir,
+        )
+        handle = submit_local(
+            job, stage_path(config, "train", "submitit"), config.launch.timeout_min
+        )
+    record = {
+        "handle": handle.to_dict(),
+        "mlflow_run_id": run_id,
+        "resumed_from": checkpoint,
+        "attempt": (previous or {}).get("attempt", 0) + 1,
+        "reattached": False,
+    }
     write_json(job_file, record)
     return record
 
@@ -412,6 +500,7 @@ def training_progress(config: RunConfig) -> tuple[int, int | None, float | None,
     (resumed from an earlier checkpoint, or restarted from the start), which is the one followed."""
     from infra.job_tracking import read_metrics, read_step
     from rloo.timing import timing_summary
+
     step, reward, timing, logged = 0, None, None, 0.0
     for record in read_metrics(train_dir(config)):
         if "step" not in record:
@@ -438,6 +527,7 @@ async def follow_training(config: RunConfig, record: dict, on_progress=None, jud
 
     from infra.jobs import TrainingStalled, stall_cause
     from infra.launch import JobHandle, TrainingFailed, cancel, job_state
+
     handle = JobHandle.from_dict(record["handle"])
     deadline = handle.submitted_at + config.launch.timeout_min * 60 + 60
     last = pruned = None
@@ -468,19 +558,24 @@ async def follow_training(config: RunConfig, record: dict, on_progress=None, jud
             raise TrainingFailed(f"training job {handle.job_id} {state.lower()}: {error}")
         if time.time() > deadline:
             from infra.launch import cancel
+
             cancel(handle)
             raise (TrainingStalled if stalled else TrainingFailed)(
                 f"training job {handle.job_id} exceeded "
                 f"launch.timeout_min={config.launch.timeout_min}; cancelled"
                 f"{f' after it stalled: {stalled}' if stalled else ''}. It can be resumed from "
-                "its last checkpoint by retrying.")
+                "its last checkpoint by retrying."
+            )
         await asyncio.sleep(config.launch.poll_seconds)
     output_dir = stage_path(config, "train", "output")
     result = {
-        "output_dir": output_dir, "global_step": pruned["step"] if pruned else progress[0],
+        "output_dir": output_dir,
+        "global_step": pruned["step"] if pruned else progress[0],
         "pruned": pruned,
         "mlflow_run_id": record.get("mlflow_run_id"),
-        "metrics_path": stage_path(config, "train", "metrics.jsonl"), "job_id": handle.job_id,
-        "attempt": record.get("attempt", 1), "resumed_from": record.get("resumed_from")
+        "metrics_path": stage_path(config, "train", "metrics.jsonl"),
+        "job_id": handle.job_id,
+        "attempt": record.get("attempt", 1),
+        "resumed_from": record.get("resumed_from"),
     }
     return save_stage_result(config, "train", result)

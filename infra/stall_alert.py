@@ -23,13 +23,21 @@ def emit(event: str, run_key: str, name: str, payload: dict | None = None) -> No
     Prefect API away is not an error: emitting is best effort)."""
     from prefect.events import emit_event
     from prefect.runtime import flow_run
+
     related = []
     if flow_run.id:
-        related.append({"prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
-                        "prefect.resource.role": "flow-run"})
-    emit_event(event=event, resource={"prefect.resource.id": f"rloo.run.{run_key}",
-                                      "prefect.resource.name": name},
-               related=related, payload=payload or {})
+        related.append(
+            {
+                "prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
+                "prefect.resource.role": "flow-run",
+            }
+        )
+    emit_event(
+        event=event,
+        resource={"prefect.resource.id": f"rloo.run.{run_key}", "prefect.resource.name": name},
+        related=related,
+        payload=payload or {},
+    )
 
 
 class StepReporter:
@@ -54,26 +62,31 @@ def resume_if_stalled() -> bool:
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
     from prefect.states import Running
+
     if not flow_run.id:
         return False
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(flow_run.id).state
         if state is None or state.name != STALLED:
             return False
-        client.set_flow_run_state(flow_run.id, Running(message="training steps again (rloo)"),
-                                  force=True)
+        client.set_flow_run_state(
+            flow_run.id, Running(message="training steps again (rloo)"), force=True
+        )
     return True
 
 
 def install(within_s: float) -> None:
     """The automation on the current Prefect API, replacing an earlier one of the same name."""
     if within_s < LEAST_WITHIN_S:
-        raise ValueError(f"a stalled-run alert after {within_s:g} s: Prefect's absence triggers "
-                         "need at least 10 s.")
+        raise ValueError(
+            f"a stalled-run alert after {within_s:g} s: Prefect's absence triggers "
+            "need at least 10 s."
+        )
     from prefect.automations import Automation
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
     from prefect.events.schemas.automations import EventTrigger, Posture
+
     try:
         Automation.read(name=AUTOMATION).delete()
     except ValueError:  # none yet
@@ -81,10 +94,20 @@ def install(within_s: float) -> None:
     Automation(
         name=AUTOMATION,
         description=f"A training run with no optimizer step for {within_s:g} s: its flow run "
-                    "state becomes Stalled (it keeps running).",
-        trigger=EventTrigger(after={STARTED, STEP}, expect={STEP, FINISHED},
-                             for_each={"prefect.resource.id"}, posture=Posture.Proactive,
-                             threshold=1, within=timedelta(seconds=within_s)),
-        actions=[ChangeFlowRunState(state=StateType.RUNNING, name=STALLED,
-                                    message=f"no training step for {within_s:g} s (rloo)")],
+        "state becomes Stalled (it keeps running).",
+        trigger=EventTrigger(
+            after={STARTED, STEP},
+            expect={STEP, FINISHED},
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=within_s),
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.RUNNING,
+                name=STALLED,
+                message=f"no training step for {within_s:g} s (rloo)",
+            )
+        ],
     ).create()

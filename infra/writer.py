@@ -30,8 +30,9 @@ def holder(run_dir: str) -> str:
     except (OSError, ValueError):
         return "another process"
     flow_run = f", Prefect flow run {who['flow_run']}" if who.get("flow_run") else ""
-    return (f"process {who['pid']} on {who['host']} (since {who['since']}{flow_run}: "
-            f"{who['command']})")
+    return (
+        f"process {who['pid']} on {who['host']} (since {who['since']}{flow_run}: {who['command']})"
+    )
 
 
 def _lock(handle, run_dir: str, if_running: str, poll_s: float) -> None:
@@ -50,7 +51,8 @@ def _lock(handle, run_dir: str, if_running: str, poll_s: float) -> None:
             raise RunDirBusy(
                 f"{run_dir} is being written by {holder(run_dir)}: a second run of the same config "
                 "would write the same checkpoints. Fix: wait for it to finish (rloo-pipeline "
-                "status shows its stages), stop it, or start this one with --if-running wait.")
+                "status shows its stages), stop it, or start this one with --if-running wait."
+            )
         if not waiting_said:
             print(f"[pipeline] waiting for {holder(run_dir)} to finish with {run_dir}", flush=True)
             waiting_said = True
@@ -66,17 +68,20 @@ def wait_until_free(run_dir: str, if_running: str = "refuse", poll_s: float = 2.
 
 
 @contextlib.contextmanager
-def sole_writer(run_dir: str, if_running: str = "refuse", flow_run: str | None = None,
-                poll_s: float = 2.0):
+def sole_writer(
+    run_dir: str, if_running: str = "refuse", flow_run: str | None = None, poll_s: float = 2.0
+):
     """Hold the run directory's lock inside the block; writer.json says who holds it while it is
     held."""
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, LOCK), "a+") as handle:
         _lock(handle, run_dir, if_running, poll_s)
         info = {
-            "pid": os.getpid(), "host": socket.gethostname(),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S"), "flow_run": flow_run,
-            "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:200]
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "flow_run": flow_run,
+            "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:200],
         }
         with open(os.path.join(run_dir, HOLDER + ".tmp"), "w") as out:
             json.dump(info, out)

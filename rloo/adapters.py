@@ -28,14 +28,17 @@ def check_quantization_supported(quantization_config: Any) -> None:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as err:
-        raise ImportError("quantization_config (QLoRA) needs bitsandbytes, which is not installed. "
-                          "Fix: pip install bitsandbytes on a machine with a CUDA GPU, or drop "
-                          "quantization_config to train LoRA on a full-precision base.") from err
+        raise ImportError(
+            "quantization_config (QLoRA) needs bitsandbytes, which is not installed. "
+            "Fix: pip install bitsandbytes on a machine with a CUDA GPU, or drop "
+            "quantization_config to train LoRA on a full-precision base."
+        ) from err
     if not torch.cuda.is_available():
         raise RuntimeError(
             "quantization_config (QLoRA) needs a CUDA GPU: bitsandbytes' 4/8-bit kernels cannot "
             "run on this machine (torch.cuda.is_available() is False). Fix: train on a GPU, or "
-            "drop quantization_config to train LoRA on a full-precision base.")
+            "drop quantization_config to train LoRA on a full-precision base."
+        )
 
 
 def lora_targets(modules: list[str] | None):
@@ -51,11 +54,13 @@ def default_lora_targets(model_type: str) -> list[str]:
     """PEFT's default LoRA targets for a model type; a clear error where PEFT has none (it would
     fail later asking for target_modules)."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
     found = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
     if not found:
         raise ValueError(
             f"PEFT has no default LoRA targets for model type {model_type!r}. Fix: set "
-            "lora_target_modules (e.g. [q_proj, v_proj], or [all-linear] for every linear layer).")
+            "lora_target_modules (e.g. [q_proj, v_proj], or [all-linear] for every linear layer)."
+        )
     return list(found)
 
 
@@ -63,22 +68,28 @@ def linear_module_names(model: nn.Module) -> list[str]:
     """Short names of the Linear layers LoRA can target (what `target_modules` matches against)."""
     names = {
         name.rsplit(".", 1)[-1]
-        for name, module in model.named_modules() if isinstance(module, nn.Linear)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
     }
     return sorted(names)
 
 
-def wrap_with_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool,
-                   quantized: bool):
+def wrap_with_peft(
+    model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool, quantized: bool
+):
     from peft import get_peft_model, prepare_model_for_kbit_training
+
     if getattr(peft_config, "target_modules", None) == "lm_head" or "lm_head" in (
-            getattr(peft_config, "target_modules", None) or []):
+        getattr(peft_config, "target_modules", None) or []
+    ):
         raise ValueError(
             "peft_config.target_modules includes 'lm_head': the log-probabilities are read from "
-            "the output layer, which LoRA would bypass. Fix: target the attention/MLP projections.")
+            "the output layer, which LoRA would bypass. Fix: target the attention/MLP projections."
+        )
     if quantized:
-        model = prepare_model_for_kbit_training(model,
-                                                use_gradient_checkpointing=gradient_checkpointing)
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gradient_checkpointing
+        )
     try:
         peft_model = get_peft_model(model, peft_config)
     except ValueError as err:
@@ -87,7 +98,8 @@ def wrap_with_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpoint
                 f"peft_config.target_modules={getattr(peft_config, 'target_modules', None)!r} "
                 f"matches no layer of {type(model).__name__}. Its Linear layers are: "
                 f"{', '.join(linear_module_names(model))}. Fix: pick target_modules from that list "
-                "(or 'all-linear').") from err
+                "(or 'all-linear')."
+            ) from err
         raise
     if quantized:  # trainable adapter weights in bf16 next to the 4-bit base, as TRL does
         for param in peft_model.parameters():
@@ -110,7 +122,8 @@ def add_reference_adapter(model) -> str:
                 copied += 1
     if copied == 0:
         raise ValueError(
-            f"could not find the weights of adapter {active!r} to copy into the reference adapter.")
+            f"could not find the weights of adapter {active!r} to copy into the reference adapter."
+        )
     model.set_adapter(active)
     for name, param in model.named_parameters():
         if f".{REFERENCE_ADAPTER}." in name:
@@ -144,7 +157,8 @@ def attach_adapter(model, peft_config: Any, args) -> tuple[nn.Module, str | None
     trainable_adapter = None
     if peft_config is not None:
         quantized = bool(
-            getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False))
+            getattr(model, "is_quantized", False) or getattr(model, "is_loaded_in_4bit", False)
+        )
         model = wrap_with_peft(model, peft_config, args.gradient_checkpointing, quantized)
     elif is_peft_model(model) and args.beta != 0.0:
         trainable_adapter = add_reference_adapter(model)

@@ -47,8 +47,11 @@ def combine_rewards(
     return rewards
 
 
-def sequence_kl(old_per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor,
-                completion_mask: torch.Tensor) -> torch.Tensor:
+def sequence_kl(
+    old_per_token_logps: torch.Tensor,
+    ref_per_token_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
     """KL_i = sum_t mask[i,t] (log pi_old[i,t] - log pi_ref[i,t])  (k1 estimator), without
     gradient."""
     with torch.no_grad():
@@ -123,8 +126,12 @@ def rloo_advantages(
     return rewards, finalize_advantages(advantages)
 
 
-def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                   eos_token_ids: list[int], pad_token_id: int | None) -> torch.Tensor:
+def truncated_rows(
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    eos_token_ids: list[int],
+    pad_token_id: int | None,
+) -> torch.Tensor:
     """True for rows whose last real completion token is neither an EOS nor the pad token."""
     lengths = completion_mask.sum(dim=1).long()
     last_index = (lengths - 1).clamp(min=0)
@@ -134,26 +141,39 @@ def truncated_rows(completion_ids: torch.Tensor, completion_mask: torch.Tensor,
     return ~ends_properly
 
 
-def completion_mask_after_eos(completion_ids: torch.Tensor,
-                              eos_token_ids: list[int]) -> torch.Tensor:
+def completion_mask_after_eos(
+    completion_ids: torch.Tensor, eos_token_ids: list[int]
+) -> torch.Tensor:
     """mask[i,t] = 1 for t <= first EOS position of row i (EOS included), all ones if no EOS."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
     length = completion_ids.size(1)
-    first_eos = torch.full((completion_ids.size(0), ), length, dtype=torch.long,
-                           device=completion_ids.device)
+    first_eos = torch.full(
+        (completion_ids.size(0),), length, dtype=torch.long, device=completion_ids.device
+    )
     has_eos = is_eos.any(dim=1)
     first_eos[has_eos] = is_eos.int().argmax(dim=1)[has_eos]
     positions = torch.arange(length, device=completion_ids.device).unsqueeze(0)
     return (positions <= first_eos.unsqueeze(1)).int()
 
 
-IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
-                             "geometric_truncate", "geometric_mask")
+IMPORTANCE_SAMPLING_MODES = (
+    "token_truncate",
+    "token_mask",
+    "sequence_truncate",
+    "sequence_mask",
+    "geometric_truncate",
+    "geometric_mask",
+)
 
 
-def importance_weights(old_per_token_logps: torch.Tensor, sampler_per_token_logps: torch.Tensor,
-                       completion_mask: torch.Tensor, mode: str, clip_min: float | None,
-                       clip_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def importance_weights(
+    old_per_token_logps: torch.Tensor,
+    sampler_per_token_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampler-mismatch weights (TRL's vllm_importance_sampling_mode), without gradient, and
     where a bound changed them (bool, same shape).
 
@@ -167,8 +187,9 @@ def importance_weights(old_per_token_logps: torch.Tensor, sampler_per_token_logp
       on masked positions.
     """
     with torch.no_grad():
-        difference = (old_per_token_logps.float() - sampler_per_token_logps.float()) * \
-            completion_mask
+        difference = (
+            old_per_token_logps.float() - sampler_per_token_logps.float()
+        ) * completion_mask
         if mode.startswith("sequence"):
             difference = difference.sum(dim=1)
         elif mode.startswith("geometric"):
@@ -210,8 +231,9 @@ def clipped_surrogate_loss(
     if importance is not None and importance.dim() == 2:
         weights = importance.detach().to(per_token_logps.dtype)
         # value: exactly log pi_theta (the added term is 0); gradient: w_t d log pi_theta
-        per_token_logps = per_token_logps + (weights - 1) * (per_token_logps -
-                                                              per_token_logps.detach())
+        per_token_logps = per_token_logps + (weights - 1) * (
+            per_token_logps - per_token_logps.detach()
+        )
     logps = (per_token_logps * completion_mask).sum(dim=1)
     ratio = torch.exp(logps - old_logps)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
@@ -239,8 +261,9 @@ def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
         dim = 0
     valid = ~torch.isnan(values)
     count = valid.sum(dim=dim).to(values.dtype)
-    mean = torch.nansum(values, dim=dim, keepdim=True) / valid.sum(dim=dim,
-                                                                   keepdim=True).clamp(min=1)
+    mean = torch.nansum(values, dim=dim, keepdim=True) / valid.sum(dim=dim, keepdim=True).clamp(
+        min=1
+    )
     squared = torch.where(valid, (values - mean) ** 2, torch.zeros_like(values))
     variance = squared.sum(dim=dim) / (count - 1)
     return torch.where(count > 1, variance.sqrt(), torch.full_like(variance, float("nan")))

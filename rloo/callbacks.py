@@ -31,9 +31,11 @@ def mix_into_reference(reference: nn.Module, policy: nn.Module, alpha: float) ->
         if name not in policy_params:
             raise ValueError(
                 f"reference parameter {name!r} has no counterpart in the policy: the two models "
-                "must have the same architecture.")
-        ref_param.mul_(1.0 - alpha).add_(policy_params[name].detach().to(ref_param.dtype),
-                                         alpha=alpha)
+                "must have the same architecture."
+            )
+        ref_param.mul_(1.0 - alpha).add_(
+            policy_params[name].detach().to(ref_param.dtype), alpha=alpha
+        )
 
 
 class SyncRefModelCallback(TrainerCallback):
@@ -51,6 +53,7 @@ class SyncRefModelCallback(TrainerCallback):
         policy = trainer.accelerator.unwrap_model(trainer.model)
         if zero_stage(trainer.accelerator) == 3:
             import deepspeed
+
             params = list(reference.parameters()) + list(policy.parameters())
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
                 if trainer.accelerator.is_main_process:
@@ -97,8 +100,10 @@ def image_columns(rows: list[dict]) -> dict[str, list]:
     if not rows or "images" not in rows[0]:
         return {}
     shared = min(len(row["images"]) for row in rows)
-    return {("image" if k == 0 else f"image_{k + 1}"): [row["images"][k] for row in rows]
-            for k in range(shared)}
+    return {
+        ("image" if k == 0 else f"image_{k + 1}"): [row["images"][k] for row in rows]
+        for k in range(shared)
+    }
 
 
 class TrackerCompletionsCallback(TrainerCallback):
@@ -119,9 +124,11 @@ class TrackerCompletionsCallback(TrainerCallback):
                     continue
                 images = image_columns(rows)
                 columns = [key for key in rows[0] if key != "images"] + list(images)
-                data = [[row[key] for key in rows[0] if key != "images"] +
-                        [module.Image(images[key][index]) for key in images]
-                        for index, row in enumerate(rows)]
+                data = [
+                    [row[key] for key in rows[0] if key != "images"]
+                    + [module.Image(images[key][index]) for key in images]
+                    for index, row in enumerate(rows)
+                ]
                 # (no step: wandb's own is the transformers callback's, as in TRL)
                 module.log({"completions": module.Table(columns=columns, data=data)})
             except Exception as err:  # ImportError included: report_to already needs it installed
@@ -138,15 +145,18 @@ class MLflowCompletionsCallback(TrainerCallback):
             return
         try:
             import mlflow  # lazily: rloo/ depends on mlflow only for users who ask for it
+
             if mlflow.active_run() is None:
                 return
+
             def cell(value):
                 return None if isinstance(value, float) and math.isnan(value) else value
-            columns = {key: [cell(row[key]) for row in rows] for key in rows[0]
-                       if key != "images"}
+
+            columns = {key: [cell(row[key]) for row in rows] for key in rows[0] if key != "images"}
             columns.update(image_columns(rows))
-            mlflow.log_table(data=columns,
-                             artifact_file=f"completions/step_{state.global_step:07d}.json")
+            mlflow.log_table(
+                data=columns, artifact_file=f"completions/step_{state.global_step:07d}.json"
+            )
         except Exception as err:  # ImportError included: report_to already needs mlflow installed
             logger.warning("could not log the completion table to MLflow: %s", err)
 
@@ -154,8 +164,9 @@ class MLflowCompletionsCallback(TrainerCallback):
 def completion_table_callbacks(report_to: list[str] | None) -> list[TrainerCallback]:
     """The callbacks that log completion tables to the trackers `report_to` names."""
     report_to = report_to or []
-    callbacks: list[TrainerCallback] = [MLflowCompletionsCallback()] if "mlflow" in report_to \
-        else []
+    callbacks: list[TrainerCallback] = (
+        [MLflowCompletionsCallback()] if "mlflow" in report_to else []
+    )
     if trackers := [name for name in ("wandb", "trackio") if name in report_to]:
         callbacks.append(TrackerCompletionsCallback(trackers))
     return callbacks

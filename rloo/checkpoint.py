@@ -37,13 +37,17 @@ def _disk_full(err: BaseException, folder: str, needed: int) -> bool:
     the errno) with less free space left than a checkpoint takes."""
     seen = err
     while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT) or any(
-                text in str(seen) for text in ("No space left", "StorageFull")):
+        if (
+            isinstance(seen, OSError)
+            and seen.errno in (errno.ENOSPC, errno.EDQUOT)
+            or any(text in str(seen) for text in ("No space left", "StorageFull"))
+        ):
             return True
         seen = seen.__cause__ or seen.__context__
     try:
         return shutil.disk_usage(
-            folder if os.path.isdir(folder) else os.path.dirname(folder)).free < max(needed, 1)
+            folder if os.path.isdir(folder) else os.path.dirname(folder)
+        ).free < max(needed, 1)
     except OSError:
         return False
 
@@ -121,11 +125,13 @@ def save_complete(trainer, trial, save) -> None:
             raise
         removed = _remove_partial(folder, run_dir)  # no half-written checkpoint is left behind
         raise DiskFull(
-            errno.ENOSPC, f"no space left on the device of {run_dir} while saving {folder}: "
+            errno.ENOSPC,
+            f"no space left on the device of {run_dir} while saving {folder}: "
             f"{removed}, a checkpoint of this run takes "
             f"{'' if previous else 'more than '}{needed / 2**20:.1f} MiB"
-            + (f" ({os.path.basename(previous)} is intact)" if previous else "") +
-            ". Fix: free space (or lower save_total_limit), then resume.") from err
+            + (f" ({os.path.basename(previous)} is intact)" if previous else "")
+            + ". Fix: free space (or lower save_total_limit), then resume.",
+        ) from err
     finally:
         args.save_total_limit = limit
     trainer.accelerator.wait_for_everyone()
@@ -149,8 +155,12 @@ def _rotate(trainer, run_dir: str, limit: int | None) -> None:
     except ImportError:
         trainer._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
         return
-    rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
-                       best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+    rotate_checkpoints(
+        output_dir=run_dir,
+        save_total_limit=limit,
+        best_model_checkpoint=trainer.state.best_model_checkpoint,
+        use_mtime=True,
+    )
 
 
 def save_final(trainer, output_dir: str) -> None:
@@ -168,7 +178,8 @@ def save_final(trainer, output_dir: str) -> None:
         raise DiskFull(
             errno.ENOSPC,
             f"no space left on the device of {output_dir} while saving the final model: "
-            f"{_remove_partial(staging, output_dir)}. Fix: free space, then resume.") from err
+            f"{_remove_partial(staging, output_dir)}. Fix: free space, then resume.",
+        ) from err
     trainer.accelerator.wait_for_everyone()
     if trainer.args.should_save:
         for name in os.listdir(staging):
@@ -186,8 +197,13 @@ def checked_resume(trainer, value) -> str | None:
     if path:
         state = read_state(path, trainer.accelerator.process_index)
         if state is not None:
-            check_compatible(path, state, trainer.args.num_generations,
-                             trainer.args.generation_batch_size, trainer._model_identity)
+            check_compatible(
+                path,
+                state,
+                trainer.args.num_generations,
+                trainer.args.generation_batch_size,
+                trainer._model_identity,
+            )
     return path
 
 
@@ -197,6 +213,7 @@ def finished_run(trainer, path: str):
     checkpoint's weights and state and return its TrainOutput. None when there is training left."""
     from transformers import TrainerState
     from transformers.trainer_utils import TrainOutput
+
     state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
     if trainer.args.max_steps <= 0 or state.global_step < trainer.args.max_steps:
         return None
@@ -204,10 +221,12 @@ def finished_run(trainer, path: str):
         raise ValueError(
             f"{path} is at step {state.global_step} = max_steps: that run had finished. Resuming a "
             "finished DeepSpeed run is not supported; its weights are in that checkpoint (raise "
-            "max_steps to train on).")
+            "max_steps to train on)."
+        )
     warnings.warn(
         f"{path} is at step {state.global_step} = max_steps: the run had finished; its weights are "
-        "loaded and nothing more is trained.")
+        "loaded and nothing more is trained."
+    )
     trainer._load_from_checkpoint(path)
     trainer.state = state
     losses = [log["loss"] for log in state.log_history if "loss" in log]
@@ -220,8 +239,11 @@ def latest_checkpoint(output_dir: str, quiet: bool = False) -> str | None:
     naming it."""
     if not os.path.isdir(output_dir):
         return None
-    found = [name for name in os.listdir(output_dir) if CHECKPOINT.fullmatch(name)
-             and os.path.isdir(os.path.join(output_dir, name))]
+    found = [
+        name
+        for name in os.listdir(output_dir)
+        if CHECKPOINT.fullmatch(name) and os.path.isdir(os.path.join(output_dir, name))
+    ]
     for name in sorted(found, key=lambda n: int(n.split("-")[1]), reverse=True):
         path = os.path.join(output_dir, name)
         why = problem(path)
@@ -247,8 +269,9 @@ def save_state(checkpoint: str, process_index: int, state: dict) -> None:
 
 def read_state(checkpoint: str, process_index: int) -> dict | None:
     path = state_path(checkpoint, process_index)
-    return torch.load(path, map_location="cpu",
-                      weights_only=False) if os.path.exists(path) else None
+    return (
+        torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
+    )
 
 
 def restore_state(trainer, checkpoint_dir: str) -> None:
@@ -257,13 +280,15 @@ def restore_state(trainer, checkpoint_dir: str) -> None:
     exactly)."""
     from rloo.rollout import Rollout
     from rloo.zero import gathered_parameters
+
     reference_file = reference_path(checkpoint_dir)
     if trainer.args.sync_ref_model and os.path.exists(reference_file):
         reference = trainer.accelerator.unwrap_model(trainer.ref_model)
         with gathered_parameters(reference, trainer._zero3, modifier_rank=0):
             if trainer.accelerator.is_main_process or not trainer._zero3:
                 reference.load_state_dict(
-                    torch.load(reference_file, map_location="cpu", weights_only=True))
+                    torch.load(reference_file, map_location="cpu", weights_only=True)
+                )
     state = read_state(checkpoint_dir, trainer.accelerator.process_index)
     if state is None:
         return
@@ -273,36 +298,47 @@ def restore_state(trainer, checkpoint_dir: str) -> None:
         raise ValueError(
             f"checkpoint {checkpoint_dir} holds a generation buffer in the format of an older rloo "
             "version (dicts, not Rollouts). Fix: resume it with the version that wrote it, or "
-            "start a new run in another output_dir.")
-    trainer._buffered_inputs = None if buffered is None else [part.to(trainer.accelerator.device)
-                                                              for part in buffered]
+            "start a new run in another output_dir."
+        )
+    trainer._buffered_inputs = (
+        None if buffered is None else [part.to(trainer.accelerator.device) for part in buffered]
+    )
     # the backend's own: its request counter (seeds), a generation that was in flight
     trainer.generator.restore(state.get("generator"))
 
 
-def check_compatible(checkpoint: str, state: dict, num_generations: int, generation_batch_size: int,
-                     model_identity: dict) -> None:
+def check_compatible(
+    checkpoint: str,
+    state: dict,
+    num_generations: int,
+    generation_batch_size: int,
+    model_identity: dict,
+) -> None:
     """A checkpoint of another model or another group size is refused before any weight loads."""
     if state["num_generations"] != num_generations:
         raise ValueError(
             f"checkpoint {checkpoint} was trained with num_generations={state['num_generations']}, "
             f"this run has {num_generations}: the prompt groups would not line up. Fix: resume "
-            "with the same num_generations, or start a new run in another output_dir.")
+            "with the same num_generations, or start a new run in another output_dir."
+        )
     saved = state.get("model")
-    if saved is not None and (saved["class"],
-                              saved["shapes_digest"]) != (model_identity["class"],
-                                                          model_identity["shapes_digest"]):
+    if saved is not None and (saved["class"], saved["shapes_digest"]) != (
+        model_identity["class"],
+        model_identity["shapes_digest"],
+    ):
         raise ValueError(
             f"checkpoint {checkpoint} was trained from a different model ({saved['class']} "
             f"{saved['name_or_path']!r}, weights {saved['shapes_digest']}) than this run "
             f"({model_identity['class']} {model_identity['name_or_path']!r}, weights "
             f"{model_identity['shapes_digest']}). Fix: resume with the model the checkpoint was "
-            "trained from, or start a new run in another output_dir.")
+            "trained from, or start a new run in another output_dir."
+        )
     if state["generation_batch_size"] != generation_batch_size:
         warnings.warn(
             f"checkpoint {checkpoint} used generation_batch_size={state['generation_batch_size']}, "
             f"this run uses {generation_batch_size}: the resumed run will not replay the same "
-            "prompt order.")
+            "prompt order."
+        )
 
 
 def resolve_resume(value, output_dir: str, missing_ok: bool = False):
@@ -317,13 +353,15 @@ def resolve_resume(value, output_dir: str, missing_ok: bool = False):
         if found is None and not missing_ok:
             raise ValueError(
                 f"resume_from_checkpoint=True but {output_dir} holds no checkpoint-N folder. Fix: "
-                "start without resume_from_checkpoint, or point it at a checkpoint.")
+                "start without resume_from_checkpoint, or point it at a checkpoint."
+            )
         return found
     why = problem(value) if os.path.isdir(value) else "no such folder"
     if why is not None:
         raise ValueError(
             f"resume_from_checkpoint={value!r} cannot be resumed from: {why}. Fix: use 'latest' "
-            "(the newest complete checkpoint) or another checkpoint.")
+            "(the newest complete checkpoint) or another checkpoint."
+        )
     return value
 
 
@@ -334,8 +372,11 @@ def load_renamed_weights(model: torch.nn.Module, checkpoint: str) -> bool:
     weights with only a warning. Such a checkpoint is loaded through from_pretrained (which renames)
     and copied in. False where the plain load matches (then Trainer's own path runs)."""
     from safetensors import safe_open
-    index, single = (os.path.join(checkpoint, name) for name in
-                     ("model.safetensors.index.json", "model.safetensors"))
+
+    index, single = (
+        os.path.join(checkpoint, name)
+        for name in ("model.safetensors.index.json", "model.safetensors")
+    )
     if os.path.exists(index):
         with open(index) as handle:
             keys = set(json.load(handle)["weight_map"])

@@ -43,9 +43,15 @@ class CompletionLog:
     def __getitem__(self, key: str):  # TRL code reads trainer._logs["extra"] etc.
         return getattr(self, key)
 
-    def record(self, prompts: list, completions: list, rewards: dict[str, list[float]],
-               advantages: list[float], extra: dict[str, list],
-               images: list[list] | None = None) -> None:
+    def record(
+        self,
+        prompts: list,
+        completions: list,
+        rewards: dict[str, list[float]],
+        advantages: list[float],
+        extra: dict[str, list],
+        images: list[list] | None = None,
+    ) -> None:
         self.prompt.extend(as_text(p) for p in prompts)
         if self.multimodal:
             self.images.extend(images if images is not None else [[] for _ in prompts])
@@ -68,8 +74,12 @@ class CompletionLog:
             per_rank = gather_object(per_rank)
             images = gather_object(images) if self.multimodal else None
         keys = sorted({key for _, columns in per_rank for key in columns})
-        extra = {key: [value for rows, columns in per_rank
-                       for value in (columns.get(key) or [None] * rows)] for key in keys}
+        extra = {
+            key: [
+                value for rows, columns in per_rank for value in (columns.get(key) or [None] * rows)
+            ]
+            for key in keys
+        }
         rewards = {
             name: rollout.rewards_per_func[:, index].tolist()
             for index, name in enumerate(reward_names)
@@ -106,10 +116,12 @@ def _cell(value: Any) -> str:
     return "None" if value is None else str(value)
 
 
-def print_table(rows: list[dict], step: int, num_to_print: int | None, seed: int = 0,
-                console=None) -> None:
+def print_table(
+    rows: list[dict], step: int, num_to_print: int | None, seed: int = 0, console=None
+) -> None:
     from rich.console import Console
     from rich.table import Table
+
     if num_to_print is not None and len(rows) > num_to_print:
         rows = random.Random(seed + step).sample(rows, num_to_print)
     if not rows:
@@ -117,8 +129,9 @@ def print_table(rows: list[dict], step: int, num_to_print: int | None, seed: int
     table = Table(title=f"Completions at step {step}", show_lines=True)
     for column in rows[0]:
         if column != "step":
-            table.add_column(column, overflow="fold",
-                             style="bold cyan" if column == "advantage" else None)
+            table.add_column(
+                column, overflow="fold", style="bold cyan" if column == "advantage" else None
+            )
     for row in rows:
         table.add_row(*[_cell(value) for key, value in row.items() if key != "step"])
     (console or Console()).print(table)

@@ -11,8 +11,12 @@ from datasets import Dataset, IterableDataset
 
 def is_conversational(prompt: Any) -> bool:
     """A conversational prompt is a list of {'role': ..., 'content': ...} messages."""
-    return (isinstance(prompt, list) and len(prompt) > 0 and isinstance(prompt[0], dict) and
-            "role" in prompt[0])
+    return (
+        isinstance(prompt, list)
+        and len(prompt) > 0
+        and isinstance(prompt[0], dict)
+        and "role" in prompt[0]
+    )
 
 
 def check_prompt_dataset(dataset: Any, name: str = "train_dataset") -> None:
@@ -24,12 +28,14 @@ def check_prompt_dataset(dataset: Any, name: str = "train_dataset") -> None:
         raise TypeError(
             f"`{name}` must be a datasets.Dataset or IterableDataset, got "
             f"{type(dataset).__name__}. Fix: datasets.Dataset.from_list(rows) or "
-            "from_dict(columns).")
+            "from_dict(columns)."
+        )
     columns = dataset.column_names
     if columns is not None and "prompt" not in columns:
         raise ValueError(
             f"`{name}` has no 'prompt' column (columns: {columns}). Fix: rename the column holding "
-            "the prompts to 'prompt', e.g. dataset.rename_column('question', 'prompt').")
+            "the prompts to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
+        )
     if isinstance(dataset, Dataset):
         if len(dataset) == 0:
             raise ValueError(f"`{name}` is empty: it needs at least one prompt.")
@@ -37,17 +43,23 @@ def check_prompt_dataset(dataset: Any, name: str = "train_dataset") -> None:
         if not (isinstance(first, str) or is_conversational(first)):
             raise ValueError(
                 f"`{name}` row 0: 'prompt' must be a string or a list of {{'role', 'content'}} "
-                f"messages, got {type(first).__name__}: {str(first)[:80]!r}.")
+                f"messages, got {type(first).__name__}: {str(first)[:80]!r}."
+            )
 
 
-def tokenize_prompts(processing_class: Any, prompts: list,
-                     chat_template_kwargs: dict | None) -> list[list[int]]:
+def tokenize_prompts(
+    processing_class: Any, prompts: list, chat_template_kwargs: dict | None
+) -> list[list[int]]:
     """Conversational prompts go through the chat template (generation prompt added); standard ones
     are tokenised as they are (special tokens included, never truncated)."""
     if is_conversational(prompts[0]):
-        encoded = processing_class.apply_chat_template(prompts, add_generation_prompt=True,
-                                                       tokenize=True, return_dict=True,
-                                                       **(chat_template_kwargs or {}))
+        encoded = processing_class.apply_chat_template(
+            prompts,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(chat_template_kwargs or {}),
+        )
         return [list(ids) for ids in encoded["input_ids"]]
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
@@ -59,8 +71,9 @@ def round_up(length: int, multiple: int | None) -> int:
     return ((length + multiple - 1) // multiple) * multiple
 
 
-def pad_rows(rows: list[list[int]], pad_id: int, side: str, multiple: int | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_rows(
+    rows: list[list[int]], pad_id: int, side: str, multiple: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad token-id lists to one length (optionally a multiple); returns (ids, mask)."""
     width = round_up(max((len(r) for r in rows), default=0), multiple)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -69,11 +82,11 @@ def pad_rows(rows: list[list[int]], pad_id: int, side: str, multiple: int | None
         if not row:
             continue
         if side == "left":
-            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask[i, width - len(row):] = 1
+            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row) :] = 1
         else:
-            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, :len(row)] = 1
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, : len(row)] = 1
     return ids, mask
 
 
@@ -84,41 +97,52 @@ def as_completion(text: str, conversational: bool) -> Any:
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_prompt_dataset(name: str, config: str | None = None, split: str = "train",
-                        streaming: bool = False):
+def load_prompt_dataset(
+    name: str, config: str | None = None, split: str = "train", streaming: bool = False
+):
     """A Hub dataset id, a folder written by `save_to_disk`, or a JSON/JSONL/CSV/Parquet file -> one
     split."""
     import os
 
     from datasets import DatasetDict, load_dataset, load_from_disk
+
     path = os.path.expanduser(name)
     extension = os.path.splitext(path)[1].lower()
     if extension in FILE_BUILDERS:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"dataset {name!r}: no such file.")
         from rloo.vision import with_image_files
-        loaded = load_dataset(FILE_BUILDERS[extension], data_files={split: path}, split=split,
-                              streaming=streaming)
+
+        loaded = load_dataset(
+            FILE_BUILDERS[extension], data_files={split: path}, split=split, streaming=streaming
+        )
         return with_image_files(loaded, os.path.dirname(os.path.abspath(path)))
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")) or \
-            os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
+    if (
+        os.path.isdir(path)
+        and os.path.exists(os.path.join(path, "dataset_dict.json"))
+        or os.path.isdir(path)
+        and os.path.exists(os.path.join(path, "dataset_info.json"))
+    ):
         loaded = load_from_disk(path)
         if isinstance(loaded, DatasetDict):
             if split not in loaded:
                 raise ValueError(
-                    f"dataset {name!r} has no split {split!r} (splits: {list(loaded)}).")
+                    f"dataset {name!r} has no split {split!r} (splits: {list(loaded)})."
+                )
             loaded = loaded[split]
         return loaded.to_iterable_dataset() if streaming else loaded
     if os.path.exists(path) or name.startswith((".", "/", "~")):
         raise FileNotFoundError(
             f"dataset {name!r} is neither a data file (.json/.jsonl/.csv/.parquet) nor a folder "
-            "written by Dataset.save_to_disk.")
+            "written by Dataset.save_to_disk."
+        )
     try:
         return load_dataset(name, config, split=split, streaming=streaming)
     except Exception as err:  # datasets raises many types for offline / missing ids
         raise ValueError(
             f"dataset {name!r} (config {config!r}, split {split!r}) could not be loaded from the "
-            f"Hugging Face Hub: {err}") from err
+            f"Hugging Face Hub: {err}"
+        ) from err
 
 
 MIXTURE_PART_KEYS = ("path", "name", "data_dir", "data_files", "split", "columns", "fraction")
@@ -133,21 +157,29 @@ def mixture_problems(values: dict) -> list[str]:
         return ["datasets: a non-empty list of {path: ..., split: ...} entries."]
     for index, part in enumerate(parts):
         if not isinstance(part, dict) or "path" not in part:
-            problems.append(f"datasets[{index}]: needs `path` (a Hub id, a builder such as json "
-                            "with data_files, a data file or a save_to_disk folder).")
+            problems.append(
+                f"datasets[{index}]: needs `path` (a Hub id, a builder such as json "
+                "with data_files, a data file or a save_to_disk folder)."
+            )
             continue
-        problems += [f"datasets[{index}].{key}: unknown key (known: "
-                     f"{', '.join(MIXTURE_PART_KEYS)})." for key in part
-                     if key not in MIXTURE_PART_KEYS]
+        problems += [
+            f"datasets[{index}].{key}: unknown key (known: {', '.join(MIXTURE_PART_KEYS)})."
+            for key in part
+            if key not in MIXTURE_PART_KEYS
+        ]
     fractions = [part.get("fraction") for part in parts if isinstance(part, dict)]
     if any(f is not None for f in fractions) and any(f is None for f in fractions):
-        problems.append("datasets: `fraction` is set on some entries, not all: set it on every "
-                        "entry or on none.")
+        problems.append(
+            "datasets: `fraction` is set on some entries, not all: set it on every "
+            "entry or on none."
+        )
     if any(f is not None and f < 0 for f in fractions):
         problems.append("datasets: a `fraction` below 0.")
     if values.get("streaming") and any(f is not None for f in fractions):
-        problems.append("datasets: `fraction` cannot apply to streamed datasets (their length is "
-                        "unknown); drop fraction or streaming.")
+        problems.append(
+            "datasets: `fraction` cannot apply to streamed datasets (their length is "
+            "unknown); drop fraction or streaming."
+        )
     split = values.get("test_split_size")
     if split is not None and not (0 < split < 1 or (float(split).is_integer() and split >= 1)):
         problems.append(f"test_split_size={split}: a share in (0, 1) or a row count.")
@@ -163,18 +195,25 @@ def load_mixture(values: dict) -> dict:
     import os
 
     from datasets import concatenate_datasets, load_dataset
+
     streaming = bool(values.get("streaming"))
     loaded = []
     for part in values["datasets"]:
         path, split = part["path"], part.get("split", "train")
         local = os.path.splitext(path)[1].lower() in FILE_BUILDERS or os.path.isdir(
-            os.path.expanduser(path))
+            os.path.expanduser(path)
+        )
         if local and not (part.get("data_files") or part.get("data_dir")):
             dataset = load_prompt_dataset(path, part.get("name"), split, streaming)
         else:
-            dataset = load_dataset(path=path, name=part.get("name"), data_dir=part.get("data_dir"),
-                                   data_files=part.get("data_files"), split=split,
-                                   streaming=streaming)
+            dataset = load_dataset(
+                path=path,
+                name=part.get("name"),
+                data_dir=part.get("data_dir"),
+                data_files=part.get("data_files"),
+                split=split,
+                streaming=streaming,
+            )
         if part.get("columns") is not None:
             dataset = dataset.select_columns(part["columns"])
         loaded.append(dataset)
@@ -204,8 +243,10 @@ def with_prompt(dataset, column: str | None, system_prompt: str | None):
         prompt = [{"role": "user", "content": value}] if column is not None else value
         if system_prompt is not None:
             if not is_conversational(prompt):
-                raise ValueError("system_prompt needs conversational prompts; a prompt is a "
-                                 f"string ({str(prompt)[:40]!r}). Fix: dataset_prompt_column.")
+                raise ValueError(
+                    "system_prompt needs conversational prompts; a prompt is a "
+                    f"string ({str(prompt)[:40]!r}). Fix: dataset_prompt_column."
+                )
             prompt = [{"role": "system", "content": system_prompt}] + list(prompt)
         return {"prompt": prompt}
 
@@ -224,8 +265,14 @@ def _is_content(content: Any) -> bool:
     if isinstance(content, str):
         return True
     return isinstance(content, list) and all(
-        isinstance(part, dict) and (part.get("type") == "image" or part.get("type") == "text"
-                                    and isinstance(part.get("text"), str)) for part in content)
+        isinstance(part, dict)
+        and (
+            part.get("type") == "image"
+            or part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        )
+        for part in content
+    )
 
 
 def validate_prompt_rows(dataset, source: str = "dataset") -> str:
@@ -235,22 +282,28 @@ def validate_prompt_rows(dataset, source: str = "dataset") -> str:
     if "prompt" not in (dataset.column_names or []):
         raise DatasetValidationError(
             f"{source}: no 'prompt' column (columns: {dataset.column_names}). Fix: rename the "
-            "column holding the prompts to 'prompt'.")
+            "column holding the prompts to 'prompt'."
+        )
     kind = None
     for index, prompt in enumerate(dataset["prompt"]):
         if isinstance(prompt, str):
             row_kind = "standard"
             if not prompt.strip():
                 raise DatasetValidationError(
-                    f"{source}: row {index}, column 'prompt': empty prompt.")
+                    f"{source}: row {index}, column 'prompt': empty prompt."
+                )
         elif isinstance(prompt, list):
             row_kind = "conversational"
             if not prompt:
                 raise DatasetValidationError(
-                    f"{source}: row {index}, column 'prompt': empty message list.")
+                    f"{source}: row {index}, column 'prompt': empty message list."
+                )
             for position, message in enumerate(prompt):
-                if not isinstance(message, dict) or message.get("role") not in ROLES or \
-                        not _is_content(message.get("content")):
+                if (
+                    not isinstance(message, dict)
+                    or message.get("role") not in ROLES
+                    or not _is_content(message.get("content"))
+                ):
                     raise DatasetValidationError(
                         f"{source}: row {index}, column 'prompt', message {position}: expected "
                         f"{{'role': one of {list(ROLES)}, 'content': str or a list of "
@@ -260,13 +313,15 @@ def validate_prompt_rows(dataset, source: str = "dataset") -> str:
         else:
             raise DatasetValidationError(
                 f"{source}: row {index}, column 'prompt': expected a string or a list of messages, "
-                f"got {type(prompt).__name__} {str(prompt)[:60]!r}.")
+                f"got {type(prompt).__name__} {str(prompt)[:60]!r}."
+            )
         if kind is None:
             kind = row_kind
         elif row_kind != kind:
             raise DatasetValidationError(
                 f"{source}: row {index}, column 'prompt' is {row_kind} but earlier rows are "
-                f"{kind}; use one format for the whole dataset.")
+                f"{kind}; use one format for the whole dataset."
+            )
     if kind is None:
         raise DatasetValidationError(f"{source}: the dataset is empty.")
     # what reward functions receive: a NaN is a missing value, not a number
@@ -276,5 +331,6 @@ def validate_prompt_rows(dataset, source: str = "dataset") -> str:
             if isinstance(value, float) and math.isnan(value):
                 raise DatasetValidationError(
                     f"{source}: row {index}, column {column!r}: NaN (a missing value; reward "
-                    "functions would get it as a number). Fix: fill it in, or drop the row.")
+                    "functions would get it as a number). Fix: fill it in, or drop the row."
+                )
     return kind

@@ -25,15 +25,23 @@ class Publisher(Protocol):
     def create_repo(self, repo_id: str, token: str | None, private: bool | None) -> str:
         """Create (or reuse) the repository; return its canonical id."""
 
-    def upload_folder(self, repo_id: str, folder: str, commit_message: str, token: str | None,
-                      revision: str | None = None, path_in_repo: str | None = None,
-                      ignore_patterns: list[str] | None = None,
-                      delete_patterns: list[str] | None = None) -> str:
+    def upload_folder(
+        self,
+        repo_id: str,
+        folder: str,
+        commit_message: str,
+        token: str | None,
+        revision: str | None = None,
+        path_in_repo: str | None = None,
+        ignore_patterns: list[str] | None = None,
+        delete_patterns: list[str] | None = None,
+    ) -> str:
         """Upload a folder's files (and delete the remote files matching `delete_patterns` that it
         does not have); return a commit reference."""
 
-    def create_tag(self, repo_id: str, tag: str, revision: str, token: str | None,
-                   message: str | None = None) -> None:
+    def create_tag(
+        self, repo_id: str, tag: str, revision: str, token: str | None, message: str | None = None
+    ) -> None:
         """Tag a commit (an existing tag of that name is an error)."""
 
     def tags(self, repo_id: str, token: str | None) -> dict[str, str]:
@@ -46,6 +54,7 @@ class Publisher(Protocol):
 def hub_endpoint() -> str:
     """HF_ENDPOINT as it is now (huggingface_hub reads it once, at import)."""
     from huggingface_hub import constants
+
     return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
 
 
@@ -55,26 +64,43 @@ class HfHubPublisher:
 
     def _api(self):
         from huggingface_hub import HfApi
+
         return HfApi(endpoint=hub_endpoint())
 
     def create_repo(self, repo_id, token, private):
         return self._api().create_repo(repo_id, token=token, private=private, exist_ok=True).repo_id
 
-    def upload_folder(self, repo_id, folder, commit_message, token, revision=None,
-                      path_in_repo=None, ignore_patterns=None, delete_patterns=None):
-        info = self._api().upload_folder(repo_id=repo_id, folder_path=folder,
-                                         commit_message=commit_message, token=token,
-                                         revision=revision, path_in_repo=path_in_repo,
-                                         ignore_patterns=ignore_patterns,
-                                         delete_patterns=delete_patterns)
+    def upload_folder(
+        self,
+        repo_id,
+        folder,
+        commit_message,
+        token,
+        revision=None,
+        path_in_repo=None,
+        ignore_patterns=None,
+        delete_patterns=None,
+    ):
+        info = self._api().upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            commit_message=commit_message,
+            token=token,
+            revision=revision,
+            path_in_repo=path_in_repo,
+            ignore_patterns=ignore_patterns,
+            delete_patterns=delete_patterns,
+        )
         return getattr(info, "oid", None) or str(info)
 
     def create_tag(self, repo_id, tag, revision, token, message=None):
-        self._api().create_tag(repo_id, tag=tag, revision=revision, token=token,
-                               tag_message=message)
+        self._api().create_tag(
+            repo_id, tag=tag, revision=revision, token=token, tag_message=message
+        )
 
     def tags(self, repo_id, token):
         from huggingface_hub.errors import RepositoryNotFoundError
+
         try:
             refs = self._api().list_repo_refs(repo_id, token=token)
         except RepositoryNotFoundError:
@@ -96,12 +122,27 @@ class LocalPublisher:
 
     def create_repo(self, repo_id, token, private):
         os.makedirs(os.path.join(self.root, repo_id, "commits"), exist_ok=True)
-        self.calls.append({"call": "create_repo", "repo_id": repo_id, "private": private,
-                           "authenticated": token is not None})
+        self.calls.append(
+            {
+                "call": "create_repo",
+                "repo_id": repo_id,
+                "private": private,
+                "authenticated": token is not None,
+            }
+        )
         return repo_id
 
-    def upload_folder(self, repo_id, folder, commit_message, token, revision=None,
-                      path_in_repo=None, ignore_patterns=None, delete_patterns=None):
+    def upload_folder(
+        self,
+        repo_id,
+        folder,
+        commit_message,
+        token,
+        revision=None,
+        path_in_repo=None,
+        ignore_patterns=None,
+        delete_patterns=None,
+    ):
         repo = os.path.join(self.root, repo_id)
         if not os.path.isdir(repo):
             raise FileNotFoundError(f"repository {repo_id!r} does not exist: create_repo first")
@@ -113,8 +154,9 @@ class LocalPublisher:
         for directory, _, files in os.walk(remote) if delete_patterns else ():
             for name in files:
                 relative = os.path.relpath(os.path.join(directory, name), remote)
-                if any(fnmatch.fnmatch(relative, p) for p in delete_patterns) and \
-                        not os.path.exists(os.path.join(folder, relative)):
+                if any(
+                    fnmatch.fnmatch(relative, p) for p in delete_patterns
+                ) and not os.path.exists(os.path.join(folder, relative)):
                     os.remove(os.path.join(directory, name))
         for target in (commit, tree):
             destination = os.path.join(target, path_in_repo or "")
@@ -123,20 +165,27 @@ class LocalPublisher:
                 for name in files:
                     relative = os.path.normpath(os.path.join(relative_dir, name))
                     if any(
-                            fnmatch.fnmatch(relative, p) or
-                            fnmatch.fnmatch(relative.split(os.sep)[0], p)
-                            for p in ignore_patterns or []):
+                        fnmatch.fnmatch(relative, p)
+                        or fnmatch.fnmatch(relative.split(os.sep)[0], p)
+                        for p in ignore_patterns or []
+                    ):
                         continue
                     os.makedirs(os.path.join(destination, os.path.dirname(relative)), exist_ok=True)
                     shutil.copy2(os.path.join(directory, name), os.path.join(destination, relative))
         with open(os.path.join(commit, ".commit.json"), "w") as handle:
             json.dump(
                 {"message": commit_message, "path_in_repo": path_in_repo, "revision": revision},
-                handle)
-        self.calls.append({
-            "call": "upload_folder", "repo_id": repo_id, "commit_message": commit_message,
-            "path_in_repo": path_in_repo, "authenticated": token is not None
-        })
+                handle,
+            )
+        self.calls.append(
+            {
+                "call": "upload_folder",
+                "repo_id": repo_id,
+                "commit_message": commit_message,
+                "path_in_repo": path_in_repo,
+                "authenticated": token is not None,
+            }
+        )
         return f"{number:04d}"
 
     def create_tag(self, repo_id, tag, revision, token, message=None):
@@ -147,9 +196,14 @@ class LocalPublisher:
         tags[tag] = revision if revision in commits else commits[-1]
         with open(os.path.join(self.root, repo_id, "tags.json"), "w") as handle:
             json.dump(tags, handle)
-        self.calls.append({
-            "call": "create_tag", "repo_id": repo_id, "tag": tag, "authenticated": token is not None
-        })
+        self.calls.append(
+            {
+                "call": "create_tag",
+                "repo_id": repo_id,
+                "tag": tag,
+                "authenticated": token is not None,
+            }
+        )
 
     def tags(self, repo_id, token):
         path = os.path.join(self.root, repo_id, "tags.json")
@@ -160,7 +214,8 @@ class LocalPublisher:
 
     def url(self, repo_id, commit=None):
         return "file://" + os.path.abspath(
-            os.path.join(self.root, repo_id, "commits" if commit else "main", commit or ""))
+            os.path.join(self.root, repo_id, "commits" if commit else "main", commit or "")
+        )
 
 
 _publisher: Publisher | None = None
@@ -176,10 +231,11 @@ def get_publisher() -> Publisher:
         return _publisher
     choice = os.environ.get("RLOO_HUB_PUBLISHER", "")
     if choice.startswith("local:"):
-        return LocalPublisher(choice[len("local:"):])
+        return LocalPublisher(choice[len("local:") :])
     if choice not in ("", "hf"):
         raise ValueError(
-            f"RLOO_HUB_PUBLISHER={choice!r}: use 'hf' (default) or 'local:/path/to/dir'.")
+            f"RLOO_HUB_PUBLISHER={choice!r}: use 'hf' (default) or 'local:/path/to/dir'."
+        )
     return HfHubPublisher()
 
 
@@ -202,19 +258,44 @@ CITATION = """@inproceedings{ahmadian2024back,
     year      = 2024,
 }"""
 
-CARD_FIELDS = ("num_generations", "beta", "learning_rate", "max_completion_length", "temperature",
-               "top_p", "num_iterations", "epsilon", "epsilon_high", "normalize_advantages",
-               "reward_weights", "reward_clip_range", "mask_truncated_completions",
-               "per_device_train_batch_size", "gradient_accumulation_steps",
-               "generation_batch_size", "max_steps", "num_train_epochs", "seed")
+CARD_FIELDS = (
+    "num_generations",
+    "beta",
+    "learning_rate",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "num_iterations",
+    "epsilon",
+    "epsilon_high",
+    "normalize_advantages",
+    "reward_weights",
+    "reward_clip_range",
+    "mask_truncated_completions",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "generation_batch_size",
+    "max_steps",
+    "num_train_epochs",
+    "seed",
+)
 
 
-def render_model_card(model_name: str, base_model: str | None, dataset_name: str | None,
-                      reward_names: list[str], config: dict, metrics: dict | None = None,
-                      tags: list[str] | None = None, peft: bool = False) -> str:
+def render_model_card(
+    model_name: str,
+    base_model: str | None,
+    dataset_name: str | None,
+    reward_names: list[str],
+    config: dict,
+    metrics: dict | None = None,
+    tags: list[str] | None = None,
+    peft: bool = False,
+) -> str:
     tags = list(dict.fromkeys(["rloo", "reinforce", "rl", *(tags or [])]))
     front = [
-        "---", f"library_name: {'peft' if peft else 'transformers'}", f"model_name: {model_name}"
+        "---",
+        f"library_name: {'peft' if peft else 'transformers'}",
+        f"model_name: {model_name}",
     ]
     if base_model:
         front.append(f"base_model: {base_model}")
@@ -224,18 +305,31 @@ def render_model_card(model_name: str, base_model: str | None, dataset_name: str
     body = [f"# {model_name}", ""]
     link = f"[{base_model}](https://huggingface.co/{base_model})"
     origin = f"a fine-tuned version of {link}" if base_model else "a fine-tuned model"
-    body.append(f"This model is {origin}" +
-                (f", trained on [{dataset_name}](https://huggingface.co/datasets/"
-                 f"{dataset_name})" if dataset_name else "") + ".")
+    body.append(
+        f"This model is {origin}"
+        + (
+            f", trained on [{dataset_name}](https://huggingface.co/datasets/{dataset_name})"
+            if dataset_name
+            else ""
+        )
+        + "."
+    )
     body += [
-        "", "## Method", "",
+        "",
+        "## Method",
+        "",
         "Trained with RLOO (REINFORCE Leave-One-Out): for each prompt, `num_generations` "
         "completions are sampled; each completion's advantage is its reward (minus `beta` times "
         "its KL to the reference policy) minus the mean reward of its siblings, and the policy is "
         "updated with a sequence-level "
-        "clipped importance ratio.", "",
-        f"Reward functions: {', '.join(f'`{name}`' for name in reward_names) or 'n/a'}.", "",
-        "## Training configuration", "", "| parameter | value |", "| --- | --- |"
+        "clipped importance ratio.",
+        "",
+        f"Reward functions: {', '.join(f'`{name}`' for name in reward_names) or 'n/a'}.",
+        "",
+        "## Training configuration",
+        "",
+        "| parameter | value |",
+        "| --- | --- |",
     ]
     safe = public_config(config)
     for field in CARD_FIELDS:
@@ -258,6 +352,7 @@ def rewrite_training_args(args, output_dir: str) -> None:
     import copy
 
     from rloo.checkpoint import atomic_save
+
     scrubbed = copy.copy(args)
     for name in vars(scrubbed):
         if is_secret(name) and isinstance(getattr(scrubbed, name), str):
@@ -277,8 +372,12 @@ def init_repo(trainer, token: str | None = None, private: bool | None = None) ->
     trainer.push_in_progress = None
 
 
-def write_model_card(trainer, model_name: str | None = None, dataset_name: str | None = None,
-                     tags: str | list[str] | None = None) -> None:
+def write_model_card(
+    trainer,
+    model_name: str | None = None,
+    dataset_name: str | None = None,
+    tags: str | list[str] | None = None,
+) -> None:
     """README.md in output_dir: base model, dataset, method, reward functions, RLOO configuration
     (no secrets), final metrics."""
     if not trainer.is_world_process_zero():
@@ -291,16 +390,29 @@ def write_model_card(trainer, model_name: str | None = None, dataset_name: str |
     tags = [tags] if isinstance(tags, str) else list(tags or [])
     metrics = next((log for log in reversed(trainer.state.log_history) if "reward" in log), None)
     output_dir = trainer.args.output_dir
-    card = render_model_card(model_name or os.path.basename(os.path.abspath(output_dir)),
-                             base_model, dataset_name, trainer.reward_func_names,
-                             trainer.args.to_dict(), metrics, tags + trainer._tag_names,
-                             peft=trainer._is_peft)
+    card = render_model_card(
+        model_name or os.path.basename(os.path.abspath(output_dir)),
+        base_model,
+        dataset_name,
+        trainer.reward_func_names,
+        trainer.args.to_dict(),
+        metrics,
+        tags + trainer._tag_names,
+        peft=trainer._is_peft,
+    )
     with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
         handle.write(card)
 
 
-def push_output_dir(trainer, commit_message: str | None, blocking: bool, token: str | None,
-                    revision: str | None, private: bool | None, **card_kwargs):
+def push_output_dir(
+    trainer,
+    commit_message: str | None,
+    blocking: bool,
+    token: str | None,
+    revision: str | None,
+    private: bool | None,
+    **card_kwargs,
+):
     """Trainer.push_to_hub: save the model, write the card, upload output_dir (checkpoints
     excluded). Returns the commit reference; with blocking=False a `concurrent.futures.Future` of it
     (the upload runs in a background thread; `trainer.push_in_progress` holds it, and the next push
@@ -312,21 +424,30 @@ def push_output_dir(trainer, commit_message: str | None, blocking: bool, token: 
     trainer.save_model(_internal_call=True)
     if not trainer.is_world_process_zero():
         return None
-    model_name = card_kwargs.pop("model_name", None) or (trainer.args.hub_model_id or
-                                                         "").split("/")[-1] or None
+    model_name = (
+        card_kwargs.pop("model_name", None)
+        or (trainer.args.hub_model_id or "").split("/")[-1]
+        or None
+    )
     write_model_card(trainer, model_name=model_name, **card_kwargs)
     wait_for_push(trainer)
 
     def upload():
-        return get_publisher().upload_folder(trainer.hub_model_id, trainer.args.output_dir,
-                                             commit_message, token, revision=revision or
-                                             trainer.args.hub_revision,
-                                             ignore_patterns=["_*", "checkpoint-*"])
+        return get_publisher().upload_folder(
+            trainer.hub_model_id,
+            trainer.args.output_dir,
+            commit_message,
+            token,
+            revision=revision or trainer.args.hub_revision,
+            ignore_patterns=["_*", "checkpoint-*"],
+        )
+
     if blocking:
         return upload()
     from concurrent.futures import ThreadPoolExecutor
 
     from transformers.utils.hub import PushInProgress
+
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rloo-push")
     future = executor.submit(upload)
     executor.shutdown(wait=False)
@@ -353,19 +474,24 @@ def push_checkpoint(trainer, checkpoint_folder: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from transformers.utils.hub import PushInProgress
+
     args = trainer.args
     strategy = getattr(args.hub_strategy, "value", args.hub_strategy)
     if not trainer.is_world_process_zero() or strategy == "end":
         return
     pending = getattr(trainer, "push_in_progress", None)
     if pending is not None and not pending.is_done() and not args.hub_always_push:
-        logger.info("rloo: step %d's checkpoint is not pushed: the previous push is still "
-                    "running (hub_always_push=False)", trainer.state.global_step)
+        logger.info(
+            "rloo: step %d's checkpoint is not pushed: the previous push is still "
+            "running (hub_always_push=False)",
+            trainer.state.global_step,
+        )
         return
     trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
     snapshot = tempfile.mkdtemp(prefix="rloo-push-")
-    shutil.copytree(checkpoint_folder, os.path.join(snapshot, "checkpoint"),
-                    copy_function=_link_or_copy)
+    shutil.copytree(
+        checkpoint_folder, os.path.join(snapshot, "checkpoint"), copy_function=_link_or_copy
+    )
     folder = os.path.join(snapshot, "checkpoint")
     publisher, token, step = get_publisher(), args.hub_token, trainer.state.global_step
 
@@ -373,13 +499,27 @@ def push_checkpoint(trainer, checkpoint_folder: str) -> None:
         message = f"Training in progress, step {step}"
         try:
             publisher.upload_folder(
-                trainer.hub_model_id, folder, message, token, revision=args.hub_revision,
-                ignore_patterns=["rloo_state", "optimizer.pt", "scheduler.pt", "rng_state*"])
+                trainer.hub_model_id,
+                folder,
+                message,
+                token,
+                revision=args.hub_revision,
+                ignore_patterns=["rloo_state", "optimizer.pt", "scheduler.pt", "rng_state*"],
+            )
             if strategy in ("checkpoint", "all_checkpoints"):
-                path = "last-checkpoint" if strategy == "checkpoint" else os.path.basename(
-                    checkpoint_folder)
-                publisher.upload_folder(trainer.hub_model_id, folder, message + ", checkpoint",
-                                        token, revision=args.hub_revision, path_in_repo=path)
+                path = (
+                    "last-checkpoint"
+                    if strategy == "checkpoint"
+                    else os.path.basename(checkpoint_folder)
+                )
+                publisher.upload_folder(
+                    trainer.hub_model_id,
+                    folder,
+                    message + ", checkpoint",
+                    token,
+                    revision=args.hub_revision,
+                    path_in_repo=path,
+                )
         finally:
             shutil.rmtree(snapshot, ignore_errors=True)
 
@@ -406,13 +546,24 @@ class HubMethods:
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         init_repo(self, token=token, private=private)
 
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
-                          tags: str | list[str] | None = None, **kwargs) -> None:
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        **kwargs,
+    ) -> None:
         write_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
 
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
-                    token: str | None = None, revision: str | None = None,
-                    private: bool | None = None, **kwargs):
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs,
+    ):
         """Save, write the model card, upload output_dir (checkpoints excluded). Returns the commit,
         or with blocking=False a Future of it (the upload goes on in the background)."""
         return push_output_dir(self, commit_message, blocking, token, revision, private, **kwargs)

@@ -15,8 +15,14 @@ from rloo.metrics import MetricBuffer
 from rloo.rollout import Rollout, global_masked_mean
 
 
-def sampler_weights(args, inputs: Rollout, token_logps: torch.Tensor, metrics: MetricBuffer,
-                    mode: str, gather: Callable) -> torch.Tensor | None:
+def sampler_weights(
+    args,
+    inputs: Rollout,
+    token_logps: torch.Tensor,
+    metrics: MetricBuffer,
+    mode: str,
+    gather: Callable,
+) -> torch.Tensor | None:
     """The weights for clipped_surrogate_loss's `importance` (None: no correction), after adding
     this micro-batch's sampler metrics."""
     sampler, mask = inputs.sampler_logps, inputs.completion_mask
@@ -31,20 +37,37 @@ def sampler_weights(args, inputs: Rollout, token_logps: torch.Tensor, metrics: M
         return None
     old = inputs.old_token_logps if inputs.old_token_logps is not None else token_logps.detach()
     weights, outside = algorithm.importance_weights(
-        old, sampler, mask, args.vllm_importance_sampling_mode,
-        args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+        old,
+        sampler,
+        mask,
+        args.vllm_importance_sampling_mode,
+        args.vllm_importance_sampling_clip_min,
+        args.vllm_importance_sampling_clip_max,
+    )
     # over sequences, or over the completion tokens (token modes); a rank with none of them takes
     # no part in the min and max
     counted = torch.ones_like(weights, dtype=torch.bool) if weights.dim() == 1 else mask.bool()
     kept, limited = weights[counted], outside[counted]
     total = gather(weights.new_tensor([kept.numel()])).sum().clamp(min=1)
-    metrics.add(mode, "sampling/importance_sampling_ratio/mean",
-                gather(kept.sum().reshape(1)).sum() / total)
+    metrics.add(
+        mode, "sampling/importance_sampling_ratio/mean", gather(kept.sum().reshape(1)).sum() / total
+    )
     none = weights.new_tensor([float("inf")])
-    metrics.add(mode, "sampling/importance_sampling_ratio/max",
-                gather(kept.max().reshape(1) if kept.numel() else -none).max(), reduce="max")
-    metrics.add(mode, "sampling/importance_sampling_ratio/min",
-                gather(kept.min().reshape(1) if kept.numel() else none).min(), reduce="min")
-    metrics.add(mode, "sampling/importance_sampling_limited_frac",
-                gather(limited.to(weights).sum().reshape(1)).sum() / total)
+    metrics.add(
+        mode,
+        "sampling/importance_sampling_ratio/max",
+        gather(kept.max().reshape(1) if kept.numel() else -none).max(),
+        reduce="max",
+    )
+    metrics.add(
+        mode,
+        "sampling/importance_sampling_ratio/min",
+        gather(kept.min().reshape(1) if kept.numel() else none).min(),
+        reduce="min",
+    )
+    metrics.add(
+        mode,
+        "sampling/importance_sampling_limited_frac",
+        gather(limited.to(weights).sum().reshape(1)).sum() / total,
+    )
     return weights

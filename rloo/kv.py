@@ -37,12 +37,14 @@ def initialize_layer(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> No
         layer.lazy_initialization(keys, values)
 
 
-_INITIALIZES_FROM_KEYS_ONLY = len(
-    inspect.signature(DynamicLayer.lazy_initialization).parameters) == 2
+_INITIALIZES_FROM_KEYS_ONLY = (
+    len(inspect.signature(DynamicLayer.lazy_initialization).parameters) == 2
+)
 
 
-def distinct_prompts(prompt_ids: torch.Tensor,
-                     prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def distinct_prompts(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(one row index per distinct prompt, row -> its distinct prompt's position) where rows repeat
     a prompt (ids and mask alike); None when every row's prompt is its own."""
     keys = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
@@ -59,6 +61,7 @@ def plain_cache(config: Any, layer_type: type = DynamicLayer) -> Any:
     """A DynamicCache whose layers are all `layer_type`; None where the model's cache needs other
     kinds of layer (sliding windows, linear attention, ...)."""
     from transformers import DynamicCache
+
     cache = DynamicCache(config=config)
     layers = getattr(cache, "layers", None)
     if not layers or any(type(layer) is not DynamicLayer for layer in layers):
@@ -72,7 +75,8 @@ def cache_rows_shareable(cache: Any) -> bool:
     sliding."""
     layers = getattr(cache, "layers", None)
     return bool(layers) and all(
-        isinstance(layer, DynamicLayer) and not layer.is_sliding for layer in layers)
+        isinstance(layer, DynamicLayer) and not layer.is_sliding for layer in layers
+    )
 
 
 def share_cache_rows(cache: Any, rows: torch.Tensor) -> bool:

@@ -46,9 +46,16 @@ class TokenLogps(NamedTuple):
     aux_loss: torch.Tensor | None
 
 
-def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    logits_to_keep: int, temperature: float, with_entropy: bool = False,
-                    share_prompts: bool = False, media: list[dict] | None = None) -> TokenLogps:
+def per_token_logps(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    temperature: float,
+    with_entropy: bool = False,
+    share_prompts: bool = False,
+    media: list[dict] | None = None,
+) -> TokenLogps:
     """log pi(token_t | tokens_<t) / temperature-scaled, for the last `logits_to_keep` tokens of
     each row.
 
@@ -61,17 +68,30 @@ def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     `media`: a VLM's other inputs, one dict per row (rloo.vision); such rows take one plain
     forward."""
     outputs, logits = None, None
-    extra = {} if media is None else vision.forward_media(media, attention_mask, logits_to_keep,
-                                                          input_ids.device)
-    if (share_prompts and media is None and logits_to_keep > 0
-            and shared_prompts.can_share_prompts(model)):
-        found = shared_prompts.shared_prompt_logits(model, input_ids, attention_mask,
-                                                    logits_to_keep)
+    extra = (
+        {}
+        if media is None
+        else vision.forward_media(media, attention_mask, logits_to_keep, input_ids.device)
+    )
+    if (
+        share_prompts
+        and media is None
+        and logits_to_keep > 0
+        and shared_prompts.can_share_prompts(model)
+    ):
+        found = shared_prompts.shared_prompt_logits(
+            model, input_ids, attention_mask, logits_to_keep
+        )
         if found is not None:
             logits, outputs = found
     if logits is None:
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask,
-                        logits_to_keep=logits_to_keep + 1, use_cache=False, **extra)
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            logits_to_keep=logits_to_keep + 1,
+            use_cache=False,
+            **extra,
+        )
         logits = outputs.logits[:, :-1, :][:, -logits_to_keep:, :]
     if temperature != 1.0:  # (x / 1.0 is x: no vocabulary-wide copy)
         logits = logits / temperature

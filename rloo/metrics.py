@@ -21,12 +21,12 @@ class MetricBuffer:
 
     def __init__(self):
         self._values: dict[str, dict[str, list[float]]] = {
-            "train": defaultdict(list), "eval": defaultdict(list)
+            "train": defaultdict(list),
+            "eval": defaultdict(list),
         }
         self._reduce: dict[str, str] = {}
 
-    def add(self, mode: str, name: str, value: float | torch.Tensor,
-            reduce: str = "mean") -> None:
+    def add(self, mode: str, name: str, value: float | torch.Tensor, reduce: str = "mean") -> None:
         if isinstance(value, torch.Tensor):
             value = value.item()
         self._values[mode][name].append(float(value))

@@ -30,9 +30,24 @@ from rloo.vision import process_prompts, row_images
 
 
 # Fields holding one entry per local row, in order: what a micro-batch slice takes.
-ROW_FIELDS = ("prompts", "completions", "completion_texts", "prompt_ids", "prompt_mask",
-              "completion_ids", "completion_mask", "truncated", "advantages", "old_logps",
-              "sampler_logps", "old_token_logps", "ref_logps", "row_index", "media", "images")
+ROW_FIELDS = (
+    "prompts",
+    "completions",
+    "completion_texts",
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "truncated",
+    "advantages",
+    "old_logps",
+    "sampler_logps",
+    "old_token_logps",
+    "ref_logps",
+    "row_index",
+    "media",
+    "images",
+)
 
 
 class PiOld(NamedTuple):
@@ -55,6 +70,7 @@ class PiOld(NamedTuple):
     "rollout forward": a no-grad forward in the rollout; "decode loop": the log-probs the decode
     loop computed while sampling. The reference's log-probs always come from a no-grad forward in
     the rollout."""
+
     kept: bool  # the rollout keeps pi_old per row for the ratio (off-policy)
     kl: str  # "", "loss", "rollout" or "decoder": the KL's pi_old, per the table
 
@@ -75,6 +91,7 @@ def pi_old_plan(args: Any, dropout: bool) -> PiOld:
 @dataclass
 class RolloutSettings:
     """What shapes a rollout, besides the model: RLOOConfig's values (or evaluation's)."""
+
     num_generations: int
     pad_token_id: int
     eos_token_ids: list[int]
@@ -98,6 +115,7 @@ class Rollout:
     """Tensors and texts of one generation batch. Row fields (ROW_FIELDS) hold this process's rows;
     the `all_*`, reward and metric fields cover every process's rows (the leave-one-out groups span
     them)."""
+
     prompts: list
     completions: list  # as reward functions see them (messages for conversational prompts)
     completion_texts: list[str]
@@ -167,8 +185,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def global_masked_mean(values: torch.Tensor, mask: torch.Tensor,
-                       gather: Callable = _local) -> torch.Tensor:
+def global_masked_mean(
+    values: torch.Tensor, mask: torch.Tensor, gather: Callable = _local
+) -> torch.Tensor:
     """sum(values * mask) / sum(mask) over every process's rows (0 where the mask is empty
     everywhere)."""
     total = gather((values * mask).sum().reshape(1).float())
@@ -176,12 +195,22 @@ def global_masked_mean(values: torch.Tensor, mask: torch.Tensor,
     return total.sum() / count.sum().clamp(min=1.0)
 
 
-def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Callable,
-                  processing_class: Any, reward_runner: Callable, trainer_state: Any,
-                  policy_logps: Callable | None = None, reference_logps: Callable | None = None,
-                  gather: Callable = _local, gather_object: Callable | None = None,
-                  process_index: int = 0, device: torch.device | str = "cpu",
-                  timer: StepTimer = NULL_TIMER) -> Rollout:
+def build_rollout(
+    rows: list[dict],
+    settings: RolloutSettings,
+    *,
+    generate: Callable,
+    processing_class: Any,
+    reward_runner: Callable,
+    trainer_state: Any,
+    policy_logps: Callable | None = None,
+    reference_logps: Callable | None = None,
+    gather: Callable = _local,
+    gather_object: Callable | None = None,
+    process_index: int = 0,
+    device: torch.device | str = "cpu",
+    timer: StepTimer = NULL_TIMER,
+) -> Rollout:
     """rows (dataset rows with 'prompt', this process's share, num_generations consecutive copies
     per prompt) -> Rollout.
 
@@ -196,25 +225,29 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
     media = images = None
     if settings.vision:
         images = [row_images(row) for row in rows]
-        prompt_id_lists, media = process_prompts(processing_class, prompts, images,
-                                                 settings.chat_template_kwargs)
+        prompt_id_lists, media = process_prompts(
+            processing_class, prompts, images, settings.chat_template_kwargs
+        )
     else:
-        prompt_id_lists = tokenize_prompts(processing_class, prompts,
-                                           settings.chat_template_kwargs)
+        prompt_id_lists = tokenize_prompts(processing_class, prompts, settings.chat_template_kwargs)
     # the images' tensors travel beside the ids (only for VLMs: text callers never see them); the
     # images themselves go to generation too (vLLM takes them, not tensors)
     with_media = {} if media is None else {"media": media}
     with timer.section("generation"):
-        completion_id_lists = generate(prompt_id_lists, **with_media,
-                                       **({} if images is None else {"images": images}))
+        completion_id_lists = generate(
+            prompt_id_lists, **with_media, **({} if images is None else {"images": images})
+        )
 
     pad, multiple = settings.pad_token_id, settings.pad_to_multiple_of
-    prompt_ids, prompt_mask = (t.to(device)
-                               for t in pad_rows(prompt_id_lists, pad, "left", multiple))
+    prompt_ids, prompt_mask = (
+        t.to(device) for t in pad_rows(prompt_id_lists, pad, "left", multiple)
+    )
     completion_ids, completion_mask = (
-        t.to(device) for t in pad_rows(completion_id_lists, pad, "right", multiple))
-    truncated = algorithm.truncated_rows(completion_ids, completion_mask, settings.eos_token_ids,
-                                         pad)
+        t.to(device) for t in pad_rows(completion_id_lists, pad, "right", multiple)
+    )
+    truncated = algorithm.truncated_rows(
+        completion_ids, completion_mask, settings.eos_token_ids, pad
+    )
     lengths = torch.tensor([len(ids) for ids in completion_id_lists], device=device)
     prompt_tokens = torch.tensor([sum(len(ids) for ids in prompt_id_lists)], device=device)
     all_lengths, all_truncated = gather(lengths), gather(truncated)
@@ -238,52 +271,76 @@ def build_rollout(rows: list[dict], settings: RolloutSettings, *, generate: Call
         elif (kept or settings.beta != 0.0) and not defer:
             old_per_token = policy_logps(input_ids, attention_mask, logits_to_keep, **with_media)
         if settings.beta != 0.0:
-            ref_per_token = reference_logps(input_ids, attention_mask, logits_to_keep,
-                                            **with_media)
+            ref_per_token = reference_logps(input_ids, attention_mask, logits_to_keep, **with_media)
 
-    texts = text_tokenizer_of(processing_class).batch_decode(completion_id_lists,
-                                                             skip_special_tokens=True)
+    texts = text_tokenizer_of(processing_class).batch_decode(
+        completion_id_lists, skip_special_tokens=True
+    )
     completions = [as_completion(text, conversational) for text in texts]
     columns = {
         key: [row[key] for row in rows]
-        for key in rows[0] if key not in ("prompt", "completion", "completion_ids")
+        for key in rows[0]
+        if key not in ("prompt", "completion", "completion_ids")
     }
     with timer.section("rewards"):
-        local_rewards, extra = reward_runner(prompts, completions, completion_id_lists, columns,
-                                             trainer_state, device=device)
+        local_rewards, extra = reward_runner(
+            prompts, completions, completion_id_lists, columns, trainer_state, device=device
+        )
     rewards_per_func = gather(local_rewards)
     start = process_index * len(rows)
     shaped = advantages = kl_mean = None
     if not defer:
-        shaped, advantages, kl_mean = _advantages(rewards_per_func, settings, old_per_token,
-                                                  ref_per_token, completion_mask, gather)
+        shaped, advantages, kl_mean = _advantages(
+            rewards_per_func, settings, old_per_token, ref_per_token, completion_mask, gather
+        )
 
     sampler_logps = None
     # vLLM's own log-probs of its samples
     if getattr(completion_id_lists, "logprobs", None) is not None:
         sampler_logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
         for row, values in enumerate(completion_id_lists.logprobs):
-            sampler_logps[row, :len(values)] = torch.tensor(values, dtype=torch.float32)
+            sampler_logps[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
     return Rollout(
-        prompts=prompts, completions=completions, completion_texts=texts, prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
-        truncated=truncated, advantages=None if defer else advantages[start:start + len(rows)],
+        prompts=prompts,
+        completions=completions,
+        completion_texts=texts,
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        truncated=truncated,
+        advantages=None if defer else advantages[start : start + len(rows)],
         old_logps=(old_per_token * completion_mask).sum(dim=1) if kept else None,
-        sampler_logps=sampler_logps, rewards_per_func=rewards_per_func, shaped_rewards=shaped,
-        all_advantages=advantages, all_lengths=all_lengths, all_truncated=all_truncated,
-        num_generations=settings.num_generations, num_tokens=num_tokens, kl=kl_mean,
-        reward_metrics=_average_reward_metrics(extra.metrics,
-                                               gather_object), extra_columns=extra.columns,
-        pending=(settings, start) if defer else None, ref_logps=ref_per_token if defer else None,
-        row_index=torch.arange(len(rows), device=device) if defer else None, media=media,
-        images=images, old_token_logps=old_per_token if settings.importance and
-        sampler_logps is not None else None)
+        sampler_logps=sampler_logps,
+        rewards_per_func=rewards_per_func,
+        shaped_rewards=shaped,
+        all_advantages=advantages,
+        all_lengths=all_lengths,
+        all_truncated=all_truncated,
+        num_generations=settings.num_generations,
+        num_tokens=num_tokens,
+        kl=kl_mean,
+        reward_metrics=_average_reward_metrics(extra.metrics, gather_object),
+        extra_columns=extra.columns,
+        pending=(settings, start) if defer else None,
+        ref_logps=ref_per_token if defer else None,
+        row_index=torch.arange(len(rows), device=device) if defer else None,
+        media=media,
+        images=images,
+        old_token_logps=old_per_token
+        if settings.importance and sampler_logps is not None
+        else None,
+    )
 
 
-def _advantages(rewards_per_func: torch.Tensor, settings: RolloutSettings,
-                old_per_token: torch.Tensor | None, ref_per_token: torch.Tensor | None,
-                completion_mask: torch.Tensor,
-                gather: Callable) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+def _advantages(
+    rewards_per_func: torch.Tensor,
+    settings: RolloutSettings,
+    old_per_token: torch.Tensor | None,
+    ref_per_token: torch.Tensor | None,
+    completion_mask: torch.Tensor,
+    gather: Callable,
+) -> tuple[torch.Tensor, torch.Tensor, float | None]:
     """(shaped rewards, advantages) of every process's rows and the mean per-token KL (None when
     beta == 0)."""
     kl = kl_mean = None
@@ -291,15 +348,21 @@ def _advantages(rewards_per_func: torch.Tensor, settings: RolloutSettings,
         kl = gather(algorithm.sequence_kl(old_per_token, ref_per_token, completion_mask))
         kl_mean = global_masked_mean(old_per_token - ref_per_token, completion_mask, gather).item()
     shaped, advantages = algorithm.rloo_advantages(
-        rewards_per_func, settings.reward_weights.to(rewards_per_func.device),
-        settings.num_generations, kl=kl, beta=settings.beta,
-        reward_clip_range=settings.reward_clip_range, normalize=settings.normalize_advantages)
+        rewards_per_func,
+        settings.reward_weights.to(rewards_per_func.device),
+        settings.num_generations,
+        kl=kl,
+        beta=settings.beta,
+        reward_clip_range=settings.reward_clip_range,
+        normalize=settings.normalize_advantages,
+    )
     # (shaped rewards stay NaN exactly on unscorable rows; the reward runner warns about them)
     return shaped, advantages, kl_mean
 
 
-def complete_rollout(rollout: Rollout, policy_per_token: torch.Tensor,
-                     gather: Callable = _local) -> Rollout:
+def complete_rollout(
+    rollout: Rollout, policy_per_token: torch.Tensor, gather: Callable = _local
+) -> Rollout:
     """The step's stage for PiOld kl "loss": a rollout left pending -> the complete one: the KL's
     pi_old is `policy_per_token`, the loss's forward of these rows (all of this process's rows, in
     the micro-batch's shuffled order), the rest as build_rollout does it. Every process calls it
@@ -310,15 +373,28 @@ def complete_rollout(rollout: Rollout, policy_per_token: torch.Tensor,
         raise RuntimeError("complete_rollout needs all of this process's rows in one micro-batch")
     unshuffle = torch.argsort(order)
     policy, reference = policy_per_token.detach()[unshuffle], rollout.ref_logps[unshuffle]
-    shaped, advantages, kl_mean = _advantages(rollout.rewards_per_func, settings, policy, reference,
-                                              rollout.completion_mask[unshuffle], gather)
+    shaped, advantages, kl_mean = _advantages(
+        rollout.rewards_per_func,
+        settings,
+        policy,
+        reference,
+        rollout.completion_mask[unshuffle],
+        gather,
+    )
     return dataclasses.replace(
-        rollout, advantages=advantages[start:start + len(rollout)][order.to(advantages.device)],
-        shaped_rewards=shaped, all_advantages=advantages, kl=kl_mean, pending=None, ref_logps=None)
+        rollout,
+        advantages=advantages[start : start + len(rollout)][order.to(advantages.device)],
+        shaped_rewards=shaped,
+        all_advantages=advantages,
+        kl=kl_mean,
+        pending=None,
+        ref_logps=None,
+    )
 
 
-def _average_reward_metrics(metrics: dict[str, list[float]],
-                            gather_object: Callable | None) -> dict[str, float]:
+def _average_reward_metrics(
+    metrics: dict[str, list[float]], gather_object: Callable | None
+) -> dict[str, float]:
     """log_metric values of every process, averaged per name."""
     local = [(name, sum(values), len(values)) for name, values in sorted(metrics.items())]
     entries = gather_object([local]) if gather_object is not None else [local]
@@ -331,18 +407,25 @@ def _average_reward_metrics(metrics: dict[str, list[float]],
     return {name: total / max(count, 1) for name, (total, count) in sorted(totals.items())}
 
 
-def rollout_metrics(rollout: Rollout, reward_names: list[str],
-                    reward_weights: torch.Tensor) -> dict[str, float]:
+def rollout_metrics(
+    rollout: Rollout, reward_names: list[str], reward_weights: torch.Tensor
+) -> dict[str, float]:
     """The spec's per-generation metrics (reward, reward_std, rewards/<name>/mean|std,
     frac_reward_zero_std, kl, completions/*), over every process's rows."""
     metrics: dict[str, float] = {}
     lengths, truncated = rollout.all_lengths, rollout.all_truncated
-    (metrics["completions/mean_length"], metrics["completions/min_length"],
-     metrics["completions/max_length"]) = tensor_stats(lengths)
+    (
+        metrics["completions/mean_length"],
+        metrics["completions/min_length"],
+        metrics["completions/max_length"],
+    ) = tensor_stats(lengths)
     clipped = truncated.float().mean().item() if truncated.numel() else 0.0
     metrics["completions/clipped_ratio"] = clipped
-    (metrics["completions/mean_terminated_length"], metrics["completions/min_terminated_length"],
-     metrics["completions/max_terminated_length"]) = tensor_stats(lengths[~truncated])
+    (
+        metrics["completions/mean_terminated_length"],
+        metrics["completions/min_terminated_length"],
+        metrics["completions/max_terminated_length"],
+    ) = tensor_stats(lengths[~truncated])
     if rollout.kl is not None:
         metrics["kl"] = rollout.kl
     rewards = rollout.rewards_per_func

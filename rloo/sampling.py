@@ -19,8 +19,15 @@ class RepeatSampler(Sampler[int]):
         chunk [0, 1], mini_repeat_count=2, repeat_count=2  ->  0 0 1 1 0 0 1 1
     """
 
-    def __init__(self, data_source_length: int, mini_repeat_count: int, batch_size: int = 1,
-                 repeat_count: int = 1, shuffle: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        data_source_length: int,
+        mini_repeat_count: int,
+        batch_size: int = 1,
+        repeat_count: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
         self.num_samples = data_source_length
         self.mini_repeat_count = mini_repeat_count
         self.batch_size = batch_size
@@ -40,7 +47,7 @@ class RepeatSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order = self._order()
-        chunks = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         for chunk in chunks:
             if len(chunk) < self.batch_size:
                 continue
@@ -50,8 +57,12 @@ class RepeatSampler(Sampler[int]):
                         yield index
 
     def __len__(self) -> int:
-        return (self.num_samples //
-                self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
+        return (
+            (self.num_samples // self.batch_size)
+            * self.batch_size
+            * self.mini_repeat_count
+            * self.repeat_count
+        )
 
 
 def _num_rows(batch) -> int:
@@ -64,8 +75,10 @@ def _take(batch, index: torch.Tensor):
     if not isinstance(batch, dict):
         return batch.select(index)
     rows = index.tolist()
-    return {key: value[index] if isinstance(value, torch.Tensor) else [value[i] for i in rows]
-            for key, value in batch.items()}
+    return {
+        key: value[index] if isinstance(value, torch.Tensor) else [value[i] for i in rows]
+        for key, value in batch.items()
+    }
 
 
 def shuffle_rows(batch, generator: torch.Generator | None = None):
@@ -82,8 +95,9 @@ def split_rows(batch, num_chunks: int) -> list:
     return [_take(batch, torch.arange(i * step, (i + 1) * step)) for i in range(num_chunks)]
 
 
-def _repeat_rows(batch: dict[str, list], mini_repeat_count: int,
-                 repeat_count: int) -> dict[str, list]:
+def _repeat_rows(
+    batch: dict[str, list], mini_repeat_count: int, repeat_count: int
+) -> dict[str, list]:
     size = len(next(iter(batch.values())))
     order = [
         row for _ in range(repeat_count) for row in range(size) for _ in range(mini_repeat_count)
@@ -96,5 +110,9 @@ def repeat_iterable(dataset, batch_size: int, mini_repeat_count: int, repeat_cou
     trailing incomplete chunk dropped), each chunk `repeat_count` times, each row
     `mini_repeat_count` times in a row."""
     return dataset.map(
-        _repeat_rows, batched=True, batch_size=batch_size, drop_last_batch=True,
-        fn_kwargs={"mini_repeat_count": mini_repeat_count, "repeat_count": repeat_count})
+        _repeat_rows,
+        batched=True,
+        batch_size=batch_size,
+        drop_last_batch=True,
+        fn_kwargs={"mini_repeat_count": mini_repeat_count, "repeat_count": repeat_count},
+    )

@@ -103,12 +103,15 @@ class StepTimer:
 def timed(section: str):
     """A method decorator: the call counts as `section` on its object's `timer` (a generation
     backend's)."""
+
     def decorate(method):
         @functools.wraps(method)
         def wrapper(self, *args, **kwargs):
             with self.timer.section(section):
                 return method(self, *args, **kwargs)
+
         return wrapper
+
     return decorate
 
 
@@ -149,10 +152,14 @@ class StepTimingCallback(TrainerCallback):
 def timing_summary(record: dict) -> str | None:
     """'step 3.2 s: generation 1.9, train 0.8, logprobs 0.3, ...' from a log record, largest first;
     None without timings."""
-    parts = [(record[f"timing/{name}"], name) for name in SECTIONS
-             if isinstance(record.get(f"timing/{name}"), (int, float))]
+    parts = [
+        (record[f"timing/{name}"], name)
+        for name in SECTIONS
+        if isinstance(record.get(f"timing/{name}"), (int, float))
+    ]
     if not parts or not isinstance(record.get("step_time"), (int, float)):
         return None
-    shown = ", ".join(f"{name} {seconds:.2f}" for seconds, name in sorted(parts, reverse=True)
-                      if seconds >= 0.005)
+    shown = ", ".join(
+        f"{name} {seconds:.2f}" for seconds, name in sorted(parts, reverse=True) if seconds >= 0.005
+    )
     return f"{record['step_time']:.2f} s/step ({shown})"

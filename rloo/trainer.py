@@ -31,14 +31,34 @@ from rloo.hub import HubMethods
 from rloo.importance import sampler_weights
 from rloo.logps import per_token_logps
 from rloo.metrics import MetricBuffer
-from rloo.models import (disable_dropout, dropout_active, eos_token_ids, is_moe, is_peft_model,
-                         load_policy, load_reward_model, load_tokenizer, model_identity,
-                         prepare_reference, prepare_reward_model, prepare_tokenizer,
-                         reference_for_zero3, resolve_router_aux_loss_coef, reward_tokenizers,
-                         text_tokenizer_of)
+from rloo.models import (
+    disable_dropout,
+    dropout_active,
+    eos_token_ids,
+    is_moe,
+    is_peft_model,
+    load_policy,
+    load_reward_model,
+    load_tokenizer,
+    model_identity,
+    prepare_reference,
+    prepare_reward_model,
+    prepare_tokenizer,
+    reference_for_zero3,
+    resolve_router_aux_loss_coef,
+    reward_tokenizers,
+    text_tokenizer_of,
+)
 from rloo.rewards.runner import RewardRunner
-from rloo.rollout import (Rollout, RolloutSettings, build_rollout, complete_rollout,
-                          global_masked_mean, pi_old_plan, rollout_metrics)
+from rloo.rollout import (
+    Rollout,
+    RolloutSettings,
+    build_rollout,
+    complete_rollout,
+    global_masked_mean,
+    pi_old_plan,
+    rollout_metrics,
+)
 from rloo.sampling import shuffle_rows, split_rows
 from rloo.timing import StepTimingCallback, device_timer
 from rloo.versions import TRANSFORMERS, TRANSFORMERS_4, precision_environment
@@ -57,23 +77,40 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
     loss_is_scaled_for_ga = False  # our loss is a per-micro-batch mean: the Trainer divides by GA
 
     @reject_legacy_trainer_arguments  # TRL <= 0.21 names -> their replacements
-    def __init__(self, model: str | PreTrainedModel, reward_funcs: Any | list,
-                 args: RLOOConfig | None = None,
-                 train_dataset: Dataset | IterableDataset | None = None, eval_dataset: Any = None,
-                 processing_class: Any = None, reward_processing_classes: Any = None,
-                 callbacks: list | None = None, optimizers: tuple = (None, None),
-                 quantization_config: Any = None, peft_config: Any = None):
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: Any | list,
+        args: RLOOConfig | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+    ):
         config = getattr(model, "config", None)
         model_id = model if isinstance(model, str) else getattr(config, "_name_or_path", "model")
         if args is None:
             args = RLOOConfig(output_dir=f"{str(model_id).rstrip('/').split('/')[-1]}-RLOO")
         elif not isinstance(args, RLOOConfig):
             raise TypeError(f"args must be an RLOOConfig, got {type(args).__name__}")
-        check_inputs(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes,
-                     model, quantization_config, peft_config)
+        check_inputs(
+            args,
+            reward_funcs,
+            train_dataset,
+            eval_dataset,
+            reward_processing_classes,
+            model,
+            quantization_config,
+            peft_config,
+        )
 
-        self._model_source = model if isinstance(model, str) else \
-            getattr(model.config, "_name_or_path", "")
+        self._model_source = (
+            model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
+        )
         model, init_kwargs = load_policy(model, args, quantization_config)
         self._model_identity = model_identity(model)
 
@@ -83,11 +120,15 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
             raise ValueError(
                 f"{type(model).__name__} is a vision-language model: rloo trains those with "
                 f"transformers 5 (their processors and image inputs), and transformers "
-                f"{TRANSFORMERS} is installed. Fix: pip install -U 'transformers>=5'.")
+                f"{TRANSFORMERS} is installed. Fix: pip install -U 'transformers>=5'."
+            )
         if processing_class is None:
             processing_class = load_tokenizer(
-                model.config._name_or_path, args.trust_remote_code,
-                revision=(args.model_init_kwargs or {}).get("revision"), config=model.config)
+                model.config._name_or_path,
+                args.trust_remote_code,
+                revision=(args.model_init_kwargs or {}).get("revision"),
+                config=model.config,
+            )
         processing_class = prepare_tokenizer(processing_class)
         check_image_rows(train_dataset, eval_dataset, processing_class)
         tokenizer = text_tokenizer_of(processing_class)
@@ -106,19 +147,29 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
 
         # Reward functions and reward models.
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        reward_funcs = [load_reward_model(f, args.model_init_kwargs, args.trust_remote_code)
-                        if isinstance(f, str) else f for f in funcs]
-        reward_processing_classes = reward_tokenizers(reward_funcs, reward_processing_classes,
-                                                      args.trust_remote_code)
+        reward_funcs = [
+            load_reward_model(f, args.model_init_kwargs, args.trust_remote_code)
+            if isinstance(f, str)
+            else f
+            for f in funcs
+        ]
+        reward_processing_classes = reward_tokenizers(
+            reward_funcs, reward_processing_classes, args.trust_remote_code
+        )
         self.reward_funcs = reward_funcs
         # one per reward function (a reward model's tokenizer, None for a plain function), as TRL
         self.reward_processing_classes = list(reward_processing_classes)
-        self.reward_runner = RewardRunner(reward_funcs, reward_processing_classes,
-                                          args.chat_template_kwargs, args.reward_timeout,
-                                          args.nonfinite_rewards)
+        self.reward_runner = RewardRunner(
+            reward_funcs,
+            reward_processing_classes,
+            args.chat_template_kwargs,
+            args.reward_timeout,
+            args.nonfinite_rewards,
+        )
         self.reward_func_names = self.reward_runner.names
-        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs),
-                                           dtype=torch.float32)
+        self.reward_weights = torch.tensor(
+            args.reward_weights or [1.0] * len(reward_funcs), dtype=torch.float32
+        )
 
         if args.disable_dropout:
             disable_dropout(model)
@@ -126,9 +177,16 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         prepare_for_iterable_datasets(args, train_dataset, eval_dataset)
         set_seed(args.seed)
         precision_environment(args)  # (this trainer's Accelerator reads it on transformers 4.x)
-        super().__init__(model=model, args=args, data_collator=list, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class,
-                         callbacks=callbacks, optimizers=optimizers)
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=list,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
         # torchrun with one CPU process: no DDP wrapper (rloo.zero)
         single_process_ddp(self.accelerator)
         # the speed layer on, or the reference path (rloo.engine): always for images and Liger
@@ -142,20 +200,26 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         self._zero3 = zero_stage(self.accelerator) == 3
         self._frozen_engines = []
         if self._zero3:
-            gathered = ("full weights gathered" if args.ds3_gather_for_generation
-                        else "layer by layer, ranks synced")
+            gathered = (
+                "full weights gathered"
+                if args.ds3_gather_for_generation
+                else "layer by layer, ranks synced"
+            )
             self.accelerator.print(
                 f"rloo: DeepSpeed ZeRO-3 sharding on {self.accelerator.num_processes} ranks "
-                f"(policy, reference and reward models); generation: {gathered}.")
+                f"(policy, reference and reward models); generation: {gathered}."
+            )
         self.ref_model = None
         if args.beta != 0.0 and not self._is_peft:
             if self._zero3:
-                reference = reference_for_zero3(self.model, self._model_source, init_kwargs,
-                                                args.trust_remote_code)
+                reference = reference_for_zero3(
+                    self.model, self._model_source, init_kwargs, args.trust_remote_code
+                )
                 if args.disable_dropout:
                     disable_dropout(reference)
-                self.ref_model = prepare_frozen(reference, self.accelerator,
-                                                args.per_device_train_batch_size)
+                self.ref_model = prepare_frozen(
+                    reference, self.accelerator, args.per_device_train_batch_size
+                )
             else:
                 self.ref_model = prepare_reference(self.model, self.accelerator, mapped=self._fast)
         if args.sync_ref_model:
@@ -167,24 +231,36 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
                 func.eval()
                 # sharded; the engine's hooks live on the module, which the runner calls
                 if self._zero3:
-                    self._frozen_engines.append(prepare_frozen(func, self.accelerator,
-                                                               args.per_device_train_batch_size))
+                    self._frozen_engines.append(
+                        prepare_frozen(func, self.accelerator, args.per_device_train_batch_size)
+                    )
                 else:
                     self.reward_funcs[index] = prepare_reward_model(func, self.accelerator)
 
         self.generator = make_generation_backend(
-            args, self.accelerator, self.model, tokenizer, self.pad_token_id, self.eos_token_ids,
-            zero3=self._zero3, fast=self._fast, processor=processing_class)
+            args,
+            self.accelerator,
+            self.model,
+            tokenizer,
+            self.pad_token_id,
+            self.eos_token_ids,
+            zero3=self._zero3,
+            fast=self._fast,
+            processor=processing_class,
+        )
         self._metrics, self._timer = MetricBuffer(), device_timer(self.accelerator.device)
         self.generator.timer = self._timer
         self.reward_runner.progress = self._timer.advance
-        logger.info(engine.describe(self._fast, self.model, self.generator, self.ref_model,
-                                    forced))
+        logger.info(engine.describe(self._fast, self.model, self.generator, self.ref_model, forced))
         self.add_callback(StepTimingCallback(self._timer, self._metrics))
         self._watchdog = None  # no silent hang (rloo.watchdog)
         if args.stall_timeout_s:
-            self._watchdog = StallWatchdog(self._timer, args, self.accelerator.process_index,
-                                           lambda sections: awaiting(self.generator, sections))
+            self._watchdog = StallWatchdog(
+                self._timer,
+                args,
+                self.accelerator.process_index,
+                lambda sections: awaiting(self.generator, sections),
+            )
             self.add_callback(self._watchdog)
         self._logs = CompletionLog(args.generation_batch_size, args.log_multimodal)
         self._logs_fresh = False
@@ -228,8 +304,9 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         generate_every = self.args.generation_micro_steps
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             rollout = self._rollout(generation_batch, "train")
-            self._buffered_inputs = split_rows(shuffle_rows(rollout),
-                                               self.args.steps_per_generation)
+            self._buffered_inputs = split_rows(
+                shuffle_rows(rollout), self.args.steps_per_generation
+            )
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _rollout(self, rows: list[dict], mode: str) -> Rollout:
@@ -246,32 +323,54 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
             with contextlib.ExitStack() as stack:
                 with self._timer.section("weight_sync"):
                     stack.enter_context(gathered_parameters(unwrapped, gather_weights))
-                return self.generator.generate(unwrapped, prompt_ids, num_generations,
-                                               self.state.global_step, **media,
-                                               **self._upcoming_prompt_ids(rows, mode))
+                return self.generator.generate(
+                    unwrapped,
+                    prompt_ids,
+                    num_generations,
+                    self.state.global_step,
+                    **media,
+                    **self._upcoming_prompt_ids(rows, mode),
+                )
 
-        chunk = (args.per_device_train_batch_size if mode == "train"
-                 else args.per_device_eval_batch_size)
+        chunk = (
+            args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+        )
         settings = RolloutSettings(
-            num_generations=num_generations, pad_token_id=self.pad_token_id,
-            eos_token_ids=self.eos_token_ids, reward_weights=self.reward_weights, beta=args.beta,
+            num_generations=num_generations,
+            pad_token_id=self.pad_token_id,
+            eos_token_ids=self.eos_token_ids,
+            reward_weights=self.reward_weights,
+            beta=args.beta,
             reward_clip_range=args.reward_clip_range,
             normalize_advantages=args.normalize_advantages,
             mask_truncated_completions=args.mask_truncated_completions,
             pad_to_multiple_of=args.pad_to_multiple_of,
-            chat_template_kwargs=args.chat_template_kwargs, vision=self._vision,
+            chat_template_kwargs=args.chat_template_kwargs,
+            vision=self._vision,
             importance=args.vllm_importance_sampling_correction,
-            pi_old=self._pi_old if
-            mode == "train" or self._pi_old.kl != "loss" else self._pi_old._replace(kl="rollout"))
+            pi_old=self._pi_old
+            if mode == "train" or self._pi_old.kl != "loss"
+            else self._pi_old._replace(kl="rollout"),
+        )
         rollout = build_rollout(
-            rows, settings, generate=generate, processing_class=self.processing_class,
-            reward_runner=self.reward_runner, trainer_state=self.state,
-            policy_logps=lambda *batch, media=None: self._chunked_logps(unwrapped, *batch, chunk,
-                                                                        media),
+            rows,
+            settings,
+            generate=generate,
+            processing_class=self.processing_class,
+            reward_runner=self.reward_runner,
+            trainer_state=self.state,
+            policy_logps=lambda *batch, media=None: self._chunked_logps(
+                unwrapped, *batch, chunk, media
+            ),
             reference_logps=lambda *batch, media=None: self._reference_logps(
-                unwrapped, *batch, chunk, media),
-            gather=accelerator.gather, gather_object=self._gather_object,
-            process_index=accelerator.process_index, device=accelerator.device, timer=self._timer)
+                unwrapped, *batch, chunk, media
+            ),
+            gather=accelerator.gather,
+            gather_object=self._gather_object,
+            process_index=accelerator.process_index,
+            device=accelerator.device,
+            timer=self._timer,
+        )
         for name, value in self.generator.pop_metrics().items():
             self._metrics.add(mode, name, value)
         self.state.num_input_tokens_seen += rollout.num_tokens if mode == "train" else 0
@@ -283,56 +382,79 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
     def _record_rollout(self, rollout: Rollout, mode: str) -> None:
         """The rollout's metrics and completion-log rows (this process's rows in their generation
         order)."""
-        for name, value in rollout_metrics(rollout, self.reward_func_names,
-                                           self.reward_weights).items():
+        for name, value in rollout_metrics(
+            rollout, self.reward_func_names, self.reward_weights
+        ).items():
             self._metrics.add(mode, name, value)
         if self.args.log_completions:
-            rows = rollout if rollout.row_index is None else rollout.select(
-                torch.argsort(rollout.row_index))
+            rows = (
+                rollout
+                if rollout.row_index is None
+                else rollout.select(torch.argsort(rollout.row_index))
+            )
             self._logs.record_rollout(rows, self.reward_func_names, self._gather_object)
             self._logs_fresh = True
 
-    def _chunked_logps(self, model, input_ids, attention_mask, logits_to_keep, chunk,
-                       media=None) -> torch.Tensor:
+    def _chunked_logps(
+        self, model, input_ids, attention_mask, logits_to_keep, chunk, media=None
+    ) -> torch.Tensor:
         unwrap = self.accelerator.unwrap_model
         share = self._fast and kl_forwards_share_prompts(unwrap(self.model), self.ref_model)
         if self._pi_old.kl == "loss" and self.model.training:  # as the loss's forward (no wrapper)
             share = share and unwrap(self.model_wrapped) is self.model_wrapped
         parts = []
         for start in range(0, input_ids.size(0), chunk):
-            parts.append(per_token_logps(model, input_ids[start:start + chunk],
-                                         attention_mask[start:start + chunk], logits_to_keep,
-                                         self.args.temperature, share_prompts=share,
-                                         media=media and media[start:start + chunk]).logps)
+            parts.append(
+                per_token_logps(
+                    model,
+                    input_ids[start : start + chunk],
+                    attention_mask[start : start + chunk],
+                    logits_to_keep,
+                    self.args.temperature,
+                    share_prompts=share,
+                    media=media and media[start : start + chunk],
+                ).logps
+            )
             self._timer.advance()  # a micro-batch done: progress for the stall watchdog
         return torch.cat(parts, dim=0)
 
-    def _reference_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, chunk,
-                         media=None) -> torch.Tensor:
+    def _reference_logps(
+        self, unwrapped, input_ids, attention_mask, logits_to_keep, chunk, media=None
+    ) -> torch.Tensor:
         if self.ref_model is not None:
             # its pages go (rloo.engine.mapped)
             with mapped.paged_out_after(self.accelerator.unwrap_model(self.ref_model)):
-                return self._chunked_logps(self.ref_model, input_ids, attention_mask,
-                                           logits_to_keep, chunk, media)
+                return self._chunked_logps(
+                    self.ref_model, input_ids, attention_mask, logits_to_keep, chunk, media
+                )
         # PEFT: base (or frozen copy) is the reference
         with reference_adapter(unwrapped, self._trainable_adapter):
-            return self._chunked_logps(unwrapped, input_ids, attention_mask, logits_to_keep, chunk,
-                                       media)
+            return self._chunked_logps(
+                unwrapped, input_ids, attention_mask, logits_to_keep, chunk, media
+            )
 
     def compute_loss(self, model, inputs: Rollout, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("RLOOTrainer.compute_loss does not return model outputs.")
         mode = "train" if self.model.training else "eval"
-        mask, input_ids = inputs.completion_mask, torch.cat(
-            [inputs.prompt_ids, inputs.completion_ids], dim=1)
+        mask, input_ids = (
+            inputs.completion_mask,
+            torch.cat([inputs.prompt_ids, inputs.completion_ids], dim=1),
+        )
         attention_mask = torch.cat([inputs.prompt_mask, mask], dim=1)
         unwrapped = self.accelerator.unwrap_model(model)
         with engine.loss_context(model, unwrapped, self._fast):  # less memory, same gradients
             # shared prompts: not through a DDP/DeepSpeed wrapper
             token_logps, entropy, aux_loss = per_token_logps(
-                model, input_ids, attention_mask, inputs.completion_ids.size(1),
-                self.args.temperature, with_entropy=True, share_prompts=self._fast and
-                unwrapped is model, media=inputs.media)
+                model,
+                input_ids,
+                attention_mask,
+                inputs.completion_ids.size(1),
+                self.args.temperature,
+                with_entropy=True,
+                share_prompts=self._fast and unwrapped is model,
+                media=inputs.media,
+            )
         # the step's stage where this forward is the KL's pi_old (PiOld "loss")
         if inputs.pending is not None:
             inputs = complete_rollout(inputs, token_logps, self.accelerator.gather)
@@ -342,15 +464,24 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
             old_logps = (token_logps * mask).sum(dim=1).detach()
         gather = self.accelerator.gather
         importance = sampler_weights(self.args, inputs, token_logps, self._metrics, mode, gather)
-        loss, clipped = algorithm.clipped_surrogate_loss(token_logps, old_logps, inputs.advantages,
-                                                         mask, self.args.epsilon,
-                                                         self.args.epsilon_high, importance)
+        loss, clipped = algorithm.clipped_surrogate_loss(
+            token_logps,
+            old_logps,
+            inputs.advantages,
+            mask,
+            self.args.epsilon,
+            self.args.epsilon_high,
+            importance,
+        )
         self._metrics.add(mode, "entropy", global_masked_mean(entropy, mask, gather))
         if self.router_aux_loss_coef != 0.0 and aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * aux_loss
             self._metrics.add(mode, "aux_loss", gather(aux_loss.detach().reshape(1)).mean())
-        low, high, region = gather(clipped["low"]), gather(clipped["high"]), gather(
-            clipped["region"])
+        low, high, region = (
+            gather(clipped["low"]),
+            gather(clipped["high"]),
+            gather(clipped["region"]),
+        )
         self._metrics.add(mode, "clip_ratio/low_mean", low.mean())
         self._metrics.add(mode, "clip_ratio/low_min", low.min())
         self._metrics.add(mode, "clip_ratio/high_mean", high.mean())
@@ -389,20 +520,26 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
     # ------------------------------------------------------------------ checkpoints (state:
     # rloo.checkpoint)
     def _save_checkpoint(self, model, trial) -> None:
-        checkpoint.save_complete(self, trial,
-                                 lambda: super(RLOOTrainer, self)._save_checkpoint(model, trial))
+        checkpoint.save_complete(
+            self, trial, lambda: super(RLOOTrainer, self)._save_checkpoint(model, trial)
+        )
 
     def _save_rng_state(self, output_dir: str) -> None:
         # weights and optimizer written, RNG / RLOO / trainer state not yet
         faults.point("mid-save")
         super()._save_rng_state(output_dir)
         checkpoint.save_state(
-            output_dir, self.accelerator.process_index, {
-                "step": self._step, "buffered_inputs": self._buffered_inputs,
+            output_dir,
+            self.accelerator.process_index,
+            {
+                "step": self._step,
+                "buffered_inputs": self._buffered_inputs,
                 "generator": self.generator.checkpoint_state(),
-                "model": self._model_identity, "num_generations": self.args.num_generations,
-                "generation_batch_size": self.args.generation_batch_size
-            })
+                "model": self._model_identity,
+                "num_generations": self.args.num_generations,
+                "generation_batch_size": self.args.generation_batch_size,
+            },
+        )
         # TR-DPO moves the reference: keep it (ZeRO-3: gathered on every rank)
         if self.args.sync_ref_model:
             reference = self.accelerator.unwrap_model(self.ref_model)
@@ -414,16 +551,27 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
                     }
                     checkpoint.atomic_save(weights, checkpoint.reference_path(output_dir))
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
-              ignore_keys_for_eval=None, **kwargs):
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial=None,
+        ignore_keys_for_eval=None,
+        **kwargs,
+    ):
         # checked against this run before any weight loads: a mismatch is a clear error
         resume_from_checkpoint = checkpoint.checked_resume(self, resume_from_checkpoint)
-        if resume_from_checkpoint and (done := checkpoint.finished_run(
-                self, resume_from_checkpoint)) is not None:
+        if (
+            resume_from_checkpoint
+            and (done := checkpoint.finished_run(self, resume_from_checkpoint)) is not None
+        ):
             return done
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            return super().train(
+                resume_from_checkpoint=resume_from_checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                **kwargs,
+            )
         finally:  # also when a step raised: no watchdog outlives its training
             if self._watchdog is not None:
                 self._watchdog.close()
@@ -439,4 +587,5 @@ class RLOOTrainer(GenerationBatches, HubMethods, checkpoint.CheckpointLoading, T
         super()._save(output_dir, state_dict)
         if self.args.should_save:  # only the writer rank saved anything
             hub.rewrite_training_args(
-                self.args, output_dir if output_dir is not None else self.args.output_dir)
+                self.args, output_dir if output_dir is not None else self.args.output_dir
+            )

@@ -39,7 +39,8 @@ def check_installed(distribution: str = "rloo") -> None:
             raise ImportError(
                 f"{distribution} needs {requirement.name}{requirement.specifier}; "
                 f"{requirement.name} {installed} is installed. Fix: pip install "
-                f"'{requirement.name}{requirement.specifier}'.")
+                f"'{requirement.name}{requirement.specifier}'."
+            )
 
 
 def precision_environment(args) -> None:

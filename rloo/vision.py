@@ -28,11 +28,15 @@ def images_only(processor_class: type) -> type:
     def get_attributes(cls):
         return list(attributes)
 
-    return type(processor_class.__name__, (processor_class, ), {
-        "get_attributes": classmethod(get_attributes),
-        "__module__": processor_class.__module__,
-        "__doc__": f"{processor_class.__name__} for images only (no video processor)."
-    })
+    return type(
+        processor_class.__name__,
+        (processor_class,),
+        {
+            "get_attributes": classmethod(get_attributes),
+            "__module__": processor_class.__module__,
+            "__doc__": f"{processor_class.__name__} for images only (no video processor).",
+        },
+    )
 
 
 def has_image_processor(processing_class: Any) -> bool:
@@ -44,11 +48,13 @@ def load_processor(name: str, config: Any, trust_remote_code: bool, revision: st
     processor's video part needs torchvision, the same processor for images only (one log line)."""
     from transformers import AutoProcessor, AutoTokenizer
     from transformers.utils import is_torchvision_available
+
     kwargs = dict(trust_remote_code=trust_remote_code)
     if revision is not None:
         kwargs["revision"] = revision
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
     class_name = PROCESSOR_MAPPING_NAMES.get(getattr(config, "model_type", None))
     processor_class = getattr(transformers, class_name or "", None)
     # transformers without torchvision: the stock processor may not be buildable (its video part,
@@ -67,21 +73,31 @@ def load_processor(name: str, config: Any, trust_remote_code: bool, revision: st
             f"{name!r} is a vision-language model ({type(config).__name__}) but its processor "
             f"could not be loaded (AutoProcessor gave a {type(processor).__name__}). Fix: make "
             "sure the folder or repo has its processor_config.json / preprocessor_config.json, or "
-            "pass processing_class=AutoProcessor.from_pretrained(...) yourself.")
+            "pass processing_class=AutoProcessor.from_pretrained(...) yourself."
+        )
     image_processor = _pil_image_processor(name, config, kwargs)
     tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
     attributes = processor_class.get_attributes()
     saved, _ = processor_class.get_processor_dict(name, **kwargs)
     # the processor's own settings (Idefics3's image_seq_len, ...), not its parts
-    settings = {key: value for key, value in saved.items()
-                if key not in attributes
-                and key not in ("processor_class", "auto_map", "chat_template")}
+    settings = {
+        key: value
+        for key, value in saved.items()
+        if key not in attributes and key not in ("processor_class", "auto_map", "chat_template")
+    }
     video = "video_processor" in attributes
-    logger.info("rloo: torchvision is not installed, so %s is built with its PIL image "
-                "processor%s.", class_name, " and no video processor" if video else "")
+    logger.info(
+        "rloo: torchvision is not installed, so %s is built with its PIL image processor%s.",
+        class_name,
+        " and no video processor" if video else "",
+    )
     built = images_only(processor_class) if video else processor_class
-    return built(image_processor=image_processor, tokenizer=tokenizer,
-                 chat_template=tokenizer.chat_template, **settings)
+    return built(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+        **settings,
+    )
 
 
 def _pil_image_processor(name: str, config: Any, kwargs: dict):
@@ -90,6 +106,7 @@ def _pil_image_processor(name: str, config: Any, kwargs: dict):
     import transformers
     from transformers import AutoImageProcessor
     from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
     names = IMAGE_PROCESSOR_MAPPING_NAMES.get(getattr(config, "model_type", None))
     pil = getattr(transformers, names.get("pil") or "", None) if isinstance(names, dict) else None
     if pil is None:
@@ -120,7 +137,8 @@ def multimodal_messages(prompt: list[dict], num_images: int, row: int) -> list[d
         raise ValueError(
             f"row {row}: the prompt has {placed} {{'type': 'image'}} part(s) but the row has "
             f"{num_images} image(s). Fix: one image part per image, or plain string contents "
-            "(the images are then put at the start of the first user message).")
+            "(the images are then put at the start of the first user message)."
+        )
     messages, first_user = [], not placed and num_images > 0
     for message in prompt:
         content = message.get("content")
@@ -133,45 +151,71 @@ def multimodal_messages(prompt: list[dict], num_images: int, row: int) -> list[d
     if first_user:
         raise ValueError(
             f"row {row}: the row has {num_images} image(s) but its prompt has no user message "
-            "with text content to put them in. Fix: add a user message.")
+            "with text content to put them in. Fix: add a user message."
+        )
     return messages
 
 
-def process_prompts(processor: Any, prompts: list, images: list[list],
-                    chat_template_kwargs: dict | None) -> tuple[list[list[int]], list[dict]]:
+def process_prompts(
+    processor: Any, prompts: list, images: list[list], chat_template_kwargs: dict | None
+) -> tuple[list[list[int]], list[dict]]:
     """Prompts and their images through a VLM's processor, one row at a time: (prompt token ids
     with the image tokens expanded, per row; the model's other inputs per row, e.g. pixel_values,
     image_grid_thw, token_type_ids, as a batch of one). Rows with the same prompt and images (the
     num_generations consecutive copies of one prompt) are processed once."""
     from rloo.data import is_conversational
+
     ids, media, previous = [], [], None
     for index, (prompt, row_images_) in enumerate(zip(prompts, images)):
         # equal prompt and images (PIL compares pixels): the previous row's result
         if previous is None or previous[0] != (prompt, row_images_):
-            previous = ((prompt, row_images_),
-                        _process_one(processor, prompt, row_images_, index, chat_template_kwargs,
-                                     is_conversational(prompt)))
+            previous = (
+                (prompt, row_images_),
+                _process_one(
+                    processor,
+                    prompt,
+                    row_images_,
+                    index,
+                    chat_template_kwargs,
+                    is_conversational(prompt),
+                ),
+            )
         row_ids, row_media = previous[1]
         ids.append(row_ids)
         media.append(row_media)
     return ids, media
 
 
-def _process_one(processor, prompt, images: list, row: int, chat_template_kwargs: dict | None,
-                 conversational: bool) -> tuple[list[int], dict]:
+def _process_one(
+    processor,
+    prompt,
+    images: list,
+    row: int,
+    chat_template_kwargs: dict | None,
+    conversational: bool,
+) -> tuple[list[int], dict]:
     if conversational:
         text = processor.apply_chat_template(
-            multimodal_messages(prompt, len(images), row), add_generation_prompt=True,
-            tokenize=False, **(chat_template_kwargs or {}))
+            multimodal_messages(prompt, len(images), row),
+            add_generation_prompt=True,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
     else:
         check_string_prompt(prompt, len(images), getattr(processor, "image_token", None), row)
         text = prompt
     try:
-        encoded = processor(text=[text], images=[images] if images else None,
-                            return_tensors="pt", add_special_tokens=not conversational)
+        encoded = processor(
+            text=[text],
+            images=[images] if images else None,
+            return_tensors="pt",
+            add_special_tokens=not conversational,
+        )
     except Exception as err:  # the processor's own message, with the row it came from
-        raise ValueError(f"row {row}: the processor could not take this prompt and its "
-                         f"{len(images)} image(s): {err}") from err
+        raise ValueError(
+            f"row {row}: the processor could not take this prompt and its "
+            f"{len(images)} image(s): {err}"
+        ) from err
     row_ids = encoded["input_ids"][0][encoded["attention_mask"][0].bool()].tolist()
     width = encoded["input_ids"].size(1)
     media = {}
@@ -187,12 +231,17 @@ def _process_one(processor, prompt, images: list, row: int, chat_template_kwargs
 
 def is_per_token(key: str, value: torch.Tensor, ids_length: int) -> bool:
     """token_type_ids, mm_token_type_ids: one entry per prompt token."""
-    return (key.endswith("_ids") and value.dim() == 2 and value.size(0) == 1
-            and value.size(1) == ids_length)
+    return (
+        key.endswith("_ids")
+        and value.dim() == 2
+        and value.size(0) == 1
+        and value.size(1) == ids_length
+    )
 
 
-def collate_media(media: list[dict], prompt_lengths: list[int], prompt_width: int,
-                  completion_width: int = 0) -> dict[str, torch.Tensor]:
+def collate_media(
+    media: list[dict], prompt_lengths: list[int], prompt_width: int, completion_width: int = 0
+) -> dict[str, torch.Tensor]:
     """The model's extra inputs for these rows as one batch: per-token inputs left-padded like the
     prompts (zeros over padding and over `completion_width` completion tokens); images' tensors
     concatenated in row order (the first dimension counts images, tiles or patches), other
@@ -201,15 +250,18 @@ def collate_media(media: list[dict], prompt_lengths: list[int], prompt_width: in
     batch = {}
     for key in keys:
         per_token = [
-            is_per_token(key, row[key], length) for row, length in zip(media, prompt_lengths)
+            is_per_token(key, row[key], length)
+            for row, length in zip(media, prompt_lengths)
             if key in row
         ]
         if all(per_token):
-            out = torch.zeros((len(media), prompt_width + completion_width),
-                              dtype=next(row[key] for row in media if key in row).dtype)
+            out = torch.zeros(
+                (len(media), prompt_width + completion_width),
+                dtype=next(row[key] for row in media if key in row).dtype,
+            )
             for index, (row, length) in enumerate(zip(media, prompt_lengths)):
                 if key in row:
-                    out[index, prompt_width - length:prompt_width] = row[key][0]
+                    out[index, prompt_width - length : prompt_width] = row[key][0]
             batch[key] = out
             continue
         values = [row[key] for row in media if key in row]
@@ -225,8 +277,9 @@ def collate_media(media: list[dict], prompt_lengths: list[int], prompt_width: in
     return batch
 
 
-def forward_media(media: list[dict], attention_mask: torch.Tensor, completion_width: int,
-                  device: Any) -> dict[str, torch.Tensor]:
+def forward_media(
+    media: list[dict], attention_mask: torch.Tensor, completion_width: int, device: Any
+) -> dict[str, torch.Tensor]:
     """collate_media for a forward over prompt + completion rows (`attention_mask` covers both, the
     last `completion_width` columns being the completion), on `device`."""
     prompt_width = attention_mask.size(1) - completion_width
@@ -254,7 +307,8 @@ def check_string_prompt(prompt: str, count: int, image_token: str | None, row: i
             f"row {row}: a plain string prompt with {count} image(s) and "
             f"{prompt.count(image_token) if image_token else 0} image token(s) ({image_token!r}). "
             "Fix: a conversational prompt ([{'role': 'user', 'content': ...}]), whose chat "
-            "template places the images, or one image token per image in the string.")
+            "template places the images, or one image token per image in the string."
+        )
 
 
 def check_image_rows(train_dataset: Any, eval_dataset: Any, processor: Any) -> None:
@@ -272,9 +326,15 @@ def check_image_rows(train_dataset: Any, eval_dataset: Any, processor: Any) -> N
             raise ValueError(
                 f"`{name}` has images but processing_class is a {type(processor).__name__}, which "
                 "cannot read them. Fix: the model's processor, e.g. processing_class="
-                "AutoProcessor.from_pretrained(...), or leave processing_class unset.")
-        check_rows_fit(dataset, f"`{name}`", getattr(processor, "image_token", None), every_row,
-                       type(processor).__name__)
+                "AutoProcessor.from_pretrained(...), or leave processing_class unset."
+            )
+        check_rows_fit(
+            dataset,
+            f"`{name}`",
+            getattr(processor, "image_token", None),
+            every_row,
+            type(processor).__name__,
+        )
 
 
 # Processors whose pixel tensors have one entry per row of a batch (Idefics2/3, SmolVLM): a row
@@ -282,8 +342,13 @@ def check_image_rows(train_dataset: Any, eval_dataset: Any, processor: Any) -> N
 EVERY_ROW_PROCESSORS = ("Idefics2Processor", "Idefics3Processor", "SmolVLMProcessor")
 
 
-def check_rows_fit(dataset: Any, name: str, image_token: str | None, every_row: bool = False,
-                   processor_name: str = "") -> None:
+def check_rows_fit(
+    dataset: Any,
+    name: str,
+    image_token: str | None,
+    every_row: bool = False,
+    processor_name: str = "",
+) -> None:
     """check_image_rows for one dataset, its errors starting with `name`."""
     try:
         _check_rows(dataset, image_token, every_row, processor_name)
@@ -301,6 +366,7 @@ def image_columns_of(dataset: Any) -> list[str]:
 def undecoded(dataset: Any) -> Any:
     """The dataset with its image columns read as {"bytes", "path"} (no image decoded)."""
     from datasets import Image as ImageFeature
+
     for column in image_columns_of(dataset):
         feature = dataset.features[column]
         inner = getattr(feature, "feature", None)
@@ -317,6 +383,7 @@ def check_images_readable(dataset: Any, source: str) -> None:
     import io
 
     from PIL import Image
+
     columns = image_columns_of(dataset)
     if not columns:
         return
@@ -325,29 +392,35 @@ def check_images_readable(dataset: Any, source: str) -> None:
             for image in row_images({column: row[column]}):
                 try:
                     if isinstance(image, dict):
-                        image = Image.open(io.BytesIO(image["bytes"]) if image.get("bytes")
-                                           else image["path"])
+                        image = Image.open(
+                            io.BytesIO(image["bytes"]) if image.get("bytes") else image["path"]
+                        )
                     image.load()
                 except Exception as err:  # PIL raises many types for a bad file
-                    raise ValueError(f"{source}: row {index}: its {column!r} cannot be read as an "
-                                     f"image ({type(err).__name__}: {err}). Fix: replace or drop "
-                                     "the row.") from None
+                    raise ValueError(
+                        f"{source}: row {index}: its {column!r} cannot be read as an "
+                        f"image ({type(err).__name__}: {err}). Fix: replace or drop "
+                        "the row."
+                    ) from None
 
 
 def embed_images(dataset: Any) -> Any:
     """Images that the dataset references by file path stored in it as bytes, so that a saved copy
     (save_to_disk) holds them."""
     from datasets.table import embed_table_storage
+
     if not image_columns_of(dataset):
         return dataset
     return dataset.with_format("arrow").map(embed_table_storage, batched=True).with_format(None)
 
 
-def _check_rows(dataset: Any, image_token: str | None, every_row: bool = False,
-                processor_name: str = "") -> None:
+def _check_rows(
+    dataset: Any, image_token: str | None, every_row: bool = False, processor_name: str = ""
+) -> None:
     from datasets import Dataset
 
     from rloo.data import is_conversational
+
     columns = image_columns_of(dataset)
     if not isinstance(dataset, Dataset) or not columns:
         return
@@ -357,7 +430,8 @@ def _check_rows(dataset: Any, image_token: str | None, every_row: bool = False,
             raise ValueError(
                 f"row {index} has no image, but a {processor_name} batch needs an image in every "
                 "row (its pixel tensors have one entry per row). Fix: give the row an image, or "
-                "train on the rows without images separately.")
+                "train on the rows without images separately."
+            )
         if is_conversational(prompt):
             multimodal_messages(prompt, count, index)
         else:
@@ -372,13 +446,15 @@ def with_image_files(dataset: Any, base_dir: str) -> Any:
 
     from datasets import List
     from datasets import Image as ImageFeature
+
     features = getattr(dataset, "features", None) or {}
     for column, nested in (("image", False), ("images", True)):
         feature = features.get(column)
         dtype = getattr(getattr(feature, "feature", feature), "dtype", None)
         if dtype in ("binary", "large_binary"):  # datasets.Image takes encoded bytes as they are
-            dataset = dataset.cast_column(column, List(ImageFeature()) if nested else
-                                          ImageFeature())
+            dataset = dataset.cast_column(
+                column, List(ImageFeature()) if nested else ImageFeature()
+            )
         if dtype != "string":
             continue
 
@@ -388,12 +464,14 @@ def with_image_files(dataset: Any, base_dir: str) -> Any:
                     return None
                 full = os.path.join(base_dir, os.path.expanduser(path))
                 if not os.path.isfile(full):
-                    raise ValueError(f"row {index}: {column} {path!r} is not a file ({full}). Fix: "
-                                     "paths relative to the data file's folder, or absolute.")
+                    raise ValueError(
+                        f"row {index}: {column} {path!r} is not a file ({full}). Fix: "
+                        "paths relative to the data file's folder, or absolute."
+                    )
                 return full
+
             value = row[column]
-            return {column: [one(p) for p in value] if nested and value is not None else
-                    one(value)}
+            return {column: [one(p) for p in value] if nested and value is not None else one(value)}
 
         dataset = dataset.map(absolute, with_indices=True)
         dataset = dataset.cast_column(column, List(ImageFeature()) if nested else ImageFeature())

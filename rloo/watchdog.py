@@ -103,6 +103,7 @@ def watchdog_folder(output_dir: str) -> str:
     per output_dir, so the output_dir holds nothing of it unless a step stalls (the report)."""
     import hashlib
     import tempfile
+
     key = hashlib.sha1(os.path.abspath(output_dir).encode()).hexdigest()[:12]
     return os.path.join(tempfile.gettempdir(), f"rloo-watchdog-{key}")
 
@@ -119,11 +120,20 @@ class StallWatchdog(TrainerCallback):
     """Watches `timer` from on_train_begin to on_train_end (optimizer steps only: an evaluation or
     a checkpoint between steps is not timed)."""
 
-    def __init__(self, timer: StepTimer, args, rank: int,
-                 describe: Callable[[list[str]], str] = lambda sections: ""):
+    def __init__(
+        self,
+        timer: StepTimer,
+        args,
+        rank: int,
+        describe: Callable[[list[str]], str] = lambda sections: "",
+    ):
         """`args`: stall_timeout_s and output_dir (RLOOConfig)."""
-        self.timer, self.timeout_s, self.rank, self.describe = timer, args.stall_timeout_s, rank, \
-            describe
+        self.timer, self.timeout_s, self.rank, self.describe = (
+            timer,
+            args.stall_timeout_s,
+            rank,
+            describe,
+        )
         self.output_dir = args.output_dir
         self.folder = watchdog_folder(args.output_dir)
         self.stop_event, self.delivered = threading.Event(), threading.Event()
@@ -195,7 +205,8 @@ class StallWatchdog(TrainerCallback):
         self.message = (
             f"training stalled: rank {self.rank} made no progress for {self.timeout_s:g} s "
             f"(stall_timeout_s) in step {self.step}, waiting in {where}{self.describe(sections)}. "
-            f"The stacks of every process: {report}. The run resumes from its last checkpoint.")
+            f"The stacks of every process: {report}. The run resumes from its last checkpoint."
+        )
         text = self.message + "\n\n" + collect_stacks(self.folder) + "\n"
         os.makedirs(self.output_dir, exist_ok=True)
         temporary = f"{report}.tmp"

@@ -28,6 +28,7 @@ def single_process_ddp(accelerator) -> None:
     is; the process group stays up, unused."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
+
     if accelerator.num_processes == 1 and accelerator.distributed_type == DistributedType.MULTI_CPU:
         # (AcceleratorState copies it from there)
         PartialState().distributed_type = DistributedType.NO
@@ -52,8 +53,11 @@ def _hidden_size(model: nn.Module) -> int | None:
 def _drop_auto(node: dict) -> dict:
     """DeepSpeed defaults for the values transformers fills only when it builds the training
     engine."""
-    return {key: _drop_auto(value) if isinstance(value, dict) else value
-            for key, value in node.items() if value != "auto"}
+    return {
+        key: _drop_auto(value) if isinstance(value, dict) else value
+        for key, value in node.items()
+        if value != "auto"
+    }
 
 
 def frozen_engine_config(training_config: dict, model: nn.Module, micro_batch_size: int) -> dict:
@@ -67,10 +71,15 @@ def frozen_engine_config(training_config: dict, model: nn.Module, micro_batch_si
     zero = config.setdefault("zero_optimization", {})
     if zero.get("stage", 0) == 3:
         hidden = _hidden_size(model)
-        sizes = {
-            "reduce_bucket_size": hidden * hidden, "stage3_param_persistence_threshold": 10 *
-            hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden)
-        } if hidden else {}
+        sizes = (
+            {
+                "reduce_bucket_size": hidden * hidden,
+                "stage3_param_persistence_threshold": 10 * hidden,
+                "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            }
+            if hidden
+            else {}
+        )
         # the values transformers gives the policy; a user's numbers stay
         for key, value in sizes.items():
             if zero.get(key, "auto") == "auto":
@@ -87,8 +96,10 @@ def prepare_frozen(model: nn.Module, accelerator, micro_batch_size: int) -> nn.M
     """A frozen model wrapped as a DeepSpeed engine in eval mode (ZeRO-3: sharded; forward gathers
     layer by layer, so every rank must call it the same number of times)."""
     import deepspeed
-    config = frozen_engine_config(accelerator.state.deepspeed_plugin.deepspeed_config, model,
-                                  micro_batch_size)
+
+    config = frozen_engine_config(
+        accelerator.state.deepspeed_plugin.deepspeed_config, model, micro_batch_size
+    )
     model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
@@ -103,6 +114,7 @@ def gathered_parameters(model: nn.Module, enabled: bool, modifier_rank: int | No
     if not enabled:
         return contextlib.nullcontext()
     import deepspeed
+
     return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=modifier_rank)
 
 
@@ -115,6 +127,7 @@ def start_deepspeed_on_cpu(timeout_s: int) -> None:
     from datetime import timedelta
 
     from accelerate import PartialState
+
     if PartialState._shared_state:
         return
     DEEPSPEED_ON_CPU["started"] = True

@@ -15,8 +15,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from rloo_vllm.wire import dtype_of, plan_chunks, unpack
@@ -42,8 +45,10 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self):
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise ValueError(f"update_info lists differ in length: {len(self.names)} names, "
-                             f"{len(self.dtype_names)} dtype_names, {len(self.shapes)} shapes")
+            raise ValueError(
+                f"update_info lists differ in length: {len(self.names)} names, "
+                f"{len(self.dtype_names)} dtype_names, {len(self.shapes)} shapes"
+            )
 
 
 def refresh_cpu_embedding_gemms(model: torch.nn.Module) -> int:
@@ -53,10 +58,14 @@ def refresh_cpu_embedding_gemms(model: torch.nn.Module) -> int:
     old embeddings. Rebuild it from the live weight."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
     refreshed = 0
     for module in model.modules():
-        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear") \
-                and module.weight.numel() > 0:
+        if (
+            isinstance(module, VocabParallelEmbedding)
+            and hasattr(module, "cpu_linear")
+            and module.weight.numel() > 0
+        ):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             refreshed += 1
     return refreshed
@@ -67,6 +76,7 @@ def finish_reload(model: torch.nn.Module, model_config) -> None:
     the reloaded layers, then the packed CPU copies of embedding-shaped layers are rebuilt (none
     exist on GPUs)."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
     finalize_layerwise_reload(model, model_config)
     refresh_cpu_embedding_gemms(model)
 
@@ -83,14 +93,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         rank = init_info.rank_offset + self.parallel_config.rank
         timeout = timedelta(seconds=init_info.timeout_s)
-        store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
-                              is_master=False, timeout=timeout)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("rloo-weights", store), rank,
-                                           init_info.world_size, timeout)
+        store = dist.TCPStore(
+            init_info.master_address,
+            init_info.master_port,
+            init_info.world_size,
+            is_master=False,
+            timeout=timeout,
+        )
+        self.group = dist.ProcessGroupGloo(
+            dist.PrefixStore("rloo-weights", store), rank, init_info.world_size, timeout
+        )
         self.chunk_bytes = init_info.chunk_bytes
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
@@ -101,14 +118,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError(
-                "gloo weight transfer not initialised: call /init_weight_transfer_engine first")
+                "gloo weight transfer not initialised: call /init_weight_transfer_engine first"
+            )
         for chunk in plan_chunks(update_info.dtype_names, update_info.shapes, self.chunk_bytes):
             shapes = [update_info.shapes[i] for i in chunk]
             total = sum(int(torch.Size(s).numel()) for s in shapes)
             buffer = torch.empty(total, dtype=dtype_of(update_info.dtype_names[chunk[0]]))
             self.group.broadcast(buffer, 0).wait()
-            self.model.load_weights([(update_info.names[i], tensor)
-                                     for i, tensor in zip(chunk, unpack(buffer, shapes))])
+            self.model.load_weights(
+                [(update_info.names[i], tensor) for i, tensor in zip(chunk, unpack(buffer, shapes))]
+            )
 
     def finish_weight_update(self) -> None:
         finish_reload(self.model, self.model_config)

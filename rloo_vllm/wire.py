@@ -19,8 +19,9 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
-def plan_chunks(dtype_names: list[str], shapes: list[list[int]],
-                limit_bytes: int = CHUNK_BYTES) -> list[list[int]]:
+def plan_chunks(
+    dtype_names: list[str], shapes: list[list[int]], limit_bytes: int = CHUNK_BYTES
+) -> list[list[int]]:
     """Indices of the parameters in each chunk: consecutive, one dtype, at most `limit_bytes` (a
     larger tensor travels alone)."""
     chunks: list[list[int]] = []
@@ -37,8 +38,11 @@ def plan_chunks(dtype_names: list[str], shapes: list[list[int]],
 
 
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors]) if len(tensors) > 1 else \
-        tensors[0].detach().reshape(-1).contiguous()
+    return (
+        torch.cat([t.detach().reshape(-1) for t in tensors])
+        if len(tensors) > 1
+        else tensors[0].detach().reshape(-1).contiguous()
+    )
 
 
 def unpack(buffer: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:

@@ -24,8 +24,12 @@ while len(rows) < 400:
     if question in seen:
         continue
     seen.add(question)
-    rows.append({"prompt": [{"role": "user", "content": question + " Answer with just the number."}],
-                 "solution": str(solve(a, b))})
+    rows.append(
+        {
+            "prompt": [{"role": "user", "content": question + " Answer with just the number."}],
+            "solution": str(solve(a, b)),
+        }
+    )
 with open("data/arithmetic.jsonl", "w") as f:
     for row in rows:
         f.write(json.dumps(row) + "\n")

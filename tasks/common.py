@@ -15,9 +15,11 @@ logger = logging.getLogger(__name__)
 def cache_key(stage: str):
     """Same config + same stage version => the stage's persisted result is reused (across flow runs
     too)."""
+
     def key(context, parameters) -> str:
         config: RunConfig = parameters["config"]
         return f"rloo-{stage}-v{STAGE_VERSIONS[stage]}-{config.fingerprint()}"
+
     return key
 
 
@@ -25,6 +27,7 @@ def say(stage: str, message: str, config: RunConfig | None = None) -> None:
     """The one summary line per stage on the console (and in the Prefect run log); a sweep's
     trials, which run side by side, are named in theirs."""
     from prefect import get_run_logger
+
     who = f"{config.name}: " if config is not None and config.trial is not None else ""
     get_run_logger().info("[%s] %s%s", stage, who, message)
 
@@ -38,14 +41,19 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     from infra import stall_alert
-    artifact = create_progress_artifact(0.0, key=f"{config.name}-training-progress",
-                                        description=f"Optimizer steps of {config.run_key}",
-                                        _sync=True)
+
+    artifact = create_progress_artifact(
+        0.0,
+        key=f"{config.name}-training-progress",
+        description=f"Optimizer steps of {config.run_key}",
+        _sync=True,
+    )
     start, state, pace = time.time(), {"logged": 0.0}, Pace()
     report_step = stall_alert.StepReporter(config.run_key, config.name)
 
-    def on_progress(step: int, max_steps: int | None, reward: float | None,
-                    timing: str | None = None) -> None:
+    def on_progress(
+        step: int, max_steps: int | None, reward: float | None, timing: str | None = None
+    ) -> None:
         if max_steps and not state.get("api_away"):
             try:
                 update_progress_artifact(artifact, 100.0 * step / max_steps, _sync=True)
@@ -56,7 +64,9 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
                     "train",
                     f"the Prefect API is unreachable ({type(err).__name__}); following the job "
                     "without progress updates. If this process ends, `rloo-pipeline resume RUN` "
-                    "picks the job up.", config=config)
+                    "picks the job up.",
+                    config=config,
+                )
         if step != state.get("step") and not state.get("api_away"):  # the stalled-run watch
             state["step"] = step
             try:
@@ -65,8 +75,11 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
                 logger.warning("rloo: the step event was not sent: %s", err)
         now = time.time()
         if pace.update(step, now):
-            say("train", f"a new attempt of the job is training: its step counter went back to "
-                f"{step}", config=config)
+            say(
+                "train",
+                f"a new attempt of the job is training: its step counter went back to {step}",
+                config=config,
+            )
         if now - state["logged"] < every_s and step != max_steps:
             return
         state["logged"] = now
@@ -80,6 +93,7 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
         if timing:
             parts.append(timing)
         say("train", ", ".join(parts), config=config)
+
     return on_progress
 
 

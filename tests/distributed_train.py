@@ -25,23 +25,59 @@ def reward(completion_ids, tag, trainer_state, **kwargs):
 
 
 tokenizer = tiny_tokenizer()
-data = Dataset.from_list([{"prompt": [{"role": "user", "content": w}], "tag": i}
-                          for i, w in enumerate(["the dog", "a cat", "one two", "red mat"])])
-args = RLOOConfig(output_dir=os.path.join(out, "run"), bf16=False, use_cpu=True, ddp_backend="gloo",
-                  per_device_train_batch_size=3, num_generations=6, max_completion_length=6, max_steps=2,
-                  logging_steps=1, report_to="none", save_strategy="no", beta=0.1, disable_tqdm=True,
-                  learning_rate=0.01, log_completions=True)
-trainer = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=reward, args=args, train_dataset=data,
-                      processing_class=tokenizer)
+data = Dataset.from_list(
+    [
+        {"prompt": [{"role": "user", "content": w}], "tag": i}
+        for i, w in enumerate(["the dog", "a cat", "one two", "red mat"])
+    ]
+)
+args = RLOOConfig(
+    output_dir=os.path.join(out, "run"),
+    bf16=False,
+    use_cpu=True,
+    ddp_backend="gloo",
+    per_device_train_batch_size=3,
+    num_generations=6,
+    max_completion_length=6,
+    max_steps=2,
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    beta=0.1,
+    disable_tqdm=True,
+    learning_rate=0.01,
+    log_completions=True,
+)
+trainer = RLOOTrainer(
+    model=tiny_causal_lm(tokenizer),
+    reward_funcs=reward,
+    args=args,
+    train_dataset=data,
+    processing_class=tokenizer,
+)
 assert trainer._pi_old.kl == "loss"
-flat = getattr(trainer.ref_model, "_rloo_mapping", None)  # rloo.engine.mapped: accelerate's placement did not copy it out
+flat = getattr(
+    trainer.ref_model, "_rloo_mapping", None
+)  # rloo.engine.mapped: accelerate's placement did not copy it out
 if mapped.disk_directory(1 << 20) is not None:
-    assert all(flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel() for p in trainer.ref_model.parameters())
-trainer._pi_old = trainer._pi_old._replace(kl="rollout" if sys.argv[2:] == ["separate-old-forward"] else "loss")  # the KL's pi_old from a forward of its own
+    assert all(
+        flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel()
+        for p in trainer.ref_model.parameters()
+    )
+trainer._pi_old = trainer._pi_old._replace(
+    kl="rollout" if sys.argv[2:] == ["separate-old-forward"] else "loss"
+)  # the KL's pi_old from a forward of its own
 trainer.train()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump({"seen": seen, "log_history": trainer.state.log_history, "table": list(trainer._logs.prompt),
-               "param_sum": sum(p.double().sum().item() for p in trainer.model.parameters())}, f)
+    json.dump(
+        {
+            "seen": seen,
+            "log_history": trainer.state.log_history,
+            "table": list(trainer._logs.prompt),
+            "param_sum": sum(p.double().sum().item() for p in trainer.model.parameters()),
+        },
+        f,
+    )
 # As `rloo train` exits (rloo.cli.exit_without_native_teardown): the process group destroyed, then no interpreter
 # finalization, where a gloo worker thread dropping a finished collective's tensors aborted a rank after both had
 # written their results (see that function).

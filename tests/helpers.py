@@ -10,30 +10,57 @@ from rloo import RLOOConfig
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
-WORDS = ["the dog", "a big cat", "one two", "what is", "red mat", "sat on", "good dog", "small blue"]
-PROMPTS = ["the dog sat", "one two three four", "red", "a big cat on the mat"]  # (generation tests: texts to tokenize)
+WORDS = [
+    "the dog",
+    "a big cat",
+    "one two",
+    "what is",
+    "red mat",
+    "sat on",
+    "good dog",
+    "small blue",
+]
+PROMPTS = [
+    "the dog sat",
+    "one two three four",
+    "red",
+    "a big cat on the mat",
+]  # (generation tests: texts to tokenize)
 
 
 def config(tokenizer, **settings):
     """A GenerationConfig for the tiny tokenizer: its pad and EOS, 12 new tokens unless `settings` say otherwise."""
     from transformers import GenerationConfig
-    return GenerationConfig(pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id],
-                            **{"max_new_tokens": 12, **settings})
+
+    return GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=[tokenizer.eos_token_id],
+        **{"max_new_tokens": 12, **settings},
+    )
 
 
 def kernel_targets() -> list[str]:
     """The builds of our decode kernel the tests check: this CPU's, and where that one has 16-float vectors (AVX-512)
     and the CPU AVX2 and FMA, the build for x86-64-v3 as well (8-float vectors: what a CPU without AVX-512 runs)."""
     from rloo.engine import kernel
+
     native = kernel.compiled()
-    wide = native is not None and native.vector_floats() == 16 and {"avx2", "fma"} <= set(kernel._cpu_flags().split())
+    wide = (
+        native is not None
+        and native.vector_floats() == 16
+        and {"avx2", "fma"} <= set(kernel._cpu_flags().split())
+    )
     # (a gcc older than 11 has no -march=x86-64-v3)
     return ["native"] + (["x86-64-v3"] if wide and kernel.compiled("x86-64-v3") is not None else [])
 
 
 def conversational(n=8):
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": WORDS[i % len(WORDS)]}], "tag": i}
-                              for i in range(n)])
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": WORDS[i % len(WORDS)]}], "tag": i}
+            for i in range(n)
+        ]
+    )
 
 
 def standard(n=8):
@@ -41,9 +68,21 @@ def standard(n=8):
 
 
 def make_args(tmp_path, **kwargs):
-    settings = dict(output_dir=str(tmp_path / "out"), bf16=False, use_cpu=True, per_device_train_batch_size=4,
-                    num_generations=2, max_completion_length=6, learning_rate=0.05, logging_steps=1, max_steps=2,
-                    report_to="none", save_strategy="no", beta=0.0, disable_tqdm=True)
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        bf16=False,
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        learning_rate=0.05,
+        logging_steps=1,
+        max_steps=2,
+        report_to="none",
+        save_strategy="no",
+        beta=0.0,
+        disable_tqdm=True,
+    )
     settings.update(kwargs)
     return RLOOConfig(**settings)
 
@@ -62,15 +101,24 @@ def logged(trainer, key):
     return [log[key] for log in trainer.state.log_history if key in log]
 
 
-TIMING_KEYS = ["timing/generation", "timing/weight_sync", "timing/rewards", "timing/logprobs", "timing/train",
-               "timing/optimizer"]
+TIMING_KEYS = [
+    "timing/generation",
+    "timing/weight_sync",
+    "timing/rewards",
+    "timing/logprobs",
+    "timing/train",
+    "timing/optimizer",
+]
 
 
 def assert_step_timing(records, generated=True):
     """Every training log record carries the six timing/* sections, and they add up to step_time within 10 %.
     Returns the records' timings as floats (a printed log has them as strings)."""
-    records = [{key: float(value) for key, value in r.items() if key in TIMING_KEYS or key == "step_time"}
-               for r in records if "step_time" in r]
+    records = [
+        {key: float(value) for key, value in r.items() if key in TIMING_KEYS or key == "step_time"}
+        for r in records
+        if "step_time" in r
+    ]
     assert records, "no training log record has step_time"
     for record in records:
         missing = [key for key in TIMING_KEYS if key not in record]
@@ -79,7 +127,10 @@ def assert_step_timing(records, generated=True):
         assert abs(total - record["step_time"]) <= 0.1 * record["step_time"], (total, record)
         assert all(record[key] >= 0 for key in TIMING_KEYS), record
     if generated:
-        assert sum(r["timing/generation"] for r in records) > 0 and sum(r["timing/train"] for r in records) > 0
+        assert (
+            sum(r["timing/generation"] for r in records) > 0
+            and sum(r["timing/train"] for r in records) > 0
+        )
     return records
 
 
@@ -89,8 +140,13 @@ def with_lora(model, std: float = 0.3, **settings):
     its outputs."""
     import torch
     from peft import LoraConfig, get_peft_model
-    model = get_peft_model(model, LoraConfig(**{**dict(r=4, lora_alpha=8, target_modules="all-linear",
-                                                       lora_dropout=0.0), **settings}))
+
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            **{**dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0), **settings}
+        ),
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -105,8 +161,17 @@ def small_llama(tokenizer, biases: bool = False):
     import torch
 
     from rloo.tiny import tiny_causal_lm
-    model = tiny_causal_lm(tokenizer, 0, hidden_size=64, intermediate_size=96, max_position_embeddings=2048,
-                           attention_bias=biases, mlp_bias=biases, tie_word_embeddings=True)
+
+    model = tiny_causal_lm(
+        tokenizer,
+        0,
+        hidden_size=64,
+        intermediate_size=96,
+        max_position_embeddings=2048,
+        attention_bias=biases,
+        mlp_bias=biases,
+        tie_word_embeddings=True,
+    )
     with torch.no_grad():
         for module in model.modules():
             for name, param in module.named_parameters(recurse=False):
@@ -119,8 +184,12 @@ def printed_logs(stdout: str) -> list[dict]:
     """The trainer's printed log dicts (`{'loss': ...}`), one per logged step. Another process (a vLLM engine's
     logger, a second rank) may write right after one on the same line: the dict ends at its first '}'."""
     import ast
-    return [ast.literal_eval(line[:line.index("}") + 1]) for line in stdout.splitlines()
-            if line.startswith("{'loss'")]
+
+    return [
+        ast.literal_eval(line[: line.index("}") + 1])
+        for line in stdout.splitlines()
+        if line.startswith("{'loss'")
+    ]
 
 
 def assert_same_update(mine: dict, theirs: dict, start: dict, exact: bool = True):

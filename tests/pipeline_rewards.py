@@ -29,6 +29,10 @@ def lookup_reward(completion_ids, trainer_state, **kwargs):
 def crash_on_rank_reward(completion_ids, trainer_state=None, **kwargs):
     """Raises on the global rank named by RLOO_TEST_CRASH_RANK once training has made a step."""
     crash_rank = os.environ.get("RLOO_TEST_CRASH_RANK")
-    if trainer_state is not None and trainer_state.global_step >= 1 and os.environ.get("RANK") == crash_rank:
+    if (
+        trainer_state is not None
+        and trainer_state.global_step >= 1
+        and os.environ.get("RANK") == crash_rank
+    ):
         raise RuntimeError(f"boom on rank {crash_rank}")
     return [float(len(ids)) for ids in completion_ids]

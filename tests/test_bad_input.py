@@ -8,13 +8,26 @@ from datasets import Dataset
 from rloo import RLOOConfig, RLOOTrainer
 from tiny_models import tiny_tokenizer
 
-PROMPTS = [{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "a cat", "one two", "boom"]]
+PROMPTS = [
+    {"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "a cat", "one two", "boom"]
+]
 
 
 def args(tmp_path, **kwargs):
-    settings = dict(output_dir=str(tmp_path / "out"), bf16=False, use_cpu=True, per_device_train_batch_size=4,
-                    num_generations=2, max_completion_length=4, max_steps=1, report_to="none", save_strategy="no",
-                    beta=0.0, disable_tqdm=True, shuffle_dataset=False)
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        bf16=False,
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        max_steps=1,
+        report_to="none",
+        save_strategy="no",
+        beta=0.0,
+        disable_tqdm=True,
+        shuffle_dataset=False,
+    )
     settings.update(kwargs)
     return RLOOConfig(**settings)
 
@@ -24,15 +37,22 @@ def ok_reward(completions, **kwargs):
 
 
 def build(tmp_path, model, tokenizer, reward_funcs=ok_reward, dataset=None, **kwargs):
-    return RLOOTrainer(model=model, reward_funcs=reward_funcs, args=kwargs.pop("config", None) or args(tmp_path),
-                       train_dataset=Dataset.from_list(PROMPTS) if dataset is None else dataset,
-                       processing_class=tokenizer, **kwargs)
+    return RLOOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=kwargs.pop("config", None) or args(tmp_path),
+        train_dataset=Dataset.from_list(PROMPTS) if dataset is None else dataset,
+        processing_class=tokenizer,
+        **kwargs,
+    )
 
 
 @pytest.fixture(autouse=True)
 def nothing_written(tmp_path):
     yield
-    assert not os.path.exists(tmp_path / "out"), "a failed start must not write the output directory"
+    assert not os.path.exists(tmp_path / "out"), (
+        "a failed start must not write the output directory"
+    )
 
 
 def test_dataset_without_prompt_column(tmp_path, model, tokenizer):

@@ -12,7 +12,9 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 
 def tiny(tmp_path, *overrides):
-    return load_run_config(TINY, [f"run_root={tmp_path}", f"data.source={ROOT}/data/arithmetic.jsonl", *overrides])
+    return load_run_config(
+        TINY, [f"run_root={tmp_path}", f"data.source={ROOT}/data/arithmetic.jsonl", *overrides]
+    )
 
 
 def test_checkpoint_choice_table_and_best_by_hand(tmp_path):
@@ -21,7 +23,9 @@ def test_checkpoint_choice_table_and_best_by_hand(tmp_path):
     from infra import checkpoints
     from rloo.checkpoint import marker_path
 
-    def saved(interval):  # checkpoints 2, 4, 6 and 8 saved, checkpoint-2 deleted by save_total_limit since
+    def saved(
+        interval,
+    ):  # checkpoints 2, 4, 6 and 8 saved, checkpoint-2 deleted by save_total_limit since
         config = tiny(tmp_path, f"evaluation.checkpoint_interval={interval}")
         train = stages.train_dir(config)
         os.makedirs(os.path.join(train, "output"))
@@ -36,21 +40,50 @@ def test_checkpoint_choice_table_and_best_by_hand(tmp_path):
                     with open(marker_path(path), "w") as marker:  # a complete save
                         json.dump({"files": {"adapter_config.json": 2}}, marker)
                 handle.write(json.dumps({"step": step, "path": path}) + "\n")
-        result = {"global_step": 8, "output_dir": os.path.join(train, "output"), "models": {"final": "m-1"}}
+        result = {
+            "global_step": 8,
+            "output_dir": os.path.join(train, "output"),
+            "models": {"final": "m-1"},
+        }
         return config, result
 
     config, result = saved(2)
     assert [(c.name, c.model_id) for c in checkpoints.saved_checkpoints(config, result)] == [
-        ("checkpoint-2", None), ("checkpoint-4", None), ("checkpoint-6", None), ("checkpoint-8", None), ("final", "m-1")]
-    assert [c.name for c in checkpoints.to_evaluate(config, result)] == ["checkpoint-6", "final"]  # of 4, 6, 8 kept
-    assert [c.name for c in checkpoints.to_evaluate(*saved(1))] == ["checkpoint-4", "checkpoint-6", "checkpoint-8",
-                                                                  "final"]
+        ("checkpoint-2", None),
+        ("checkpoint-4", None),
+        ("checkpoint-6", None),
+        ("checkpoint-8", None),
+        ("final", "m-1"),
+    ]
+    assert [c.name for c in checkpoints.to_evaluate(config, result)] == [
+        "checkpoint-6",
+        "final",
+    ]  # of 4, 6, 8 kept
+    assert [c.name for c in checkpoints.to_evaluate(*saved(1))] == [
+        "checkpoint-4",
+        "checkpoint-6",
+        "checkpoint-8",
+        "final",
+    ]
     assert [c.name for c in checkpoints.to_evaluate(*saved(0))] == ["final"]
-    table = [{"name": name, "step": step, "held_out": {"reward": value}, "sets": {"other": {"reward": 0.1}}}
-             for name, step, value in (("checkpoint-4", 4, 0.5), ("checkpoint-6", 6, 0.75), ("checkpoint-8", 8, 0.75),
-                                       ("final", 8, 0.75))]
+    table = [
+        {
+            "name": name,
+            "step": step,
+            "held_out": {"reward": value},
+            "sets": {"other": {"reward": 0.1}},
+        }
+        for name, step, value in (
+            ("checkpoint-4", 4, 0.5),
+            ("checkpoint-6", 6, 0.75),
+            ("checkpoint-8", 8, 0.75),
+            ("final", 8, 0.75),
+        )
+    ]
     assert checkpoints.best(table, "reward")["name"] == "checkpoint-6"
-    assert checkpoints.best(table[2:], "reward")["name"] == "checkpoint-8"  # before the final model, same weights
+    assert (
+        checkpoints.best(table[2:], "reward")["name"] == "checkpoint-8"
+    )  # before the final model, same weights
     assert checkpoints.best(table, "accuracy") is None
     lines = checkpoints.render_table(table, "reward", ["other"])
     assert lines[0] == "| checkpoint | step | held-out reward | other reward |  |"
@@ -70,7 +103,11 @@ def test_full_weights_are_logged_up_to_the_size_limit_and_referenced_above_it(tm
     from rloo.models import load_causal_lm
 
     def run(limit):
-        config = tiny(tmp_path / f"limit-{limit}", "training.use_peft=false", f"tracking.log_weights_max_mb={limit}")
+        config = tiny(
+            tmp_path / f"limit-{limit}",
+            "training.use_peft=false",
+            f"tracking.log_weights_max_mb={limit}",
+        )
         policy, tokenizer = resolve_model_alias("tiny", str(tmp_path / ".assets"))
         model = load_causal_lm(policy, {}, False)
         train = stages.train_dir(config)
@@ -91,20 +128,35 @@ def test_full_weights_are_logged_up_to_the_size_limit_and_referenced_above_it(tm
         model_result = {"policy": policy, "tokenizer": tokenizer}
         stages.save_stage_result(config, "train", result)
         logged = checkpoints.log_models(config, result, model_result, run_id)["models"]
-        assert checkpoints.log_models(config, result, model_result, run_id)["models"] == logged  # found again
-        found = tracking.find_logged_models(config.tracking_uri, "rloo", {"rloo.run_key": config.run_key})
+        assert (
+            checkpoints.log_models(config, result, model_result, run_id)["models"] == logged
+        )  # found again
+        found = tracking.find_logged_models(
+            config.tracking_uri, "rloo", {"rloo.run_key": config.run_key}
+        )
         return config, {m.name: m for m in found}, logged
 
     config, models, logged = run(2048)
     assert set(models) == {"checkpoint-1", "checkpoint-2", "final"} and len(logged) == 3
     assert {name: m.tags["rloo.stored"] for name, m in models.items()} == {
-        "checkpoint-1": "deleted", "checkpoint-2": "logged", "final": "logged"}
-    assert models["checkpoint-2"].tags["rloo.weights"] == "full" and str(models["final"].status) == "READY"
+        "checkpoint-1": "deleted",
+        "checkpoint-2": "logged",
+        "final": "logged",
+    }
+    assert (
+        models["checkpoint-2"].tags["rloo.weights"] == "full"
+        and str(models["final"].status) == "READY"
+    )
     with tracking._fluent_uri(config.tracking_uri):
         pipeline = mlflow.transformers.load_model(f"models:/{logged['checkpoint-2']}")
-    out = pipeline("2+2?", max_new_tokens=3, min_new_tokens=3, do_sample=False, return_full_text=False)
+    out = pipeline(
+        "2+2?", max_new_tokens=3, min_new_tokens=3, do_sample=False, return_full_text=False
+    )
     assert out[0]["generated_text"].strip()
     _, models, _ = run(0)
     assert {name: m.tags["rloo.stored"] for name, m in models.items()} == {
-        "checkpoint-1": "deleted", "checkpoint-2": "referenced", "final": "referenced"}
+        "checkpoint-1": "deleted",
+        "checkpoint-2": "referenced",
+        "final": "referenced",
+    }
     assert models["final"].tags["rloo.weights_path"].endswith("train/output")

@@ -17,11 +17,29 @@ OURS = re.compile(r"\[(pipeline|dataset|model|train|evaluate)\] |Done in \d+ s: 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("console")
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "--set",
-                             f"run_root={root}", "--set",
-                             "evaluation.extra_sets={rephrased: data/arithmetic_rephrased.jsonl}"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("PREFECT_", "MLFLOW_"))
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "configs/tiny.yaml",
+            "--set",
+            f"run_root={root}",
+            "--set",
+            "evaluation.extra_sets={rephrased: data/arithmetic_rephrased.jsonl}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return root, result
 
@@ -34,22 +52,32 @@ def test_the_tiny_pipeline_prints_only_its_own_lines(tiny_run):
     stages = {line.split("]")[0] + "]" for line in lines if line.startswith("[")}
     assert {"[pipeline]", "[dataset]", "[model]", "[train]", "[evaluate]"} <= stages
     log = (root / "pipeline.log").read_text()
-    assert "Creating initial MLflow database tables" in log and "Finished in state Completed()" in log
+    assert (
+        "Creating initial MLflow database tables" in log and "Finished in state Completed()" in log
+    )
 
 
 def test_a_rephrased_held_out_set_is_reported_beside_the_held_out_prompts(tiny_run):
     root, result = tiny_run
-    assert re.search(r"\[evaluate\] held-out reward .*; rephrased \d\.\d{3} -> \d\.\d{3}; report", result.stderr)
+    assert re.search(
+        r"\[evaluate\] held-out reward .*; rephrased \d\.\d{3} -> \d\.\d{3}; report", result.stderr
+    )
     run_dir = next(path for path in root.iterdir() if path.name.startswith("tiny-"))
     metrics = json.loads((run_dir / "eval" / "metrics.json").read_text())
     rephrased = metrics["extra_sets"]["rephrased"]
     assert rephrased["num_prompts"] == 40 and rephrased["trained"]["reward"] is not None
     report = (run_dir / "eval" / "report.md").read_text()
-    assert "## Held-out set `rephrased`" in report and "40 prompts from `data/arithmetic_rephrased.jsonl`" in report
+    assert (
+        "## Held-out set `rephrased`" in report
+        and "40 prompts from `data/arithmetic_rephrased.jsonl`" in report
+    )
     import mlflow
+
     client = mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("rloo").experiment_id],
-                              "tags.`rloo.run_key` = '" + run_dir.name + "'")
+    runs = client.search_runs(
+        [client.get_experiment_by_name("rloo").experiment_id],
+        "tags.`rloo.run_key` = '" + run_dir.name + "'",
+    )
     logged = {key for run in runs for key in run.data.metrics}
     assert {"rephrased_base_reward", "rephrased_trained_reward"} <= logged
 
@@ -61,6 +89,7 @@ def test_quieting_the_console_leaves_a_hosts_own_log_capture_alone(tmp_path):
     import logging
 
     from flows.console import OwnLines, quiet
+
     capture, terminal = logging.StreamHandler(io.StringIO()), logging.StreamHandler(sys.stderr)
     root = logging.getLogger()
     root.addHandler(capture)

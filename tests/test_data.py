@@ -12,8 +12,14 @@ from helpers import conversational, length_reward, logged, make_args, position_r
 
 def evaluate_with(tmp_path, tokenizer, model, eval_dataset, **kwargs):
     args = make_args(tmp_path, per_device_eval_batch_size=4, **kwargs)
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=conversational(),
-                          eval_dataset=eval_dataset, processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=conversational(),
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+    )
     return trainer, trainer.evaluate()
 
 
@@ -28,7 +34,9 @@ def test_eval_dataset_single(tmp_path, tokenizer, model):
 @pytest.mark.parametrize("kind", ["dict", "DatasetDict"])
 def test_eval_dataset_dict_prefixes_metrics_per_name(tmp_path, tokenizer, model, kind):
     datasets_ = {"math": conversational(4), "chat": standard(4)}
-    _, metrics = evaluate_with(tmp_path, tokenizer, model, datasets_ if kind == "dict" else DatasetDict(datasets_))
+    _, metrics = evaluate_with(
+        tmp_path, tokenizer, model, datasets_ if kind == "dict" else DatasetDict(datasets_)
+    )
     for name in ("math", "chat"):
         assert f"eval_{name}_loss" in metrics and f"eval_{name}_reward" in metrics
         assert f"eval_{name}_completions/mean_length" in metrics
@@ -43,12 +51,20 @@ def test_iterable_eval_dataset_and_num_generations_eval(tmp_path, tokenizer, mod
         return [1.0] * len(prompts)
 
     args = make_args(tmp_path, per_device_eval_batch_size=3, num_generations_eval=3)
-    trainer = RLOOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=conversational(),
-                          eval_dataset=conversational(2).to_iterable_dataset(), processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=conversational(),
+        eval_dataset=conversational(2).to_iterable_dataset(),
+        processing_class=tokenizer,
+    )
     groups.clear()
     metrics = trainer.evaluate()
     assert "eval_reward" in metrics
-    assert len(groups) == 2 and all(len(batch) == 3 and all(p == batch[0] for p in batch) for batch in groups)
+    assert len(groups) == 2 and all(
+        len(batch) == 3 and all(p == batch[0] for p in batch) for batch in groups
+    )
     assert groups[0] != groups[1]
 
 
@@ -56,40 +72,89 @@ def test_a_stream_handed_to_evaluate_later_is_evaluated(tmp_path, tokenizer, mod
     """Built with map-style sets only, then evaluate() of an IterableDataset, an IterableDatasetDict or a dict of
     streams (what TRL's tests do): each process reads its slice, nothing is dispatched from rank 0."""
     from datasets import IterableDatasetDict
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path,
-                          per_device_eval_batch_size=4), train_dataset=conversational(), processing_class=tokenizer)
+
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, per_device_eval_batch_size=4),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     assert "eval_reward" in trainer.evaluate(conversational(4).to_iterable_dataset())
-    for streams in ({"a": conversational(4).to_iterable_dataset()},
-                    IterableDatasetDict({"a": conversational(4).to_iterable_dataset()})):
+    for streams in (
+        {"a": conversational(4).to_iterable_dataset()},
+        IterableDatasetDict({"a": conversational(4).to_iterable_dataset()}),
+    ):
         assert "eval_a_reward" in trainer.evaluate(streams)
 
 
 def test_eval_during_training(tmp_path, tokenizer, model):
-    args = make_args(tmp_path, eval_strategy="steps", eval_steps=1, max_steps=2, per_device_eval_batch_size=2)
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=conversational(),
-                          eval_dataset=conversational(2), processing_class=tokenizer)
+    args = make_args(
+        tmp_path, eval_strategy="steps", eval_steps=1, max_steps=2, per_device_eval_batch_size=2
+    )
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=conversational(),
+        eval_dataset=conversational(2),
+        processing_class=tokenizer,
+    )
     trainer.train()
     assert len(logged(trainer, "eval_reward")) == 2 and len(logged(trainer, "reward")) == 2
 
 
 def test_eval_batch_must_hold_whole_groups(tmp_path, tokenizer, model):
     args = make_args(tmp_path, per_device_eval_batch_size=3, num_generations_eval=2)
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=conversational(),
-                          eval_dataset=conversational(2), processing_class=tokenizer)
-    with pytest.raises(ValueError, match="per_device_eval_batch_size 3.*divisible by num_generations_eval"):
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=conversational(),
+        eval_dataset=conversational(2),
+        processing_class=tokenizer,
+    )
+    with pytest.raises(
+        ValueError, match="per_device_eval_batch_size 3.*divisible by num_generations_eval"
+    ):
         trainer.evaluate()
 
 
 def test_eval_strategy_without_eval_dataset(tmp_path, tokenizer, model):
     with pytest.raises(ValueError, match="eval_strategy='steps' but no eval_dataset"):
-        RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, eval_strategy="steps"),
-                    train_dataset=conversational(), processing_class=tokenizer)
+        RLOOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            args=make_args(tmp_path, eval_strategy="steps"),
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+        )
 
 
 def test_repeat_iterable_matches_the_sampler_order():
     stream = standard(5).to_iterable_dataset()
-    rows = [row["tag"] for row in repeat_iterable(stream, batch_size=2, mini_repeat_count=2, repeat_count=2)]
-    assert rows == [0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3]  # trailing incomplete chunk (4) dropped
+    rows = [
+        row["tag"]
+        for row in repeat_iterable(stream, batch_size=2, mini_repeat_count=2, repeat_count=2)
+    ]
+    assert rows == [
+        0,
+        0,
+        1,
+        1,
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+        2,
+        2,
+        3,
+        3,
+    ]  # trailing incomplete chunk (4) dropped
 
 
 def test_train_on_iterable_dataset(tmp_path, tokenizer, model):
@@ -105,10 +170,17 @@ def test_train_on_iterable_dataset(tmp_path, tokenizer, model):
 
     before = [p.detach().clone() for p in model.parameters()]
     args = make_args(tmp_path, max_steps=3, shuffle_dataset=False, dataloader_num_workers=2)
-    trainer = RLOOTrainer(model=model, reward_funcs=reward, args=args,
-                          train_dataset=IterableDataset.from_generator(stream), processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=IterableDataset.from_generator(stream),
+        processing_class=tokenizer,
+    )
     assert trainer.args.accelerator_config.dispatch_batches is False
-    assert trainer.args.dataloader_num_workers == 0  # one reader keeps the groups together, as TRL sets it
+    assert (
+        trainer.args.dataloader_num_workers == 0
+    )  # one reader keeps the groups together, as TRL sets it
     trainer.train()
     assert seen == [[0, 0, 1, 1], [2, 2, 3, 3], [4, 4, 5, 5]]
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -116,14 +188,26 @@ def test_train_on_iterable_dataset(tmp_path, tokenizer, model):
 
 def test_iterable_dataset_refuses_dispatch_batches(tmp_path, tokenizer, model):
     args = make_args(tmp_path, accelerator_config={"dispatch_batches": True})
-    with pytest.raises(ValueError, match="dispatch_batches=True cannot be used with an IterableDataset"):
-        RLOOTrainer(model=model, reward_funcs=length_reward, args=args,
-                    train_dataset=conversational().to_iterable_dataset(), processing_class=tokenizer)
+    with pytest.raises(
+        ValueError, match="dispatch_batches=True cannot be used with an IterableDataset"
+    ):
+        RLOOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            args=args,
+            train_dataset=conversational().to_iterable_dataset(),
+            processing_class=tokenizer,
+        )
     # before the missing max_steps, as TRL orders its checks
     args = make_args(tmp_path, accelerator_config={"dispatch_batches": True}, max_steps=-1)
     with pytest.raises(ValueError, match="dispatch_batches"):
-        RLOOTrainer(model=model, reward_funcs=length_reward, args=args,
-                    train_dataset=conversational().to_iterable_dataset(), processing_class=tokenizer)
+        RLOOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            args=args,
+            train_dataset=conversational().to_iterable_dataset(),
+            processing_class=tokenizer,
+        )
 
 
 def test_shuffle_dataset(tmp_path, tokenizer, model):
@@ -135,9 +219,13 @@ def test_shuffle_dataset(tmp_path, tokenizer, model):
                 seen.extend(tag[::2])
             return [0.0] * len(tag)
 
-        trainer = RLOOTrainer(model=model, reward_funcs=reward,
-                              args=make_args(tmp_path, max_steps=4, shuffle_dataset=shuffle, learning_rate=0.0),
-                              train_dataset=conversational(8), processing_class=tokenizer)
+        trainer = RLOOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=make_args(tmp_path, max_steps=4, shuffle_dataset=shuffle, learning_rate=0.0),
+            train_dataset=conversational(8),
+            processing_class=tokenizer,
+        )
         trainer.train()
         return seen
 
@@ -149,9 +237,13 @@ def test_shuffle_dataset(tmp_path, tokenizer, model):
 
 def test_pad_to_multiple_of(tmp_path, tokenizer, model):
     shapes = []
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward,
-                          args=make_args(tmp_path, pad_to_multiple_of=16, max_steps=1),
-                          train_dataset=conversational(), processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, pad_to_multiple_of=16, max_steps=1),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     original = trainer.compute_loss
 
     def spy(model_, inputs, *args, **kwargs):
@@ -171,15 +263,24 @@ def test_remove_unused_columns(tmp_path, tokenizer, model, remove):
         seen.update(kwargs)
         return [0.0] * len(prompts)
 
-    RLOOTrainer(model=model, reward_funcs=reward, args=make_args(tmp_path, remove_unused_columns=remove, max_steps=1),
-                train_dataset=conversational(), processing_class=tokenizer).train()
+    RLOOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=make_args(tmp_path, remove_unused_columns=remove, max_steps=1),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    ).train()
     assert ("tag" in seen) is not remove
 
 
 def test_cache_implementation_reaches_generation(tmp_path, tokenizer, model):
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward,
-                          args=make_args(tmp_path, cache_implementation="static", max_steps=1),
-                          train_dataset=conversational(), processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, cache_implementation="static", max_steps=1),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     assert trainer.generator.generation_config.cache_implementation == "static"
     trainer.train()
     assert logged(trainer, "completions/mean_length")
@@ -190,10 +291,15 @@ def test_prompt_from_a_text_column_and_a_system_prompt():
     from datasets import Dataset
 
     from rloo.data import with_prompt
+
     rows = Dataset.from_list([{"problem": "2+2?", "solution": "4"}])
     assert with_prompt(rows, "problem", "think first")[0]["prompt"] == [
-        {"role": "system", "content": "think first"}, {"role": "user", "content": "2+2?"}]
-    with pytest.raises(ValueError, match=r"dataset_prompt_column='question': no such column \(columns: \['problem'"):
+        {"role": "system", "content": "think first"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    with pytest.raises(
+        ValueError, match=r"dataset_prompt_column='question': no such column \(columns: \['problem'"
+    ):
         with_prompt(rows, "question", None)
     with pytest.raises(ValueError, match="system_prompt needs conversational prompts"):
         with_prompt(Dataset.from_list([{"prompt": "2+2?"}]), None, "think first")

@@ -26,6 +26,7 @@ def test_decode_gemm_is_flinear_for_any_rows_columns_bias_and_threads(target):
     in and out of its groups of rows, columns in and out of its blocks, and for weights packed side by side
     (segments of sizes in and out of a block) as the one concatenated weight."""
     import torch.nn.functional as F
+
     library = kernel.compiled(target)
     assert library is not None or shutil.which("gcc") is None
     if library is None:
@@ -39,10 +40,16 @@ def test_decode_gemm_is_flinear_for_any_rows_columns_bias_and_threads(target):
                     weight, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, 1, k)
                     for b in (None, bias):
                         linear = kernel.packed_linear(library, weight, b, rows)
-                        torch.testing.assert_close(linear(x), F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
+                        torch.testing.assert_close(
+                            linear(x), F.linear(x, weight, b), atol=1e-4, rtol=1e-4
+                        )
                     parts = list(weight.split([n // 2, 3, n - n // 2 - 3]))
-                    torch.testing.assert_close(kernel.packed_linear(library, parts, bias, rows)(x),
-                                               F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(
+                        kernel.packed_linear(library, parts, bias, rows)(x),
+                        F.linear(x, weight, bias),
+                        atol=1e-4,
+                        rtol=1e-4,
+                    )
     finally:
         torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="expected fp32 inputs of 7 features"):
@@ -51,13 +58,17 @@ def test_decode_gemm_is_flinear_for_any_rows_columns_bias_and_threads(target):
         kernel.packed_linear(library, [torch.randn(4, 7), torch.randn(4, 6)], None, 2)
 
 
-def test_decode_gemm_goes_first_with_avx512_or_avx2_and_is_skipped_without_a_compiler(tmp_path, monkeypatch):
+def test_decode_gemm_goes_first_with_avx512_or_avx2_and_is_skipped_without_a_compiler(
+    tmp_path, monkeypatch
+):
     """The decode step packs for our kernel where it is built for AVX-512 or for AVX2 with FMA, and for oneDNN's
     where there is no compiler (nothing cached): the build's failure is not an error."""
     assert ("rloo" in kernels()) == (kernel.for_decoding() is not None)
     flags = set(kernel._cpu_flags().split())
     if kernel.compiled() is not None:
-        assert (kernel.for_decoding() is not None) == ("avx512f" in flags or {"avx2", "fma"} <= flags)
+        assert (kernel.for_decoding() is not None) == (
+            "avx512f" in flags or {"avx2", "fma"} <= flags
+        )
     for target in _TARGETS[1:]:
         assert kernel.compiled(target).vector_floats() == 8 and kernel.compiled(target).fused() == 1
     monkeypatch.setenv("RLOO_CACHE", str(tmp_path))
@@ -73,7 +84,9 @@ def test_decode_gemm_goes_first_with_avx512_or_avx2_and_is_skipped_without_a_com
         assert next(iter(packing.kernels())) == "rloo"
 
 
-@pytest.mark.skipif(kernel.compiled() is None, reason="no build of our kernel here (no gcc, or not Linux x86-64)")
+@pytest.mark.skipif(
+    kernel.compiled() is None, reason="no build of our kernel here (no gcc, or not Linux x86-64)"
+)
 def test_decode_kernel_march_from_the_environment(monkeypatch):
     """RLOO_KERNEL_MARCH picks the -march of the library the decode step takes (x86-64-v3: 8-float vectors on a CPU
     with AVX-512); one gcc does not know, or whose build the decode step would not take, is an error that names the
@@ -84,18 +97,22 @@ def test_decode_kernel_march_from_the_environment(monkeypatch):
     monkeypatch.setenv("RLOO_KERNEL_MARCH", "no-such-cpu")
     with pytest.raises(ValueError, match="RLOO_KERNEL_MARCH='no-such-cpu'.*gcc could not build it"):
         kernel.for_decoding()
-    monkeypatch.setenv("RLOO_KERNEL_MARCH", "x86-64")  # (SSE2 only: built and runnable, but not taken)
+    monkeypatch.setenv(
+        "RLOO_KERNEL_MARCH", "x86-64"
+    )  # (SSE2 only: built and runnable, but not taken)
     with pytest.raises(ValueError, match="'x86-64'.*neither AVX-512 nor AVX2 with FMA"):
         kernel.for_decoding()
     monkeypatch.delenv("RLOO_KERNEL_MARCH")
     assert kernel.for_decoding() is kernel.compiled()
 
 
-@pytest.mark.parametrize("path,kind,target", [("whole", kind, target) for kind in ("plain", "shared")
-                                              for target in _TARGETS] +
-                         [("whole", "biases", "native"), ("whole", "lora", "native"), ("whole", "wide", "native")] +
-                         [("attention", kind, target) for kind in ("plain", "shared") for target in _TARGETS] +
-                         [("torch", "plain", "native"), ("torch", "shared", "native")])
+@pytest.mark.parametrize(
+    "path,kind,target",
+    [("whole", kind, target) for kind in ("plain", "shared") for target in _TARGETS]
+    + [("whole", "biases", "native"), ("whole", "lora", "native"), ("whole", "wide", "native")]
+    + [("attention", kind, target) for kind in ("plain", "shared") for target in _TARGETS]
+    + [("torch", "plain", "native"), ("torch", "shared", "native")],
+)
 def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, monkeypatch):
     """rloo.engine.kernel: the whole step in one C call (kernel.Step: norms, packed projections, attention,
     SiLU x up, residuals, LM head; with biases on every projection, with LoRA merged, with gates far out on both
@@ -109,12 +126,15 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
     from rloo.data import pad_rows
     from rloo.engine.decode import lean_decoder
     from rloo.kv import cache_argument
+
     library = kernel.compiled(target)
     if library is None:
         assert shutil.which("gcc") is None
         pytest.skip("no gcc on this machine: the step stays torch's")
     # our GEMM (on a CPU without AVX2 and FMA built with 8-float vectors: tested here, not used there)
-    monkeypatch.setattr(packing, "kernels", lambda: {"rloo": functools.partial(kernel.packed_linear, library)})
+    monkeypatch.setattr(
+        packing, "kernels", lambda: {"rloo": functools.partial(kernel.packed_linear, library)}
+    )
     model = small_llama(tokenizer, biases=kind == "biases")
     if kind == "lora":
         model = with_lora(model)
@@ -122,48 +142,73 @@ def test_decode_step_in_c_is_the_models_forward(tokenizer, path, kind, target, m
     if kind == "wide":  # (SiLU's vectorised exp: gates from about -200 to 200)
         for layer in model.model.layers:
             layer.mlp.gate_proj.weight.data.mul_(400)
-            layer.mlp.gate_proj.register_forward_hook(lambda module, inputs, output: gates.append(output))
+            layer.mlp.gate_proj.register_forward_hook(
+                lambda module, inputs, output: gates.append(output)
+            )
     model.eval()
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
-    rows_of = torch.tensor([0, 1, 0, 1]) if kind == "shared" else None  # (each row's prompt among the first two)
+    rows_of = (
+        torch.tensor([0, 1, 0, 1]) if kind == "shared" else None
+    )  # (each row's prompt among the first two)
     if rows_of is not None:
         prompts = [prompts[index] for index in rows_of.tolist()]
     input_ids, mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache, name = DynamicCache(config=model.config), cache_argument(model)
     with torch.no_grad():
-        model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
+        model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{name: cache},
+        )
         start = cache
         if rows_of is not None:  # (the prompts' cache, each once: rows 0 and 1)
             start = DynamicCache(config=model.config)
-            model(input_ids=input_ids[:2], attention_mask=mask[:2], position_ids=positions[:2], use_cache=True,
-                  **{name: start})
+            model(
+                input_ids=input_ids[:2],
+                attention_mask=mask[:2],
+                position_ids=positions[:2],
+                use_cache=True,
+                **{name: start},
+            )
         decoder = lean_decoder(model, len(prompts))
         assert decoder.whole is not None
         if path != "whole":
             decoder.whole = None
             decoder.attend = kernel.attention(library, 4, 2, 16) if path == "attention" else None
-        if rows_of is not None and path != "torch":  # (a row pointing past the cache's prompts: refused)
+        if (
+            rows_of is not None and path != "torch"
+        ):  # (a row pointing past the cache's prompts: refused)
             with pytest.raises(ValueError, match="prompt_rows must name one of the cache's 2 rows"):
                 decoder.start(start, mask, 3, torch.tensor([0, 1, 2, 1]))
         decoder.start(start, mask, 3, rows_of)
         assert (path == "whole") == (decoder.whole is not None and decoder.whole.table is not None)
         assert (decoder.shared is not None) == (rows_of is not None and path != "torch")
-        assert decoder.keys[0].size(2) == 3 + (0 if decoder.shared is not None else input_ids.size(1))
+        assert decoder.keys[0].size(2) == 3 + (
+            0 if decoder.shared is not None else input_ids.size(1)
+        )
         step_positions = positions[:, -1:]
         for tokens in ([7, 8, 9, 10], [3, 4, 5, 6], [11, 12, 13, 14]):
             tokens, step_positions = torch.tensor(tokens), step_positions + 1
             mine = decoder.step(tokens, step_positions)
             mask = torch.cat([mask, torch.ones(4, 1, dtype=mask.dtype)], 1)
-            theirs = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=step_positions,
-                           use_cache=True, **{name: cache}).logits[:, -1]
+            theirs = model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=step_positions,
+                use_cache=True,
+                **{name: cache},
+            ).logits[:, -1]
             torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
     if kind == "wide":
         assert min(gate.min() for gate in gates) < -100 and max(gate.max() for gate in gates) > 100
     if path == "whole":
         generation, eos = config(tokenizer, do_sample=False), [tokenizer.eos_token_id]
-        assert LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts) == \
-            TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)
+        assert LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(
+            model, prompts
+        ) == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)
 
 
 @pytest.mark.parametrize("target", _TARGETS)
@@ -173,6 +218,7 @@ def test_decode_attention_in_c_is_sdpas_for_scores_far_apart_and_masked_position
     0 to hundreds apart (weights that underflow to 0), masked positions, position counts in and out of a vector and
     more scores than the C keeps on its stack; a row's left padding is never read (NaN there)."""
     import torch.nn.functional as F
+
     library = kernel.compiled(target)
     if library is None:
         pytest.skip("no gcc on this machine: the step's attention stays torch's")
@@ -182,7 +228,10 @@ def test_decode_attention_in_c_is_sdpas_for_scores_far_apart_and_masked_position
     for at, spread in ((0, 1.0), (5, 1.0), (37, 30.0), (40, 300.0), (1500, 1.0)):
         rows, total = 3, at + 4
         projected = torch.randn(rows, heads + 2 * kv_heads, dim) * spread
-        keys, values = torch.randn(rows, kv_heads, total, dim), torch.randn(rows, kv_heads, total, dim)
+        keys, values = (
+            torch.randn(rows, kv_heads, total, dim),
+            torch.randn(rows, kv_heads, total, dim),
+        )
         mask = torch.zeros(rows, 1, 1, total)
         mask[1, ..., : at // 2] = float("-inf")  # (a row's left padding)
         cos, sin = torch.randn(rows, 1, dim), torch.randn(rows, 1, dim)
@@ -190,24 +239,35 @@ def test_decode_attention_in_c_is_sdpas_for_scores_far_apart_and_masked_position
         keys[1, :, : at // 2], values[1, :, : at // 2] = float("nan"), float("nan")
         out = attend(projected, cos, sin, keys, values, mask, at, 0.125)
         padding = slice(None, at // 2)
-        keys[1, :, padding], values[1, :, padding] = expected_keys[1, :, padding], expected_values[1, :, padding]
+        keys[1, :, padding], values[1, :, padding] = (
+            expected_keys[1, :, padding],
+            expected_values[1, :, padding],
+        )
 
         def rotated(x):
-            return x * cos + torch.cat([-x[..., dim // 2:], x[..., : dim // 2]], -1) * sin
-        expected_keys[:, :, at] = rotated(projected[:, heads: heads + kv_heads])
-        expected_values[:, :, at] = projected[:, heads + kv_heads:]
+            return x * cos + torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1) * sin
+
+        expected_keys[:, :, at] = rotated(projected[:, heads : heads + kv_heads])
+        expected_values[:, :, at] = projected[:, heads + kv_heads :]
         torch.testing.assert_close(keys, expected_keys)
         torch.testing.assert_close(values, expected_values)
         query = rotated(projected[:, :heads])[:, :, None]  # (rows, heads, 1, dim)
         theirs = F.scaled_dot_product_attention(
-            query, expected_keys[..., : at + 1, :].repeat_interleave(heads // kv_heads, 1),
+            query,
+            expected_keys[..., : at + 1, :].repeat_interleave(heads // kv_heads, 1),
             expected_values[..., : at + 1, :].repeat_interleave(heads // kv_heads, 1),
-            attn_mask=mask[..., : at + 1], scale=0.125)
-        torch.testing.assert_close(out.view(rows, heads, dim), theirs[:, :, 0], atol=1e-5, rtol=1e-5)
+            attn_mask=mask[..., : at + 1],
+            scale=0.125,
+        )
+        torch.testing.assert_close(
+            out.view(rows, heads, dim), theirs[:, :, 0], atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("target", _TARGETS)
-def test_c_draw_is_the_inverse_cdf_of_softmax_with_banned_columns_and_leaves_rows_it_cannot_draw(target):
+def test_c_draw_is_the_inverse_cdf_of_softmax_with_banned_columns_and_leaves_rows_it_cannot_draw(
+    target,
+):
     """rloo.engine.kernel.draw: for the same uniform numbers, the token of one cumulative sum of softmax's
     probabilities over the whole row (banned columns at -inf, one of them a row's largest score; a vocabulary that
     is not a whole number of blocks); never an entry of weight 0, also for uniforms at 0 and just under 1 and whole
@@ -227,7 +287,9 @@ def test_c_draw_is_the_inverse_cdf_of_softmax_with_banned_columns_and_leaves_row
     expected = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True).squeeze(1)
     drawn = kernel.draw(library, scores, banned, uniform)
     assert torch.equal(drawn, expected) and not bool(torch.isin(drawn, torch.tensor(banned)).any())
-    sparse = torch.full((4, 1000), float("-inf"))  # (weight only at a few entries, whole blocks of nothing)
+    sparse = torch.full(
+        (4, 1000), float("-inf")
+    )  # (weight only at a few entries, whole blocks of nothing)
     sparse[:, [255, 256, 700, 999]] = torch.tensor([1.0, 2.0, -3.0, 0.5])
     edges = torch.tensor([[0.0], [1.0 - 2.0**-53], [0.5], [0.999]], dtype=torch.float64)
     assert set(kernel.draw(library, sparse, [], edges).tolist()) <= {255, 256, 700, 999}
@@ -236,10 +298,17 @@ def test_c_draw_is_the_inverse_cdf_of_softmax_with_banned_columns_and_leaves_row
     odd[0, 3], odd[1, 299], odd[2] = float("nan"), float("inf"), float("-inf")
     odd[3, :] = float("-inf")
     odd[3, 17] = 0.0  # (the only finite score: banned)
-    assert kernel.draw(library, odd, [17], torch.rand(4, 1, dtype=torch.float64)).tolist() == [-1, -1, -1, -1]
+    assert kernel.draw(library, odd, [17], torch.rand(4, 1, dtype=torch.float64)).tolist() == [
+        -1,
+        -1,
+        -1,
+        -1,
+    ]
 
 
-def test_the_decode_loop_draws_with_the_c_where_only_min_new_tokens_processes_and_torch_otherwise(monkeypatch):
+def test_the_decode_loop_draws_with_the_c_where_only_min_new_tokens_processes_and_torch_otherwise(
+    monkeypatch,
+):
     """Draws.drawn: with min_new_tokens only, the C draw on the logits (EOS banned until the minimum), the
     token sample_from gives for the same uniform numbers; a row the C leaves (a NaN) goes through softmax and
     sample_from with those numbers; with a temperature, torch's path, one uniform per row all the same."""
@@ -270,4 +339,7 @@ def test_the_decode_loop_draws_with_the_c_where_only_min_new_tokens_processes_an
     torch.manual_seed(1)
     drawn = Draws(warmer, True).drawn(sequences, logits)
     torch.manual_seed(1)
-    assert torch.equal(drawn, sample_from(torch.softmax(warmer(sequences, logits), dim=-1))) and calls == []
+    assert (
+        torch.equal(drawn, sample_from(torch.softmax(warmer(sequences, logits), dim=-1)))
+        and calls == []
+    )

@@ -35,26 +35,67 @@ def workdir(tmp_path_factory):
     with open(root / "prompts.jsonl", "w") as handle:
         for words in ["the dog", "a big cat", "one two", "what is"] * 4:
             handle.write(json.dumps({"prompt": [{"role": "user", "content": words}]}) + "\n")
-    recipe = {"model_name_or_path": model_dir, "tokenizer_name_or_path": tokenizer_dir,
-              "dataset_name": str(root / "prompts.jsonl"), "reward_funcs": ["cli_rewards:length_reward"],
-              "bf16": False, "max_steps": 3, "per_device_train_batch_size": 4, "num_generations": 4,
-              "max_completion_length": 6, "optim": "sgd", "learning_rate": 0.5, "beta": 0.1, "logging_steps": 1,
-              "save_strategy": "steps", "save_steps": 2, "report_to": "none", "disable_tqdm": True,
-              "deepspeed": ZERO3}
+    recipe = {
+        "model_name_or_path": model_dir,
+        "tokenizer_name_or_path": tokenizer_dir,
+        "dataset_name": str(root / "prompts.jsonl"),
+        "reward_funcs": ["cli_rewards:length_reward"],
+        "bf16": False,
+        "max_steps": 3,
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 6,
+        "optim": "sgd",
+        "learning_rate": 0.5,
+        "beta": 0.1,
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "deepspeed": ZERO3,
+    }
     (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     return root
 
 
 def _train(workdir, name: str, *flags: str, port: int | None = None) -> dict:
-    port = port or free_port()  # a fixed rendezvous port can collide with a process still shutting down
+    port = (
+        port or free_port()
+    )  # a fixed rendezvous port can collide with a process still shutting down
     out = workdir / name
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(port), "-m", "rloo", "train", "--config", str(workdir / "recipe.yaml"),
-                             "--output_dir", str(out), *flags], capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            "-m",
+            "rloo",
+            "train",
+            "--config",
+            str(workdir / "recipe.yaml"),
+            "--output_dir",
+            str(out),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     logs = printed_logs(result.stdout)  # rank 0's log lines
-    return {"weights": load_file(str(out / "model.safetensors")), "logs": logs, "out": out, "stdout": result.stdout}
+    return {
+        "weights": load_file(str(out / "model.safetensors")),
+        "logs": logs,
+        "out": out,
+        "stdout": result.stdout,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +131,10 @@ def test_zero3_trains_the_same_update_as_ddp(workdir, zero3_run, ddp_run):
     assert _max_difference(zero3_run["weights"], ddp["weights"]) < 1e-6
     assert len(zero3_run["logs"]) == 3
     for mine, theirs in zip(zero3_run["logs"], ddp["logs"]):
-        assert mine["reward"] == theirs["reward"] and abs(float(mine["kl"]) - float(theirs["kl"])) < 1e-5
+        assert (
+            mine["reward"] == theirs["reward"]
+            and abs(float(mine["kl"]) - float(theirs["kl"])) < 1e-5
+        )
     assert float(zero3_run["logs"][0]["kl"]) == 0.0  # the sharded reference starts as the policy
     assert float(zero3_run["logs"][2]["kl"]) != 0.0  # (a mean log-ratio: either sign)
     checkpoint = zero3_run["out"] / "checkpoint-2"
@@ -101,7 +145,9 @@ def test_zero3_trains_the_same_update_as_ddp(workdir, zero3_run, ddp_run):
 
 @pytest.mark.slow
 def test_zero2_trains_the_same_update_as_ddp(workdir, ddp_run):
-    zero2 = _train(workdir, "zero2", "--deepspeed", os.path.join(ROOT, "configs", "deepspeed", "zero2.json"))
+    zero2 = _train(
+        workdir, "zero2", "--deepspeed", os.path.join(ROOT, "configs", "deepspeed", "zero2.json")
+    )
     assert _max_difference(zero2["weights"], ddp_run["weights"]) < 1e-6
     assert [log["reward"] for log in zero2["logs"]] == [log["reward"] for log in ddp_run["logs"]]
     assert "ZeRO-3" not in zero2["stdout"]  # stage 2: the reference stays a plain replicated copy
@@ -112,7 +158,9 @@ def test_zero3_without_gathering_for_generation_samples_the_same(workdir, zero3_
     # Layer-by-layer gathering (synced ranks) instead of one full gather: same tokens, same update.
     sharded = _train(workdir, "zero3-nogather", "--ds3_gather_for_generation", "false")
     assert _max_difference(sharded["weights"], zero3_run["weights"]) == 0.0
-    assert [log["reward"] for log in sharded["logs"]] == [log["reward"] for log in zero3_run["logs"]]
+    assert [log["reward"] for log in sharded["logs"]] == [
+        log["reward"] for log in zero3_run["logs"]
+    ]
 
 
 @pytest.mark.slow
@@ -128,41 +176,72 @@ def test_zero3_resume_ends_with_the_uninterrupted_weights(workdir, zero3_run):
 
 def test_deepspeed_with_use_cpu_is_refused(tmp_path):
     with pytest.raises(ValueError, match="use_cpu=True would bypass it"):
-        RLOOConfig(output_dir=str(tmp_path), deepspeed=ZERO3, use_cpu=True, bf16=False, report_to="none")
+        RLOOConfig(
+            output_dir=str(tmp_path), deepspeed=ZERO3, use_cpu=True, bf16=False, report_to="none"
+        )
 
 
 def test_continuous_batching_under_zero3_needs_gathering(tmp_path):
     with pytest.raises(ValueError, match="ds3_gather_for_generation=True"):
-        RLOOConfig(output_dir=str(tmp_path), deepspeed=ZERO3, bf16=False, report_to="none",
-                   use_transformers_continuous_batching=True, ds3_gather_for_generation=False)
+        RLOOConfig(
+            output_dir=str(tmp_path),
+            deepspeed=ZERO3,
+            bf16=False,
+            report_to="none",
+            use_transformers_continuous_batching=True,
+            ds3_gather_for_generation=False,
+        )
 
 
 def test_frozen_engine_config_for_reference_and_reward_models(model):
-    training = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "overlap_comm": True,
-                                      "stage3_prefetch_bucket_size": "auto"},
-                "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}, "train_batch_size": 16,
-                "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "bf16": {"enabled": "auto"}}
+    training = {
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "overlap_comm": True,
+            "stage3_prefetch_bucket_size": "auto",
+        },
+        "optimizer": {"type": "AdamW"},
+        "scheduler": {"type": "WarmupLR"},
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 2,
+        "bf16": {"enabled": "auto"},
+    }
     config = frozen_engine_config(training, model, micro_batch_size=8)
     hidden = model.config.hidden_size
-    assert "optimizer" not in config and "scheduler" not in config and "train_batch_size" not in config
-    assert config["zero_optimization"] == {"stage": 3, "reduce_bucket_size": hidden * hidden, "overlap_comm": True,
-                                           "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-                                           "stage3_param_persistence_threshold": 10 * hidden}
+    assert (
+        "optimizer" not in config and "scheduler" not in config and "train_batch_size" not in config
+    )
+    assert config["zero_optimization"] == {
+        "stage": 3,
+        "reduce_bucket_size": hidden * hidden,
+        "overlap_comm": True,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }
     assert config["gradient_accumulation_steps"] == 1 and config["bf16"] == {}
-    assert training["zero_optimization"]["reduce_bucket_size"] == "auto"  # the training config is left untouched
+    assert (
+        training["zero_optimization"]["reduce_bucket_size"] == "auto"
+    )  # the training config is left untouched
     stage2 = frozen_engine_config({"zero_optimization": {"stage": 2}}, model, micro_batch_size=4)
-    assert stage2["zero_optimization"] == {"stage": 0}  # ZeRO-1/2 shard optimizer state only: replicate
+    assert stage2["zero_optimization"] == {
+        "stage": 0
+    }  # ZeRO-1/2 shard optimizer state only: replicate
 
 
 @pytest.mark.slow
 def test_zero3_reward_model_is_sharded_and_scores_as_under_ddp(workdir):
     from tiny_models import tiny_reward_model
+
     tokenizer = tiny_tokenizer()
     reward_dir = workdir / "reward-model"
     tiny_reward_model(tokenizer).save_pretrained(str(reward_dir))
     tokenizer.save_pretrained(str(reward_dir))
     flags = ("--reward_funcs", str(reward_dir), "--max_steps", "1", "--save_strategy", "no")
     zero3 = _train(workdir, "zero3-rm", *flags)
-    ddp = _train(workdir, "ddp-rm", *flags, "--deepspeed", "", "--use_cpu", "true", "--ddp_backend", "gloo")
+    ddp = _train(
+        workdir, "ddp-rm", *flags, "--deepspeed", "", "--use_cpu", "true", "--ddp_backend", "gloo"
+    )
     assert zero3["logs"][0]["reward"] == ddp["logs"][0]["reward"]
     assert _max_difference(zero3["weights"], ddp["weights"]) < 1e-6

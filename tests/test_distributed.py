@@ -16,9 +16,23 @@ pytestmark = pytest.mark.slow
 def test_two_process_training_gathers_rewards_across_ranks(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "distributed_train.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", str(free_port()), script, str(tmp_path)], capture_output=True, text=True,
-                            timeout=300, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            script,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     # Each rank scores 3 rows; one prompt's group of 6 is split 3 + 3 across the two ranks.
@@ -39,14 +53,30 @@ def test_two_process_training_gathers_rewards_across_ranks(tmp_path):
     assert ranks[0]["param_sum"] == pytest.approx(ranks[1]["param_sum"], rel=1e-9)
     # The KL's pi_old taken from the loss's forward (the default here) is the separate old forward's, on both ranks.
     separate = tmp_path / "separate"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", str(free_port()), script, str(separate), "separate-old-forward"],
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            script,
+            str(separate),
+            "separate-old-forward",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     for rank in (0, 1):
         other = json.load(open(separate / f"rank{rank}.json"))
         assert [log["kl"] for log in ranks[rank]["log_history"] if "kl" in log] == pytest.approx(
-            [log["kl"] for log in other["log_history"] if "kl" in log], rel=1e-5, abs=1e-8)
+            [log["kl"] for log in other["log_history"] if "kl" in log], rel=1e-5, abs=1e-8
+        )
         assert ranks[rank]["param_sum"] == pytest.approx(other["param_sum"], rel=1e-7)
 
 
@@ -70,8 +100,20 @@ def test_one_torchrun_process_trains_without_a_ddp_wrapper(tmp_path):
     (an all-reduce per backward, and no shared prompts through the wrapper); the trainer drops that wrapper."""
     script = tmp_path / "one.py"
     script.write_text(f"OUT = {str(tmp_path / 'out')!r}\n" + ONE_PROCESS)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                             str(script)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "1",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "WRAPPER LlamaForCausalLM 1" in result.stdout
     assert "find_unused_parameters" not in result.stderr  # (DDP's warning in every such job's log)
@@ -107,21 +149,44 @@ def test_a_frozen_rank_fails_the_job_with_a_report_from_each_rank(tmp_path):
 
     from infra.jobs import stall_cause
     from rloo.watchdog import STALLED_EXIT_CODE, report_path
+
     script = tmp_path / "freeze.py"
     out = tmp_path / "out"
     script.write_text(f"OUT = {str(out)!r}\n" + FREEZE_RANK_1)
     started = time.time()
-    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), str(script)], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    job = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     output = job.stdout + job.stderr
-    assert job.returncode != 0 and (f"exitcode  : {STALLED_EXIT_CODE}" in output or "TrainingStalled" in output), \
-        output[-3000:]
+    assert job.returncode != 0 and (
+        f"exitcode  : {STALLED_EXIT_CODE}" in output or "TrainingStalled" in output
+    ), output[-3000:]
     stuck, waiting = open(report_path(str(out), 1)).read(), open(report_path(str(out), 0)).read()
-    assert "training stalled: rank 1 made no progress for 3 s (stall_timeout_s) in step 2, waiting in " \
+    assert (
+        "training stalled: rank 1 made no progress for 3 s (stall_timeout_s) in step 2, waiting in "
         "train > rewards" in stuck
-    assert "training stalled: rank 0 made no progress for 3 s (stall_timeout_s) in step 2, waiting in" in waiting
-    for report in (stuck, waiting):  # both ranks' stacks in each (the machine's processes), the sleep named
+    )
+    assert (
+        "training stalled: rank 0 made no progress for 3 s (stall_timeout_s) in step 2, waiting in"
+        in waiting
+    )
+    for report in (
+        stuck,
+        waiting,
+    ):  # both ranks' stacks in each (the machine's processes), the sleep named
         assert "--- rank0 (pid" in report and "--- rank1 (pid" in report
         assert "freeze.py" in report.split("--- rank1")[1]
     cause = stall_cause(str(out), started)

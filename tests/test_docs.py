@@ -9,7 +9,9 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _readme_commands() -> list[str]:
-    block = re.search(r"## The two commands\n\n```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    block = re.search(
+        r"## The two commands\n\n```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S
+    )
     assert block, "README.md has no '## The two commands' bash block"
     return [line for line in block.group(1).splitlines() if line.strip()]
 
@@ -17,8 +19,11 @@ def _readme_commands() -> list[str]:
 def test_the_readmes_test_command_is_what_ci_runs():
     commands = _readme_commands()
     assert len(commands) == 2
-    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
-          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    ci = [
+        line
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.startswith(("#", "set ", "cd "))
+    ]
     assert ci == [commands[1]]
 
 
@@ -35,8 +40,12 @@ def test_the_readme_is_at_most_15_kb():
 def test_no_page_is_a_diary():
     # The history is git log: pages describe the project as it is.
     diary = re.compile(r"\bsessions?\b|(?<![\w/])issue #?\d+|(?<![\w/])#\d+\b", re.I)
-    hits = [f"{page.relative_to(ROOT)}:{number}: {line.strip()[:80]}" for page in DOCS
-            for number, line in enumerate(page.read_text().splitlines(), 1) if diary.search(line)]
+    hits = [
+        f"{page.relative_to(ROOT)}:{number}: {line.strip()[:80]}"
+        for page in DOCS
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        if diary.search(line)
+    ]
     assert hits == []
 
 

@@ -23,7 +23,9 @@ def test_memory_a_step_frees_is_not_faulted_in_again():
         pytest.skip("no glibc")
     try:
         libc.mallopt(heap.M_MMAP_THRESHOLD, heap.MMAP_THRESHOLD)
-        libc.mallopt(heap.M_TRIM_THRESHOLD, 128 << 10)  # glibc's default: the free top of the heap goes back
+        libc.mallopt(
+            heap.M_TRIM_THRESHOLD, 128 << 10
+        )  # glibc's default: the free top of the heap goes back
         _faults_of_a_step()
         trimmed = _faults_of_a_step()
         # every tensor's pages faulted in again: 65,536 faults with 4 KiB pages, 4,096 where the kernel hands out

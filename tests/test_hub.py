@@ -37,16 +37,32 @@ def test_push_to_hub_after_training(tmp_path, tokenizer, model, hub, capsys, cap
     caplog.set_level(logging.DEBUG)
     model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     args = make_args(tmp_path, hub_model_id="me/tiny-rloo", hub_token=TOKEN, max_steps=2)
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=conversational(),
-                          processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     trainer.train()
     commit = trainer.push_to_hub(dataset_name="me/arithmetic")
     tree = tmp_path / "hub" / "me" / "tiny-rloo" / "main"
-    assert commit == "0000" and {"model.safetensors", "config.json", "README.md", "tokenizer.json"} <= set(
-        os.listdir(tree))
+    assert commit == "0000" and {
+        "model.safetensors",
+        "config.json",
+        "README.md",
+        "tokenizer.json",
+    } <= set(os.listdir(tree))
     card = (tree / "README.md").read_text()
-    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "datasets: [me/arithmetic]" in card
-    assert "RLOO (REINFORCE Leave-One-Out)" in card and "`length_reward`" in card and "| num_generations | 2 |" in card
+    assert (
+        "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card
+        and "datasets: [me/arithmetic]" in card
+    )
+    assert (
+        "RLOO (REINFORCE Leave-One-Out)" in card
+        and "`length_reward`" in card
+        and "| num_generations | 2 |" in card
+    )
     assert "ahmadian2024back" in card and "- rloo" in card
     reloaded = torch.load(tree / "training_args.bin", weights_only=False)
     assert reloaded.hub_token is None and reloaded.hub_model_id == "me/tiny-rloo"
@@ -58,25 +74,50 @@ def test_push_to_hub_after_training(tmp_path, tokenizer, model, hub, capsys, cap
 
 
 def test_push_during_training_per_hub_strategy(tmp_path, tokenizer, model, hub):
-    args = make_args(tmp_path, push_to_hub=True, hub_model_id="me/live", hub_token=TOKEN, hub_strategy="checkpoint",
-                     save_strategy="steps", save_steps=1, max_steps=2)
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=conversational(),
-                          processing_class=tokenizer)
+    args = make_args(
+        tmp_path,
+        push_to_hub=True,
+        hub_model_id="me/live",
+        hub_token=TOKEN,
+        hub_strategy="checkpoint",
+        save_strategy="steps",
+        save_steps=1,
+        max_steps=2,
+    )
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     assert trainer.hub_model_id == "me/live"
     trainer.train()
     repo = tmp_path / "hub" / "me" / "live"
     messages = [c.get("commit_message") for c in hub.calls if c["call"] == "upload_folder"]
-    assert messages == ["Training in progress, step 1", "Training in progress, step 1, checkpoint",
-                        "Training in progress, step 2", "Training in progress, step 2, checkpoint"]
+    assert messages == [
+        "Training in progress, step 1",
+        "Training in progress, step 1, checkpoint",
+        "Training in progress, step 2",
+        "Training in progress, step 2, checkpoint",
+    ]
     assert (repo / "main" / "model.safetensors").exists()
-    assert (repo / "main" / "last-checkpoint" / "rloo_state" / "rank0.pt").exists()  # resumable from the Hub
+    assert (
+        repo / "main" / "last-checkpoint" / "rloo_state" / "rank0.pt"
+    ).exists()  # resumable from the Hub
     assert not (repo / "main" / "rloo_state").exists()
     assert not files_containing(tmp_path, TOKEN)
 
 
 def test_model_card_never_lists_secrets():
-    card = render_model_card("m", None, None, ["r"], {"hub_token": TOKEN, "num_generations": 4,
-                                                     "mlflow_password": "pw"}, metrics={"reward": 0.5})
+    card = render_model_card(
+        "m",
+        None,
+        None,
+        ["r"],
+        {"hub_token": TOKEN, "num_generations": 4, "mlflow_password": "pw"},
+        metrics={"reward": 0.5},
+    )
     assert TOKEN not in card and "pw" not in card and "| reward | 0.5 |" in card
 
 
@@ -92,6 +133,7 @@ def test_push_to_hub_not_blocking_returns_while_the_upload_runs(tmp_path, tokeni
     """blocking=False (spec: return before the push has finished): a Future of the commit; the next push and the end
     of train() wait for it."""
     import threading
+
     release, started = threading.Event(), threading.Event()
     upload = hub.upload_folder
 
@@ -101,8 +143,13 @@ def test_push_to_hub_not_blocking_returns_while_the_upload_runs(tmp_path, tokeni
         return upload(*args, **kwargs)
 
     hub.upload_folder = slow_upload
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, hub_model_id="me/bg"),
-                          train_dataset=conversational(), processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, hub_model_id="me/bg"),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     trainer.train()
     future = trainer.push_to_hub(blocking=False)
     assert started.wait(30) and not future.done()  # returned while the upload is still going on
@@ -113,13 +160,15 @@ def test_push_to_hub_not_blocking_returns_while_the_upload_runs(tmp_path, tokeni
 
 
 @pytest.mark.parametrize("always", [False, True])
-def test_a_checkpoint_push_still_running_skips_the_next_unless_hub_always_push(tmp_path, tokenizer, model, hub,
-                                                                               always):
+def test_a_checkpoint_push_still_running_skips_the_next_unless_hub_always_push(
+    tmp_path, tokenizer, model, hub, always
+):
     """Checkpoint pushes run in the background as in transformers: while step 1's upload hangs, steps 2 and 3 are
     skipped (hub_always_push=False) or queued and pushed in order (True); train() waits for them."""
     import threading
 
     from transformers import TrainerCallback
+
     release = threading.Event()
     upload = hub.upload_folder
 
@@ -133,13 +182,28 @@ def test_a_checkpoint_push_still_running_skips_the_next_unless_hub_always_push(t
                 release.set()
 
     hub.upload_folder = slow_upload
-    args = make_args(tmp_path, push_to_hub=True, hub_model_id="me/queue", hub_strategy="every_save",
-                     save_strategy="steps", save_steps=1, max_steps=3, hub_always_push=always)
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=conversational(),
-                          processing_class=tokenizer, callbacks=[ReleaseAtTheLastSave()])
+    args = make_args(
+        tmp_path,
+        push_to_hub=True,
+        hub_model_id="me/queue",
+        hub_strategy="every_save",
+        save_strategy="steps",
+        save_steps=1,
+        max_steps=3,
+        hub_always_push=always,
+    )
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+        callbacks=[ReleaseAtTheLastSave()],
+    )
     trainer.train()
     messages = [c.get("commit_message") for c in hub.calls if c["call"] == "upload_folder"]
     steps = [1, 2, 3] if always else [1]
     assert messages == [f"Training in progress, step {step}" for step in steps]
     import tempfile
+
     assert not [name for name in os.listdir(tempfile.gettempdir()) if name.startswith("rloo-push-")]

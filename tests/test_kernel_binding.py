@@ -22,12 +22,22 @@ def _library():
 
 def test_the_binding_is_read_from_the_c_source():
     signatures = binding.functions(kernel.SOURCE)
-    assert {"pack", "linear", "attend", "draw", "decode_step", "source_id", "layer_size"} <= set(signatures)
+    assert {"pack", "linear", "attend", "draw", "decode_step", "source_id", "layer_size"} <= set(
+        signatures
+    )
     step = signatures["decode_step"]
-    assert step.names[:3] == ("layers", "count", "final_norm") and step.names[-2:] == ("tokens", "row_of")
+    assert step.names[:3] == ("layers", "count", "final_norm") and step.names[-2:] == (
+        "tokens",
+        "row_of",
+    )
     assert len(step.names) == 30 and step.result is None
-    assert signatures["draw"].types[-2:] == (ctypes.c_void_p, ctypes.c_int)  # long *tokens, int threads
-    assert not any(name in signatures for name in ("gemm", "attention", "rms_norm"))  # static: internal
+    assert signatures["draw"].types[-2:] == (
+        ctypes.c_void_p,
+        ctypes.c_int,
+    )  # long *tokens, int threads
+    assert not any(
+        name in signatures for name in ("gemm", "attention", "rms_norm")
+    )  # static: internal
     fields = [name for name, _ in binding.layer_struct(kernel.SOURCE)._fields_]
     assert fields[:2] == ["norm1", "qkv"] and fields[-2:] == ["shared_keys", "shared_values"]
     assert ctypes.sizeof(_library().Layer) == _library().layer_size()
@@ -35,7 +45,9 @@ def test_the_binding_is_read_from_the_c_source():
 
 def test_calls_go_by_the_c_parameter_names():
     library = _library()
-    with pytest.raises(TypeError, match=r"kernel linear: missing \['threads'\], unknown \['thread'\]"):
+    with pytest.raises(
+        TypeError, match=r"kernel linear: missing \['threads'\], unknown \['thread'\]"
+    ):
         library.linear(x=0, p=0, bias=0, y=0, m=0, n=0, k=0, thread=1)
     with pytest.raises(TypeError, match="pass arguments by their C names"):
         library.linear(0, 0, 0, 0, 0, 0, 0, 1)
@@ -56,9 +68,11 @@ def test_a_library_from_another_source_or_struct_is_refused_at_load(monkeypatch)
 
 
 @pytest.mark.parametrize("failure", ["no compiler", "build fails"])
-def test_without_the_kernel_the_decode_step_runs_on_torch_and_says_so(tmp_path, monkeypatch, caplog, tokenizer,
-                                                                     failure):
+def test_without_the_kernel_the_decode_step_runs_on_torch_and_says_so(
+    tmp_path, monkeypatch, caplog, tokenizer, failure
+):
     from rloo.generation import LeanGenerator, TransformersGenerator
+
     monkeypatch.setenv("RLOO_CACHE", str(tmp_path))  # (a fresh build, not the cached library)
     if failure == "no compiler":
         monkeypatch.setenv("CC", str(tmp_path / "no-such-gcc"))
@@ -74,12 +88,18 @@ def test_without_the_kernel_the_decode_step_runs_on_torch_and_says_so(tmp_path, 
             model = small_llama(tokenizer)
             prompts = [tokenizer("the dog sat")["input_ids"], tokenizer("a big cat")["input_ids"]]
             generation = config(tokenizer, do_sample=False, max_new_tokens=6)
-            ours = LeanGenerator(generation, tokenizer.pad_token_id, [tokenizer.eos_token_id]).generate(
-                model, prompts, 1, 0)
-            theirs = TransformersGenerator(generation, tokenizer.pad_token_id, [tokenizer.eos_token_id]).generate(
-                model, prompts, 1, 0)
+            ours = LeanGenerator(
+                generation, tokenizer.pad_token_id, [tokenizer.eos_token_id]
+            ).generate(model, prompts, 1, 0)
+            theirs = TransformersGenerator(
+                generation, tokenizer.pad_token_id, [tokenizer.eos_token_id]
+            ).generate(model, prompts, 1, 0)
         assert ours == theirs
-        lines = [r.getMessage() for r in caplog.records if "the decode step runs on torch" in r.getMessage()]
+        lines = [
+            r.getMessage()
+            for r in caplog.records
+            if "the decode step runs on torch" in r.getMessage()
+        ]
         assert len(lines) == 1, lines
     finally:
         kernel.compiled.cache_clear()

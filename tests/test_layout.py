@@ -19,20 +19,35 @@ def test_the_formatter_owns_the_layout_and_the_lint_passes():
     assert ruff, "ruff is missing: pip install -e '.[test]'"
     for command in (["format", "--check"], ["check"]):
         result = subprocess.run([ruff, *command, "."], cwd=ROOT, capture_output=True, text=True)
-        assert result.returncode == 0, " ".join(command) + ":\n" + result.stdout[-3000:] + result.stderr[-2000:]
+        assert result.returncode == 0, (
+            " ".join(command) + ":\n" + result.stdout[-3000:] + result.stderr[-2000:]
+        )
 
 
 def test_no_product_line_over_100_characters():
     sources = PRODUCT + [p for package in PACKAGES for p in (ROOT / package).rglob("*.c")]
-    long = [f"{p.relative_to(ROOT)}:{number}" for p in sources
-            for number, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 100]
+    long = [
+        f"{p.relative_to(ROOT)}:{number}"
+        for p in sources
+        for number, line in enumerate(p.read_text().splitlines(), 1)
+        if len(line) > 100
+    ]
     assert long == []
 
 
 def test_mlflow_is_imported_in_rloo_only_lazily_inside_its_callback():
-    hits = [(str(p.relative_to(ROOT)), line.strip()) for p in (ROOT / "rloo").rglob("*.py")
-            for line in p.read_text().splitlines() if re.match(r"\s*(import mlflow|from mlflow)", line)]
-    assert hits == [("rloo/callbacks.py", "import mlflow  # lazily: rloo/ depends on mlflow only for users who ask for it")]
+    hits = [
+        (str(p.relative_to(ROOT)), line.strip())
+        for p in (ROOT / "rloo").rglob("*.py")
+        for line in p.read_text().splitlines()
+        if re.match(r"\s*(import mlflow|from mlflow)", line)
+    ]
+    assert hits == [
+        (
+            "rloo/callbacks.py",
+            "import mlflow  # lazily: rloo/ depends on mlflow only for users who ask for it",
+        )
+    ]
 
 
 def test_product_code_does_not_import_test_helpers():
@@ -47,6 +62,10 @@ def test_slurm_launcher_does_not_import_the_local_one():
 
 
 def test_every_mlflow_call_of_the_pipeline_is_in_infra_tracking():
-    hits = [str(p.relative_to(ROOT)) for package in ("infra", "tasks", "flows") for p in (ROOT / package).rglob("*.py")
-            if re.search(r"^\s*(import mlflow|from mlflow)", p.read_text(), re.M)]
+    hits = [
+        str(p.relative_to(ROOT))
+        for package in ("infra", "tasks", "flows")
+        for p in (ROOT / package).rglob("*.py")
+        if re.search(r"^\s*(import mlflow|from mlflow)", p.read_text(), re.M)
+    ]
     assert hits == ["infra/tracking.py"]

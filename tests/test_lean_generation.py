@@ -9,8 +9,12 @@ import collections
 import pytest
 import torch
 from transformers import LogitsProcessorList
-from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from rloo.generation import LeanGenerator, TransformersGenerator, in_process_generator
 from rloo.engine.lean import Draws, MinNewTokens, sample_from
@@ -19,22 +23,36 @@ from tiny_models import tiny_causal_lm
 from helpers import DEVICES, PROMPTS, config, with_lora
 
 
-@pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=False, repetition_penalty=1.3),
-                                      dict(do_sample=False, min_new_tokens=6, max_new_tokens=9)],
-                         ids=["greedy", "repetition-penalty", "min-new-tokens"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(do_sample=False),
+        dict(do_sample=False, repetition_penalty=1.3),
+        dict(do_sample=False, min_new_tokens=6, max_new_tokens=9),
+    ],
+    ids=["greedy", "repetition-penalty", "min-new-tokens"],
+)
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_tokens_are_generates(tokenizer, model, settings, device):
-    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]  # different lengths: left padding, positions
+    prompts = [
+        tokenizer(text)["input_ids"] for text in PROMPTS
+    ]  # different lengths: left padding, positions
     generation = config(tokenizer, **settings)
     eos = [tokenizer.eos_token_id]
-    ours = LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model.to(device).eval(), prompts)
-    assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)
+    ours = LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(
+        model.to(device).eval(), prompts
+    )
+    assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(
+        model, prompts
+    )
     assert all(len(row) >= settings.get("min_new_tokens", 0) for row in ours)
     assert any(row[-1] == tokenizer.eos_token_id for row in ours)  # EOS kept, nothing after it
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_model_under_mixed_precision_decodes_through_its_autocast_forward(tokenizer, model, device):
+def test_a_model_under_mixed_precision_decodes_through_its_autocast_forward(
+    tokenizer, model, device
+):
     """bf16 mixed precision (`bf16=True`: accelerate wraps the prepared model's forward in autocast, and the prompts'
     cache comes out in bf16): the loop steps with that forward, not with the step written out in the weights' dtype,
     so its greedy tokens are generate's on the same model; likewise inside an autocast context."""
@@ -42,27 +60,36 @@ def test_a_model_under_mixed_precision_decodes_through_its_autocast_forward(toke
     from accelerate.state import AcceleratorState
 
     from rloo.engine.decode import lean_decoder
+
     plain = tiny_causal_lm(tokenizer).to(device)
     assert lean_decoder(plain, 4) is not None
     with torch.autocast(device, dtype=torch.bfloat16):
         assert lean_decoder(plain, 4) is None
-    AcceleratorState._reset_state(reset_partial_state=True)  # (as TrainingArguments does: one state per process)
+    AcceleratorState._reset_state(
+        reset_partial_state=True
+    )  # (as TrainingArguments does: one state per process)
     try:
-        prepared = Accelerator(mixed_precision="bf16", cpu=device == "cpu").prepare_model(model.to(device).eval())
+        prepared = Accelerator(mixed_precision="bf16", cpu=device == "cpu").prepare_model(
+            model.to(device).eval()
+        )
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert lean_decoder(prepared, 4) is None
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     generation, eos = config(tokenizer, do_sample=False), [tokenizer.eos_token_id]
     ours = LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(prepared, prompts)
-    assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(prepared, prompts)
+    assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(
+        prepared, prompts
+    )
 
 
 def _counts(generator, model, prompt, rows, seed):
     torch.manual_seed(seed)
     completions = generator.generate(model, [prompt] * rows)
-    return (collections.Counter(row[0] for row in completions),
-            collections.Counter(tuple(row[:2]) for row in completions))
+    return (
+        collections.Counter(row[0] for row in completions),
+        collections.Counter(tuple(row[:2]) for row in completions),
+    )
 
 
 def _distance(counts, probabilities, rows):
@@ -70,14 +97,19 @@ def _distance(counts, probabilities, rows):
     return 0.5 * sum(abs(counts.get(k, 0) / rows - probabilities.get(k, 0.0)) for k in keys)
 
 
-@pytest.mark.parametrize("eos", [[2], [5, 0, 7], [3, -1, 40]])  # (ids outside the vocabulary mark nothing)
+@pytest.mark.parametrize(
+    "eos", [[2], [5, 0, 7], [3, -1, 40]]
+)  # (ids outside the vocabulary mark nothing)
 def test_min_new_tokens_processor_gives_transformers_scores(eos):
     """Our MinNewTokens against transformers' MinNewTokensLengthLogitsProcessor, bit for bit, before and after the
     minimum, float32 and bfloat16, -inf / nan / -0.0 among the scores; a fresh tensor either way."""
     from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
     from rloo.engine.lean import MinNewTokens
-    theirs, ours = (kind(5, 3, torch.tensor(eos)) for kind in (MinNewTokensLengthLogitsProcessor, MinNewTokens))
+
+    theirs, ours = (
+        kind(5, 3, torch.tensor(eos)) for kind in (MinNewTokensLengthLogitsProcessor, MinNewTokens)
+    )
     for dtype in (torch.float32, torch.bfloat16):
         scores = torch.randn(4, 32).to(dtype)
         scores[0, 2], scores[1, 5], scores[2, 7] = float("-inf"), float("nan"), -0.0
@@ -85,27 +117,49 @@ def test_min_new_tokens_processor_gives_transformers_scores(eos):
             ids = torch.zeros(4, length, dtype=torch.long)
             expected, found = theirs(ids, scores), ours(ids, scores)
             assert found.dtype == expected.dtype and found.data_ptr() != scores.data_ptr()
-            assert torch.equal(found.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                               expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+            assert torch.equal(
+                found.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sampled_tokens_follow_generates_distribution(tokenizer, model, device):
     model.to(device).eval()
-    with torch.no_grad():  # sharper logits than a random tiny model's: temperature, top-k and top-p all matter
-        model.lm_head.weight.mul_(8)  # (measured: leaving out any one of them moves the first token by TV >= 0.06)
+    with (
+        torch.no_grad()
+    ):  # sharper logits than a random tiny model's: temperature, top-k and top-p all matter
+        model.lm_head.weight.mul_(
+            8
+        )  # (measured: leaving out any one of them moves the first token by TV >= 0.06)
     prompt, rows = tokenizer("the dog sat")["input_ids"], 20000
-    generation = config(tokenizer, max_new_tokens=2, do_sample=True, temperature=0.5, top_k=8, top_p=0.9,
-                        repetition_penalty=1.2)
+    generation = config(
+        tokenizer,
+        max_new_tokens=2,
+        do_sample=True,
+        temperature=0.5,
+        top_k=8,
+        top_p=0.9,
+        repetition_penalty=1.2,
+    )
     eos = [tokenizer.eos_token_id]
-    ours_first, ours_pairs = _counts(LeanGenerator(generation, tokenizer.pad_token_id, eos), model, prompt, rows, 1)
-    theirs_first, theirs_pairs = _counts(TransformersGenerator(generation, tokenizer.pad_token_id, eos), model,
-                                         prompt, rows, 2)
-    with torch.no_grad():  # the first token's exact distribution: logits through generate's processors
+    ours_first, ours_pairs = _counts(
+        LeanGenerator(generation, tokenizer.pad_token_id, eos), model, prompt, rows, 1
+    )
+    theirs_first, theirs_pairs = _counts(
+        TransformersGenerator(generation, tokenizer.pad_token_id, eos), model, prompt, rows, 2
+    )
+    with (
+        torch.no_grad()
+    ):  # the first token's exact distribution: logits through generate's processors
         ids = torch.tensor([prompt], device=device)
         scores = model(ids).logits[:, -1].float()
-        for processor in (RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(0.5), TopKLogitsWarper(8),
-                          TopPLogitsWarper(0.9)):
+        for processor in (
+            RepetitionPenaltyLogitsProcessor(1.2),
+            TemperatureLogitsWarper(0.5),
+            TopKLogitsWarper(8),
+            TopPLogitsWarper(0.9),
+        ):
             scores = processor(ids, scores)
         exact = {i: p for i, p in enumerate(torch.softmax(scores, -1)[0].tolist()) if p > 0}
     assert len(exact) > 3  # a distribution worth testing, not one token
@@ -126,10 +180,18 @@ def test_the_draw_replayed_as_a_cuda_graph_follows_the_processed_distribution(de
     vocab, rows, eos = 12, 40000, 3
     logits = (torch.randn(1, vocab) * 2).expand(rows, -1).contiguous().to(device)
     logits[:, eos] = logits.max() + 1  # (EOS the likeliest: banned, then drawn most)
-    processors = LogitsProcessorList([MinNewTokens(2, 2, torch.tensor([eos], device=device), device=device),
-                                      TemperatureLogitsWarper(0.7), TopKLogitsWarper(6), TopPLogitsWarper(0.95)])
+    processors = LogitsProcessorList(
+        [
+            MinNewTokens(2, 2, torch.tensor([eos], device=device), device=device),
+            TemperatureLogitsWarper(0.7),
+            TopKLogitsWarper(6),
+            TopPLogitsWarper(0.95),
+        ]
+    )
     draws = Draws(processors, sample=True)
-    holding, done = (torch.zeros(rows, length, dtype=torch.long, device=device) for length in (3, 4))
+    holding, done = (
+        torch.zeros(rows, length, dtype=torch.long, device=device) for length in (3, 4)
+    )
     first, again, after = draws(holding, logits), draws(holding, logits), draws(done, logits)
     assert not torch.equal(first, again)
     for sequences, drawn in ((holding, first), (done, after)):
@@ -172,17 +234,32 @@ def test_inverse_cdf_draw_matches_the_probabilities_and_never_draws_zeros():
 
 def test_settings_it_does_not_implement_keep_generate(tokenizer, model):
     eos = [tokenizer.eos_token_id]
+
     def pick(**settings):
-        return type(in_process_generator(config(tokenizer, **settings), tokenizer.pad_token_id, eos, model))
+        return type(
+            in_process_generator(config(tokenizer, **settings), tokenizer.pad_token_id, eos, model)
+        )
+
     assert pick(do_sample=True, top_k=5, top_p=0.8, min_p=0.05, temperature=0.7) is LeanGenerator
-    for settings in (dict(num_beams=2), dict(no_repeat_ngram_size=2), dict(bad_words_ids=[[5]]),
-                     dict(cache_implementation="static"), dict(typical_p=0.5, do_sample=True)):
+    for settings in (
+        dict(num_beams=2),
+        dict(no_repeat_ngram_size=2),
+        dict(bad_words_ids=[[5]]),
+        dict(cache_implementation="static"),
+        dict(typical_p=0.5, do_sample=True),
+    ):
         assert pick(**settings) is TransformersGenerator, settings
-    synced = in_process_generator(config(tokenizer), tokenizer.pad_token_id, eos, model, synced=True)
-    assert type(synced) is LeanGenerator and synced.synced  # ZeRO-3 layer by layer: ranks step together
+    synced = in_process_generator(
+        config(tokenizer), tokenizer.pad_token_id, eos, model, synced=True
+    )
+    assert (
+        type(synced) is LeanGenerator and synced.synced
+    )  # ZeRO-3 layer by layer: ranks step together
 
 
-def test_a_customised_generate_is_the_one_generation_goes_through(tmp_path, tokenizer, model, monkeypatch):
+def test_a_customised_generate_is_the_one_generation_goes_through(
+    tmp_path, tokenizer, model, monkeypatch
+):
     """On the instance, in a subclass, or patched into transformers' GenerationMixin (as TRL's tests do): the speed
     layer's loop stands aside and the trainer generates through the customised `generate`."""
     import functools
@@ -192,15 +269,22 @@ def test_a_customised_generate_is_the_one_generation_goes_through(tmp_path, toke
 
     from rloo import RLOOTrainer
     from helpers import make_args
+
     eos = [tokenizer.eos_token_id]
+
     def pick():
-        return type(in_process_generator(config(tokenizer), tokenizer.pad_token_id, eos, model, fast=True))
+        return type(
+            in_process_generator(config(tokenizer), tokenizer.pad_token_id, eos, model, fast=True)
+        )
+
     assert pick() is LeanGenerator
     model.generate = functools.partial(type(model).generate, model)
     assert pick() is TransformersGenerator
     del model.generate
     plain = type(model)
-    model.__class__ = type("Custom", (plain,), {"generate": lambda self, *a, **k: plain.generate(self, *a, **k)})
+    model.__class__ = type(
+        "Custom", (plain,), {"generate": lambda self, *a, **k: plain.generate(self, *a, **k)}
+    )
     assert pick() is TransformersGenerator
     model.__class__ = plain
     calls, original = [], GenerationMixin.generate
@@ -208,11 +292,16 @@ def test_a_customised_generate_is_the_one_generation_goes_through(tmp_path, toke
     def spy(self, *args, **kwargs):
         calls.append(1)
         return original(self, *args, **kwargs)
+
     monkeypatch.setattr(GenerationMixin, "generate", spy)
     assert pick() is TransformersGenerator
-    RLOOTrainer(model=model, reward_funcs=lambda completions, **kw: [1.0] * len(completions),
-                args=make_args(tmp_path, max_steps=1), train_dataset=Dataset.from_list([{"prompt": "a b"}] * 8),
-                processing_class=tokenizer).train()
+    RLOOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [1.0] * len(completions),
+        args=make_args(tmp_path, max_steps=1),
+        train_dataset=Dataset.from_list([{"prompt": "a b"}] * 8),
+        processing_class=tokenizer,
+    ).train()
     assert calls  # the trainer's generation went through the patch
 
 
@@ -225,25 +314,39 @@ def test_policy_logprobs_kept_while_decoding_are_the_forwards(tokenizer, model, 
     from rloo.data import pad_rows
     from rloo.generation import Completions
     from rloo.logps import per_token_logps
+
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS] * 2
     generation = config(tokenizer, do_sample=True, temperature=0.7, top_k=6, min_new_tokens=2)
     generator = LeanGenerator(generation, tokenizer.pad_token_id, [tokenizer.eos_token_id])
-    generator.policy_temperature = 0.9  # the trainer's temperature, not the sampler's warped distribution
+    generator.policy_temperature = (
+        0.9  # the trainer's temperature, not the sampler's warped distribution
+    )
     torch.manual_seed(0)
     completions = generator.generate(model.to(device).eval(), prompts)
     assert isinstance(completions, Completions) and completions.policy_logprobs is not None
-    prompt_ids, prompt_mask = (t.to(device) for t in pad_rows(prompts, tokenizer.pad_token_id, "left"))
+    prompt_ids, prompt_mask = (
+        t.to(device) for t in pad_rows(prompts, tokenizer.pad_token_id, "left")
+    )
     completion_ids = pad_rows(list(completions), tokenizer.pad_token_id, "right")[0].to(device)
     mask = completion_mask_after_eos(completion_ids, [tokenizer.eos_token_id])
-    assert (mask.sum(dim=1) < completion_ids.size(1)).any()  # some row ended early: padding after it
+    assert (
+        mask.sum(dim=1) < completion_ids.size(1)
+    ).any()  # some row ended early: padding after it
     with torch.no_grad():
-        forward = per_token_logps(model, torch.cat([prompt_ids, completion_ids], dim=1),
-                                  torch.cat([prompt_mask, mask], dim=1), completion_ids.size(1), 0.9).logps
-    kept = completions.policy_logprobs[:, :completion_ids.size(1)]
+        forward = per_token_logps(
+            model,
+            torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([prompt_mask, mask], dim=1),
+            completion_ids.size(1),
+            0.9,
+        ).logps
+    kept = completions.policy_logprobs[:, : completion_ids.size(1)]
     torch.testing.assert_close(kept, forward * mask, atol=1e-5, rtol=1e-5)
     assert (kept[mask == 0] == 0).all()
     generator.policy_temperature = None
-    assert not hasattr(generator.generate(model, prompts), "policy_logprobs")  # nothing kept unless asked
+    assert not hasattr(
+        generator.generate(model, prompts), "policy_logprobs"
+    )  # nothing kept unless asked
 
 
 def test_decoded_logprobs_are_the_kls_pi_old_and_steps_past_every_end_are_cut(tokenizer):
@@ -252,16 +355,32 @@ def test_decoded_logprobs_are_the_kls_pi_old_and_steps_past_every_end_are_cut(to
     from rloo.generation import Completions
     from rloo.rewards.runner import RewardRunner
     from rloo.rollout import PiOld, RolloutSettings, build_rollout
+
     eos = tokenizer.eos_token_id
     ids = [[5, eos], [6, 7, eos]]
-    decoded = torch.tensor([[-1.0, -2.0, 0.0, 0.0, 0.0], [-1.5, -0.5, -0.25, 0.0, 0.0]])  # 5 steps for 3 tokens
-    settings = RolloutSettings(num_generations=2, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[eos],
-                               reward_weights=torch.ones(1), beta=0.5, pi_old=PiOld(False, "decoder"))
+    decoded = torch.tensor(
+        [[-1.0, -2.0, 0.0, 0.0, 0.0], [-1.5, -0.5, -0.25, 0.0, 0.0]]
+    )  # 5 steps for 3 tokens
+    settings = RolloutSettings(
+        num_generations=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_ids=[eos],
+        reward_weights=torch.ones(1),
+        beta=0.5,
+        pi_old=PiOld(False, "decoder"),
+    )
     rollout = build_rollout(
-        [{"prompt": "the dog"}] * 2, settings, generate=lambda prompts: Completions(ids, policy_logprobs=decoded),
-        processing_class=tokenizer, reward_runner=RewardRunner([lambda completion_ids, **kw: [float(len(c)) for c in
-                                                                completion_ids]], [None]),
-        trainer_state=None, policy_logps=None, reference_logps=lambda ids, mask, keep: torch.zeros(ids.size(0), keep))
+        [{"prompt": "the dog"}] * 2,
+        settings,
+        generate=lambda prompts: Completions(ids, policy_logprobs=decoded),
+        processing_class=tokenizer,
+        reward_runner=RewardRunner(
+            [lambda completion_ids, **kw: [float(len(c)) for c in completion_ids]], [None]
+        ),
+        trainer_state=None,
+        policy_logps=None,
+        reference_logps=lambda ids, mask, keep: torch.zeros(ids.size(0), keep),
+    )
     # KL_i = sum_t (pi_old - pi_ref): -3.0 and -2.25; shaped = length - 0.5 KL
     assert rollout.shaped_rewards.tolist() == pytest.approx([2 + 1.5, 3 + 1.125])
     assert rollout.kl == pytest.approx((-3.0 - 2.25) / 5)
@@ -271,38 +390,65 @@ def test_repeated_prompts_are_prefilled_once_with_generates_tokens(tokenizer, mo
     """Through the model's forward: where the CPU's C step takes the whole step (an AVX2 build for this model's
     head size), the prompts would go through it instead (rloo.engine.prompt_steps, tested on its own)."""
     from rloo.engine import lean
+
     monkeypatch.setattr(lean, "prompt_steps", lambda *args: None)
-    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS for _ in range(3)]  # num_generations=3 copies each
+    prompts = [
+        tokenizer(text)["input_ids"] for text in PROMPTS for _ in range(3)
+    ]  # num_generations=3 copies each
     generation = config(tokenizer, do_sample=False)
     eos = [tokenizer.eos_token_id]
     rows_seen = []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: rows_seen.append(kwargs["input_ids"].shape),
-                                           with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows_seen.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
     try:
-        ours = LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model.eval(), prompts)
+        ours = LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(
+            model.eval(), prompts
+        )
     finally:
         hook.remove()
-    assert rows_seen[0][0] == len(PROMPTS) and all(shape == (len(prompts), 1) for shape in rows_seen[1:])
-    assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, prompts)
+    assert rows_seen[0][0] == len(PROMPTS) and all(
+        shape == (len(prompts), 1) for shape in rows_seen[1:]
+    )
+    assert ours == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(
+        model, prompts
+    )
 
 
 def test_prompt_lengths_are_grouped_where_the_padding_saved_outweighs_a_forward():
     from rloo.engine.prefill import length_groups
-    assert length_groups([5, 50, 5, 50, 5], 32) == [[0, 2, 4], [1, 3]]  # 3 x 5 + 32 + 2 x 50 + 32 < 5 x 50 + 32
+
+    assert length_groups([5, 50, 5, 50, 5], 32) == [
+        [0, 2, 4],
+        [1, 3],
+    ]  # 3 x 5 + 32 + 2 x 50 + 32 < 5 x 50 + 32
     assert length_groups([5, 50, 5, 50, 5], 200) == [[0, 1, 2, 3, 4]]  # 515 > 450
     assert length_groups([10, 11, 12]) == [[0, 1, 2]]  # padding 3 tokens: one forward
-    assert length_groups([44] * 3 + [56] * 3, forward_cost=40) == [[0, 1, 2, 3, 4, 5]]  # saves 36 < 40
+    assert length_groups([44] * 3 + [56] * 3, forward_cost=40) == [
+        [0, 1, 2, 3, 4, 5]
+    ]  # saves 36 < 40
     assert length_groups([44] * 3 + [56] * 3, forward_cost=30) == [[0, 1, 2], [3, 4, 5]]
     assert length_groups([7]) == [[0]]
     lengths = torch.randint(20, 2000, (500,), generator=torch.Generator().manual_seed(0)).tolist()
-    groups = length_groups(lengths)  # (more distinct lengths than the search takes: bounds among 64 of them)
-    assert sorted(row for group in groups for row in group) == list(range(500)) and 1 < len(groups) <= 64
-    assert all(max(lengths[row] for row in a) < min(lengths[row] for row in b) for a, b in zip(groups, groups[1:]))
+    groups = length_groups(
+        lengths
+    )  # (more distinct lengths than the search takes: bounds among 64 of them)
+    assert (
+        sorted(row for group in groups for row in group) == list(range(500))
+        and 1 < len(groups) <= 64
+    )
+    assert all(
+        max(lengths[row] for row in a) < min(lengths[row] for row in b)
+        for a, b in zip(groups, groups[1:])
+    )
 
 
-@pytest.mark.parametrize("shared", ["", "you are a careful helper who answers the question below in one short line: "])
+@pytest.mark.parametrize(
+    "shared", ["", "you are a careful helper who answers the question below in one short line: "]
+)
 def test_prompts_go_through_once_for_their_shared_start_then_in_length_groups_with_one_forwards_cache_and_tokens(
-        tokenizer, model, monkeypatch, shared):
+    tokenizer, model, monkeypatch, shared
+):
     """rloo.engine.prefill: distinct prompts of 4-5 and ~60 tokens through the model in two forwards, each padded
     to its own longest, after one forward of the first tokens they all share where they share enough; the merged
     cache equals one forward's at every unmasked position, the last positions' logits too, and greedy decoding gives
@@ -315,7 +461,10 @@ def test_prompts_go_through_once_for_their_shared_start_then_in_length_groups_wi
     from rloo.engine import prefill as prefill_module
     from rloo.engine.prefill import prefill
     from rloo.kv import cache_argument
-    monkeypatch.setattr(prefill_module, "FORWARD_COST", 32)  # (a forward of the tiny model costs ~nothing)
+
+    monkeypatch.setattr(
+        prefill_module, "FORWARD_COST", 32
+    )  # (a forward of the tiny model costs ~nothing)
     long = " ".join(["one two three four the dog sat on the mat"] * 6)
     texts = [shared + text for text in ("the dog sat", long, "red", long + " a big cat")]
     prompts = [tokenizer(text)["input_ids"] for text in texts]
@@ -324,34 +473,49 @@ def test_prompts_go_through_once_for_their_shared_start_then_in_length_groups_wi
     input_ids, mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     widths = []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape),
-                                           with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
     with torch.no_grad():
         try:
             logits, arguments, _ = prefill(model.eval(), input_ids, mask, positions, {})
         finally:
             hook.remove()
         short = max(len(prompts[0]), len(prompts[2])) - start
-        assert sorted(widths) == sorted([(1, start)] * bool(start) + [(2, short), (2, input_ids.size(1) - start)])
+        assert sorted(widths) == sorted(
+            [(1, start)] * bool(start) + [(2, short), (2, input_ids.size(1) - start)]
+        )
         cache, name = DynamicCache(config=model.config), cache_argument(model)
-        theirs = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                       logits_to_keep=1, **{name: cache}).logits[:, -1]
+        theirs = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{name: cache},
+        ).logits[:, -1]
     torch.testing.assert_close(logits, theirs, atol=1e-5, rtol=1e-5)
     seen = mask.bool()[:, None, :, None]
     for ours_layer, their_layer in zip(arguments[name].layers, cache.layers):
-        for mine, reference in ((ours_layer.keys, their_layer.keys), (ours_layer.values, their_layer.values)):
+        for mine, reference in (
+            (ours_layer.keys, their_layer.keys),
+            (ours_layer.values, their_layer.values),
+        ):
             assert mine.shape == reference.shape
             torch.testing.assert_close(mine * seen, reference * seen, atol=1e-5, rtol=1e-5)
     generation, eos = config(tokenizer, do_sample=False), [tokenizer.eos_token_id]
     for rows in (prompts, [p for p in prompts for _ in range(2)]):
-        assert LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(model, rows) == \
-            TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, rows)
+        assert LeanGenerator(generation, tokenizer.pad_token_id, eos).generate(
+            model, rows
+        ) == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, rows)
     # under ZeRO-3 each forward is collective (every rank must run as many): one forward, whatever the lengths
     import rloo.zero
+
     monkeypatch.setattr(rloo.zero, "is_partitioned", lambda model: True)
     widths.clear()
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape),
-                                           with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
     with torch.no_grad():
         try:
             prefill(model, input_ids, mask, positions, {})
@@ -362,7 +526,8 @@ def test_prompts_go_through_once_for_their_shared_start_then_in_length_groups_wi
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
 def test_the_prompts_forward_runs_linears_on_onednn_without_grad_or_autocast_and_gives_them_back(
-        tokenizer, model, monkeypatch):
+    tokenizer, model, monkeypatch
+):
     """rloo.engine.prefill._linears_on_onednn: inside the prompts' forward every plain fp32 Linear of the model
     (a LoRA layer's base and adapters too) runs on oneDNN's GEMM, with the model's logits; F.linear where a gradient
     is recorded or autocast is on; afterwards every module has its own forward back."""
@@ -370,6 +535,7 @@ def test_the_prompts_forward_runs_linears_on_onednn_without_grad_or_autocast_and
 
     from rloo.data import pad_rows
     from rloo.engine import prefill as prefill_module
+
     model = with_lora(model).eval()
     linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
     assert len(linears) > 10
@@ -378,21 +544,28 @@ def test_the_prompts_forward_runs_linears_on_onednn_without_grad_or_autocast_and
     def onednn(module, x):
         calls[module] += 1
         return torch.ops.mkldnn._linear_pointwise(x, module.weight, module.bias, "none", [], "")
+
     monkeypatch.setattr(prefill_module, "_onednn_linear", onednn)
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     input_ids, mask = pad_rows(prompts, tokenizer.pad_token_id, "left")
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     with torch.no_grad():
         logits, _, _ = prefill_module.prefill(model, input_ids, mask, positions, {})
-        theirs = model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+        theirs = model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits[
+            :, -1
+        ]
     torch.testing.assert_close(logits, theirs, atol=1e-5, rtol=1e-5)
-    assert set(calls) == set(linears)  # (every one, adapters included; none afterwards: `theirs` added no calls)
+    assert set(calls) == set(
+        linears
+    )  # (every one, adapters included; none afterwards: `theirs` added no calls)
     assert not any("forward" in module.__dict__ for module in linears)
     monkeypatch.undo()
     layer, x = linears[0], torch.randn(3, linears[0].in_features)
     with prefill_module._linears_on_onednn(model, x.device):
         assert layer.forward.func is prefill_module._onednn_linear
-        recorded = layer(x.requires_grad_())  # (a gradient recorded: F.linear, whose backward exists)
+        recorded = layer(
+            x.requires_grad_()
+        )  # (a gradient recorded: F.linear, whose backward exists)
         recorded.sum().backward()
         assert x.grad is not None and recorded.grad_fn is not None
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

@@ -12,8 +12,10 @@ from rloo.tiny import tiny_config
 
 from helpers import conversational, make_args, position_reward
 
-needs_a_disk = pytest.mark.skipif(mapped.disk_directory(64 << 20) is None,
-                                  reason="no writable disk filesystem for the temporary file (only tmpfs or none)")
+needs_a_disk = pytest.mark.skipif(
+    mapped.disk_directory(64 << 20) is None,
+    reason="no writable disk filesystem for the temporary file (only tmpfs or none)",
+)
 
 
 def _resident_bytes(tensor: torch.Tensor) -> int:
@@ -32,7 +34,9 @@ def _resident_bytes(tensor: torch.Tensor) -> int:
 
 def _model():
     torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_config(20000, tie_word_embeddings=True)).eval()  # a 2.5 MiB tied embedding
+    return LlamaForCausalLM(
+        tiny_config(20000, tie_word_embeddings=True)
+    ).eval()  # a 2.5 MiB tied embedding
 
 
 @needs_a_disk
@@ -51,13 +55,19 @@ def test_a_mapped_copy_is_the_model_and_its_pages_leave_the_process_after_each_u
     mapped.page_out(reference)
     ids = torch.randint(3, 20000, (2, 7))
     with mapped.paged_out_after(reference):
-        torch.nn.functional.embedding(ids, reference.lm_head.weight)  # (a read outside any module: stays mapped)
+        torch.nn.functional.embedding(
+            ids, reference.lm_head.weight
+        )  # (a read outside any module: stays mapped)
         assert _resident_bytes(flat) > 0
         logits = reference(ids).logits
-        assert _resident_bytes(flat) < 0.05 * size  # each module's weights left when its forward was done
+        assert (
+            _resident_bytes(flat) < 0.05 * size
+        )  # each module's weights left when its forward was done
     assert _resident_bytes(flat) == 0
     assert torch.equal(logits, model(ids).logits)
-    assert torch.equal(reference(ids).logits, logits)  # read again from the page cache: the same values
+    assert torch.equal(
+        reference(ids).logits, logits
+    )  # read again from the page cache: the same values
 
 
 @needs_a_disk
@@ -76,28 +86,47 @@ def test_what_is_written_into_a_mapped_copy_survives_paging_out():
 def test_no_mapping_on_a_memory_filesystem(monkeypatch, tmp_path):
     """tmpfs pages cannot be reclaimed: there the reference stays a plain copy in the process."""
     mountinfo = tmp_path / "mountinfo"
-    mountinfo.write_text("22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
-                         "23 22 0:21 / /dev/shm rw shared:2 - tmpfs tmpfs rw\n"
-                         "24 22 0:22 / /data\\040sets rw shared:3 - xfs /dev/vdb rw\n"
-                         "25 22 0:23 / /scratch rw shared:4 - ext4 /dev/vdc rw\n"
-                         "26 22 0:24 / /scratch rw shared:5 - tmpfs tmpfs rw\n")
-    kinds = {path: mapped.filesystem_type(path, str(mountinfo)) for path in
-             ("/dev/shm/x", "/data sets/y", "/data", "/scratch", "/dev/shmx", "/home")}
-    assert kinds == {"/dev/shm/x": "tmpfs", "/data sets/y": "xfs", "/data": "ext4", "/scratch": "tmpfs",
-                     "/dev/shmx": "ext4", "/home": "ext4"}
+    mountinfo.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+        "23 22 0:21 / /dev/shm rw shared:2 - tmpfs tmpfs rw\n"
+        "24 22 0:22 / /data\\040sets rw shared:3 - xfs /dev/vdb rw\n"
+        "25 22 0:23 / /scratch rw shared:4 - ext4 /dev/vdc rw\n"
+        "26 22 0:24 / /scratch rw shared:5 - tmpfs tmpfs rw\n"
+    )
+    kinds = {
+        path: mapped.filesystem_type(path, str(mountinfo))
+        for path in ("/dev/shm/x", "/data sets/y", "/data", "/scratch", "/dev/shmx", "/home")
+    }
+    assert kinds == {
+        "/dev/shm/x": "tmpfs",
+        "/data sets/y": "xfs",
+        "/data": "ext4",
+        "/scratch": "tmpfs",
+        "/dev/shmx": "ext4",
+        "/home": "ext4",
+    }
     if mapped.filesystem_type("/dev/shm") != "tmpfs":
         pytest.skip("no tmpfs at /dev/shm here")
     monkeypatch.setattr(mapped, "candidate_directories", lambda: ["/dev/shm"])
     model = _model()
     assert mapped.mapped_copy(model) is None
     reference = create_reference_model(model)
-    assert not hasattr(reference, "_rloo_mapping") and torch.equal(reference.lm_head.weight, model.lm_head.weight)
+    assert not hasattr(reference, "_rloo_mapping") and torch.equal(
+        reference.lm_head.weight, model.lm_head.weight
+    )
 
 
 @needs_a_disk
-def test_the_trainers_reference_is_mapped_and_paged_out_after_its_forward(tmp_path, tokenizer, model):
-    trainer = RLOOTrainer(model=model, reward_funcs=[position_reward], args=make_args(tmp_path, beta=0.1, max_steps=1),
-                          train_dataset=conversational(), processing_class=tokenizer)
+def test_the_trainers_reference_is_mapped_and_paged_out_after_its_forward(
+    tmp_path, tokenizer, model
+):
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=[position_reward],
+        args=make_args(tmp_path, beta=0.1, max_steps=1),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     flat = trainer.ref_model._rloo_mapping
     trainer.train()
     assert trainer.state.log_history[0]["kl"] >= 0

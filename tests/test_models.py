@@ -11,8 +11,15 @@ from rloo import RLOOTrainer
 from rloo.versions import TRANSFORMERS_4
 from tiny_models import save_remote_code_model, save_tiny, tiny_causal_lm, tiny_moe_causal_lm
 
-from helpers import (assert_same_update, conversational, length_reward, logged, make_args, position_reward,
-                     with_lora)
+from helpers import (
+    assert_same_update,
+    conversational,
+    length_reward,
+    logged,
+    make_args,
+    position_reward,
+    with_lora,
+)
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
@@ -23,9 +30,14 @@ def snapshot(model):
 
 @pytest.mark.engines
 def test_lora_trains_adapter_only_and_reference_is_the_base(tmp_path, tokenizer, model):
-    trainer = RLOOTrainer(model=model, reward_funcs=position_reward, args=make_args(tmp_path, beta=0.05, max_steps=3),
-                          train_dataset=conversational(), processing_class=tokenizer,
-                          peft_config=LoraConfig(**LORA))
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=position_reward,
+        args=make_args(tmp_path, beta=0.05, max_steps=3),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(**LORA),
+    )
     assert trainer.ref_model is None
     before = snapshot(trainer.model)
     trainer.train()
@@ -39,17 +51,24 @@ def test_lora_trains_adapter_only_and_reference_is_the_base(tmp_path, tokenizer,
 
 
 def test_peft_model_passed_in_keeps_its_adapter_as_reference(tmp_path, tokenizer, model):
-    peft_model = with_lora(model, 0.5, **LORA)  # a "trained" adapter (e.g. after SFT): the reference must include it
+    peft_model = with_lora(
+        model, 0.5, **LORA
+    )  # a "trained" adapter (e.g. after SFT): the reference must include it
     initial = copy.deepcopy(peft_model)
-    trainer = RLOOTrainer(model=peft_model, reward_funcs=length_reward,
-                          args=make_args(tmp_path, beta=0.05, max_steps=2), train_dataset=conversational(),
-                          processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=peft_model,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, beta=0.05, max_steps=2),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     assert "ref" in trainer.model.peft_config
     trainer.train()
     ids = torch.tensor([[3, 10, 11, 12, 13]])
     with torch.no_grad():
         expected = initial(input_ids=ids).logits
         from rloo.adapters import reference_adapter
+
         with reference_adapter(trainer.model, trainer._trainable_adapter):
             reference = trainer.model(input_ids=ids).logits
         live = trainer.model(input_ids=ids).logits
@@ -61,50 +80,90 @@ def test_peft_model_passed_in_keeps_its_adapter_as_reference(tmp_path, tokenizer
 
 def test_peft_model_and_peft_config_together_is_an_error(tmp_path, tokenizer, model):
     with pytest.raises(ValueError, match="already a PeftModel and peft_config is also given"):
-        RLOOTrainer(model=get_peft_model(model, LoraConfig(**LORA)), reward_funcs=length_reward,
-                    args=make_args(tmp_path), train_dataset=conversational(), processing_class=tokenizer,
-                    peft_config=LoraConfig(**LORA))
+        RLOOTrainer(
+            model=get_peft_model(model, LoraConfig(**LORA)),
+            reward_funcs=length_reward,
+            args=make_args(tmp_path),
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+            peft_config=LoraConfig(**LORA),
+        )
 
 
 def test_peft_targets_matching_nothing(tmp_path, tokenizer, model):
     with pytest.raises(ValueError, match=r"target_modules=.*nope.*matches no layer.*q_proj"):
-        RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path),
-                    train_dataset=conversational(), processing_class=tokenizer,
-                    peft_config=LoraConfig(r=4, target_modules=["nope"]))
+        RLOOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            args=make_args(tmp_path),
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+            peft_config=LoraConfig(r=4, target_modules=["nope"]),
+        )
 
 
 def test_quantization_needs_peft_and_bitsandbytes(tmp_path, tokenizer, model):
     from transformers import BitsAndBytesConfig
+
     quantization = BitsAndBytesConfig(load_in_4bit=True)
     with pytest.raises(ValueError, match="quantization_config is set without peft_config"):
-        RLOOTrainer(model="/nonexistent/model", reward_funcs=length_reward, args=make_args(tmp_path),
-                    train_dataset=conversational(), quantization_config=quantization)
+        RLOOTrainer(
+            model="/nonexistent/model",
+            reward_funcs=length_reward,
+            args=make_args(tmp_path),
+            train_dataset=conversational(),
+            quantization_config=quantization,
+        )
     with pytest.raises((ImportError, RuntimeError), match="QLoRA.*(bitsandbytes|CUDA GPU)"):
-        RLOOTrainer(model="/nonexistent/model", reward_funcs=length_reward, args=make_args(tmp_path),
-                    train_dataset=conversational(), quantization_config=quantization,
-                    peft_config=LoraConfig(**LORA))
+        RLOOTrainer(
+            model="/nonexistent/model",
+            reward_funcs=length_reward,
+            args=make_args(tmp_path),
+            train_dataset=conversational(),
+            quantization_config=quantization,
+            peft_config=LoraConfig(**LORA),
+        )
 
 
-def test_quantization_config_on_an_instantiated_model_is_ignored_with_a_warning(tmp_path, tokenizer, model):
+def test_quantization_config_on_an_instantiated_model_is_ignored_with_a_warning(
+    tmp_path, tokenizer, model
+):
     """As the spec says: no PEFT, a model object: quantization_config is ignored (not refused)."""
     from transformers import BitsAndBytesConfig
-    with pytest.warns(UserWarning, match="already instantiated: model_init_kwargs and quantization_config are "
-                      "ignored"):
-        trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, max_steps=1),
-                              train_dataset=conversational(), processing_class=tokenizer,
-                              quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+
+    with pytest.warns(
+        UserWarning,
+        match="already instantiated: model_init_kwargs and quantization_config are ignored",
+    ):
+        trainer = RLOOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            args=make_args(tmp_path, max_steps=1),
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+            quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+        )
     trainer.train()
     assert next(trainer.model.parameters()).dtype == torch.float32
 
 
 def test_model_init_kwargs_and_float32_default(tmp_path, tokenizer, model):
     model_dir, _ = save_tiny(str(tmp_path / "policy"), model.to(torch.bfloat16), tokenizer)
-    default = RLOOTrainer(model=model_dir, reward_funcs=length_reward, args=make_args(tmp_path),
-                          train_dataset=conversational(), processing_class=tokenizer)
+    default = RLOOTrainer(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     assert next(default.model.parameters()).dtype == torch.float32  # not the checkpoint's bf16
-    chosen = RLOOTrainer(model=model_dir, reward_funcs=length_reward,
-                         args=make_args(tmp_path, model_init_kwargs='{"dtype": "bfloat16"}'),
-                         train_dataset=conversational(), processing_class=tokenizer)
+    chosen = RLOOTrainer(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, model_init_kwargs='{"dtype": "bfloat16"}'),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     assert next(chosen.model.parameters()).dtype == torch.bfloat16
 
 
@@ -112,8 +171,13 @@ def test_disable_dropout_makes_training_forward_deterministic(tmp_path, tokenize
     model = tiny_causal_lm(tokenizer, attention_dropout=0.5).train()
     ids = torch.tensor([[3, 10, 11, 12, 13, 14]])
     assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
-    RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, disable_dropout=True),
-                train_dataset=conversational(), processing_class=tokenizer)
+    RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, disable_dropout=True),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     model.train()
     assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
 
@@ -121,10 +185,20 @@ def test_disable_dropout_makes_training_forward_deterministic(tmp_path, tokenize
 def test_remote_code_refused_without_trust_remote_code(tmp_path, tokenizer):
     path = save_remote_code_model(str(tmp_path / "remote"), tokenizer)
     with pytest.raises(ValueError, match="custom code.*trust_remote_code=True"):
-        RLOOTrainer(model=path, reward_funcs=length_reward, args=make_args(tmp_path),
-                    train_dataset=conversational(), processing_class=tokenizer)
-    trainer = RLOOTrainer(model=path, reward_funcs=length_reward, args=make_args(tmp_path, trust_remote_code=True),
-                          train_dataset=conversational(), processing_class=tokenizer)
+        RLOOTrainer(
+            model=path,
+            reward_funcs=length_reward,
+            args=make_args(tmp_path),
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+        )
+    trainer = RLOOTrainer(
+        model=path,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, trust_remote_code=True),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     assert type(trainer.model).__name__ == "RemoteForCausalLM"
 
 
@@ -132,9 +206,13 @@ def test_moe_router_aux_loss_is_added_and_logged(tmp_path, tokenizer):
     model = tiny_moe_causal_lm(tokenizer)
     # One micro-batch holds whole groups, on-policy: the surrogate's value is -mean(A) = 0, so the logged loss
     # is exactly coef * aux_loss.
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward,
-                          args=make_args(tmp_path, router_aux_loss_coef=0.5, max_steps=2),
-                          train_dataset=conversational(), processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, router_aux_loss_coef=0.5, max_steps=2),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     trainer.train()
     aux, loss = logged(trainer, "aux_loss"), logged(trainer, "loss")
     assert len(aux) == 2 and all(a > 0 for a in aux)
@@ -143,20 +221,34 @@ def test_moe_router_aux_loss_is_added_and_logged(tmp_path, tokenizer):
 
 
 def test_moe_default_coefficient_and_off(tmp_path, tokenizer):
-    default = RLOOTrainer(model=tiny_moe_causal_lm(tokenizer, router_aux_loss_coef=0.02), reward_funcs=length_reward,
-                          args=make_args(tmp_path), train_dataset=conversational(), processing_class=tokenizer)
+    default = RLOOTrainer(
+        model=tiny_moe_causal_lm(tokenizer, router_aux_loss_coef=0.02),
+        reward_funcs=length_reward,
+        args=make_args(tmp_path),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     assert default.router_aux_loss_coef == 0.02 and default.aux_loss_enabled  # TRL's attribute too
-    off = RLOOTrainer(model=tiny_moe_causal_lm(tokenizer), reward_funcs=length_reward,
-                      args=make_args(tmp_path, router_aux_loss_coef=0.0, max_steps=1), train_dataset=conversational(),
-                      processing_class=tokenizer)
+    off = RLOOTrainer(
+        model=tiny_moe_causal_lm(tokenizer),
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, router_aux_loss_coef=0.0, max_steps=1),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     off.train()
     assert not logged(off, "aux_loss") and not off.aux_loss_enabled
 
 
 def test_router_aux_loss_on_dense_model_is_an_error(tmp_path, tokenizer, model):
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.01.*not a Mixture-of-Experts"):
-        RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, router_aux_loss_coef=0.01),
-                    train_dataset=conversational(), processing_class=tokenizer)
+        RLOOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            args=make_args(tmp_path, router_aux_loss_coef=0.01),
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+        )
 
 
 @pytest.mark.engines
@@ -164,35 +256,57 @@ def test_gradient_checkpointing_on_and_off_give_the_same_update(tmp_path, tokeni
     results = {}
     for checkpointing in (True, False):
         model = tiny_causal_lm(tokenizer)
-        trainer = RLOOTrainer(model=model, reward_funcs=length_reward,
-                              args=make_args(tmp_path / str(checkpointing), gradient_checkpointing=checkpointing,
-                                             max_steps=2, beta=0.05),
-                              train_dataset=conversational(), processing_class=tokenizer)
+        trainer = RLOOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            args=make_args(
+                tmp_path / str(checkpointing),
+                gradient_checkpointing=checkpointing,
+                max_steps=2,
+                beta=0.05,
+            ),
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+        )
         trainer.train()
         assert model.is_gradient_checkpointing == checkpointing
         results[checkpointing] = snapshot(model)
     # (transformers 4.x: the checkpointed run's forwards take whole rows, the other's share prompts)
-    assert_same_update(results[True], results[False], snapshot(tiny_causal_lm(tokenizer)),
-                       exact=not TRANSFORMERS_4)
+    assert_same_update(
+        results[True], results[False], snapshot(tiny_causal_lm(tokenizer)), exact=not TRANSFORMERS_4
+    )
 
 
 def test_same_seed_gives_the_same_lora_initialisation(tmp_path, tokenizer):
     import torch as t
+
     adapters = []
     for index in range(2):
         t.manual_seed(index)  # whatever the global RNG went through before, the seed decides
-        trainer = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=length_reward,
-                              args=make_args(tmp_path, seed=7), train_dataset=conversational(),
-                              processing_class=tokenizer, peft_config=LoraConfig(**LORA))
-        adapters.append({n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_A" in n})
+        trainer = RLOOTrainer(
+            model=tiny_causal_lm(tokenizer),
+            reward_funcs=length_reward,
+            args=make_args(tmp_path, seed=7),
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+            peft_config=LoraConfig(**LORA),
+        )
+        adapters.append(
+            {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_A" in n}
+        )
     assert adapters[0] and all(t.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])
 
 
-def test_model_init_kwargs_revision_also_loads_the_processing_class(tmp_path, tokenizer, model, monkeypatch):
+def test_model_init_kwargs_revision_also_loads_the_processing_class(
+    tmp_path, tokenizer, model, monkeypatch
+):
     """Spec: the revision of model_init_kwargs is also used to load the processing class."""
     from transformers import AutoTokenizer
+
     model_dir, _ = save_tiny(str(tmp_path / "policy"), model, tokenizer)
-    tokenizer.save_pretrained(model_dir)  # a Llama folder: its tokenizer beside it reloads as it was
+    tokenizer.save_pretrained(
+        model_dir
+    )  # a Llama folder: its tokenizer beside it reloads as it was
     calls = []
     original = AutoTokenizer.from_pretrained
 
@@ -201,8 +315,12 @@ def test_model_init_kwargs_revision_also_loads_the_processing_class(tmp_path, to
         return original(name, *args, **kwargs)
 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
-    RLOOTrainer(model=model_dir, reward_funcs=length_reward,
-                args=make_args(tmp_path, model_init_kwargs={"revision": "main"}), train_dataset=conversational())
+    RLOOTrainer(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, model_init_kwargs={"revision": "main"}),
+        train_dataset=conversational(),
+    )
     assert calls == ["main"]
 
 
@@ -218,6 +336,7 @@ def _in_training(model, kind):
 def test_shared_prompts_give_the_same_logps_entropy_and_gradients(tokenizer, model, kind):
     """Rows repeating a prompt (left-padded, as the generations of one prompt) run it once and reuse its KV cache."""
     from rloo.logps import per_token_logps
+
     model = _in_training(model, kind)
     torch.manual_seed(0)
     prompts = torch.randint(3, len(tokenizer), (3, 7))
@@ -230,17 +349,26 @@ def test_shared_prompts_give_the_same_logps_entropy_and_gradients(tokenizer, mod
     input_ids = torch.cat([prompts[rows], completions], dim=1)
     attention_mask = torch.cat([prompt_mask[rows], completion_mask], dim=1)
     results, forwards = {}, []
-    decoder = (model.get_base_model() if kind == "lora" else model).model  # (shared prompts call it, then the head)
-    hook = decoder.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape),
-                                             with_kwargs=True)
+    decoder = (
+        model.get_base_model() if kind == "lora" else model
+    ).model  # (shared prompts call it, then the head)
+    hook = decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
     for share in (False, True):
         model.zero_grad()
-        out = per_token_logps(model, input_ids, attention_mask, 5, 0.7, with_entropy=True, share_prompts=share)
+        out = per_token_logps(
+            model, input_ids, attention_mask, 5, 0.7, with_entropy=True, share_prompts=share
+        )
         (out.logps * completion_mask).sum().backward()
         grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
         results[share] = (out.logps.detach(), out.entropy, grads)
     hook.remove()
-    assert forwards == [(8, 12), (3, 7), (8, 4)]  # whole rows; then the 3 distinct prompts once, the completions
+    assert forwards == [
+        (8, 12),
+        (3, 7),
+        (8, 4),
+    ]  # whole rows; then the 3 distinct prompts once, the completions
     torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
     for shared, whole in zip(results[True][2], results[False][2]):
@@ -252,6 +380,7 @@ def test_shared_prompts_under_activation_checkpointing(tokenizer, model):
     gradients of one forward over whole rows; the reentrant variant (no gradients inside its forward) does not share."""
     from rloo.engine.shared_prompts import can_share_prompts
     from rloo.logps import per_token_logps
+
     input_ids = torch.randint(3, len(tokenizer), (2, 9))
     input_ids[1, :6] = input_ids[0, :6]  # rows 0 and 1 share a 6-token prompt
     input_ids = input_ids[[0, 1, 0]]
@@ -259,14 +388,17 @@ def test_shared_prompts_under_activation_checkpointing(tokenizer, model):
     model.train()
     gradients, forwards = [], []
     hook = model.model.register_forward_pre_hook(
-        lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape), with_kwargs=True)
+        lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
     for kwargs in (None, {"use_reentrant": False}):
         if kwargs:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.zero_grad()
         # (transformers 4.x's checkpointed layers drop any cache they are given: whole rows there)
         assert can_share_prompts(model) == (not kwargs or not TRANSFORMERS_4)
-        per_token_logps(model, input_ids, attention_mask, 3, 1.0, share_prompts=True).logps.sum().backward()
+        per_token_logps(
+            model, input_ids, attention_mask, 3, 1.0, share_prompts=True
+        ).logps.sum().backward()
         gradients.append([p.grad.clone() for p in model.parameters()])
     hook.remove()
     # the prompt once, then the completions, with and without checkpoints
@@ -279,12 +411,15 @@ def test_shared_prompts_under_activation_checkpointing(tokenizer, model):
         assert can_share_prompts(model)  # (no backward: nothing to replay)
 
 
-def test_shared_prompts_let_each_layers_key_and_value_gradients_go_with_its_backward(tokenizer, model, monkeypatch):
+def test_shared_prompts_let_each_layers_key_and_value_gradients_go_with_its_backward(
+    tokenizer, model, monkeypatch
+):
     """Each row's copy of its prompt's keys and values is taken in the layer's own forward: the gradient of the
     keys and values the completions attended to is summed per prompt within that layer's backward and freed, not
     held until the backward of every completion layer is over."""
     from rloo import logps
     from rloo.engine import shared_prompts
+
     grads = []
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -296,11 +431,15 @@ def test_shared_prompts_let_each_layers_key_and_value_gradients_go_with_its_back
     original = shared_prompts._ReadOnlyLayer.update
     monkeypatch.setattr(shared_prompts._ReadOnlyLayer, "update", update)
     embedded, alive = [], []
-    model.model.embed_tokens.register_forward_hook(lambda module, args, output: embedded.append(output))
+    model.model.embed_tokens.register_forward_hook(
+        lambda module, args, output: embedded.append(output)
+    )
     model.train()
     input_ids = torch.randint(3, len(tokenizer), (2, 9))
     input_ids = input_ids[[0, 0, 1, 1]]
-    out = logps.per_token_logps(model, input_ids, torch.ones_like(input_ids), 3, 1.0, share_prompts=True)
+    out = logps.per_token_logps(
+        model, input_ids, torch.ones_like(input_ids), 3, 1.0, share_prompts=True
+    )
     assert len(embedded) == 2  # the prompts' forward, then the completions'
     # Its gradient is complete once every completion layer's backward has run.
     embedded[1].register_hook(lambda grad: alive.append(sum(ref() is not None for ref in grads)))
@@ -310,14 +449,16 @@ def test_shared_prompts_let_each_layers_key_and_value_gradients_go_with_its_back
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
-def test_shared_prompts_backward_layer_by_layer_gives_bitwise_the_same_gradients(tokenizer, model, monkeypatch,
-                                                                                 kind):
+def test_shared_prompts_backward_layer_by_layer_gives_bitwise_the_same_gradients(
+    tokenizer, model, monkeypatch, kind
+):
     """Each prompt layer's backward runs with its completions' layer (rloo.engine.prompt_layers): the same gradients, bit for
     bit, as autograd's own order, also added to gradients already there (accumulation over micro-batches), under the
     trainer's recomputed activations and tied embedding; no hook is left on a parameter after the backward."""
     from rloo import logps
     from rloo.engine import prompt_layers, tied
     from rloo.engine.recompute import recomputed_activations
+
     model = _in_training(model, kind)
     torch.manual_seed(0)
     prompts = torch.randint(3, len(tokenizer), (2, 7))
@@ -328,60 +469,89 @@ def test_shared_prompts_backward_layer_by_layer_gives_bitwise_the_same_gradients
     attention_mask = torch.cat([prompt_mask[rows], torch.ones(6, 5, dtype=torch.long)], dim=1)
     boundaries = []
     boundary = prompt_layers.PromptLayers.boundary
-    monkeypatch.setattr(prompt_layers.PromptLayers, "boundary",
-                        lambda self, *args: boundaries.append(args[0]) or boundary(self, *args))
+    monkeypatch.setattr(
+        prompt_layers.PromptLayers,
+        "boundary",
+        lambda self, *args: boundaries.append(args[0]) or boundary(self, *args),
+    )
     results = {}
     for layered in (True, False):
         if not layered:
-            monkeypatch.setattr(prompt_layers.PromptLayers, "applies", staticmethod(lambda decoder: False))
+            monkeypatch.setattr(
+                prompt_layers.PromptLayers, "applies", staticmethod(lambda decoder: False)
+            )
         model.zero_grad(set_to_none=True)
         for weight in (1.0, 0.5):  # the second backward adds into the gradients the first set
             with recomputed_activations(model), tied.tied_rows(model):
-                out = logps.per_token_logps(model, input_ids, attention_mask, 5, 0.7, share_prompts=True)
+                out = logps.per_token_logps(
+                    model, input_ids, attention_mask, 5, 0.7, share_prompts=True
+                )
             (out.logps * weight).sum().backward()
         results[layered] = [p.grad.clone() for p in model.parameters() if p.requires_grad]
         assert not any(p._backward_hooks for p in model.parameters())
-    layers = model.config.num_hidden_layers  # (the layered runs took that path: a node per layer and the norm)
+    layers = (
+        model.config.num_hidden_layers
+    )  # (the layered runs took that path: a node per layer and the norm)
     assert boundaries == [*range(layers + 1)] * 2
     assert all(torch.equal(layered, plain) for layered, plain in zip(results[True], results[False]))
 
 
-def test_shared_prompts_free_each_prompt_layer_within_its_completions_layer_backward(tokenizer, model):
+def test_shared_prompts_free_each_prompt_layer_within_its_completions_layer_backward(
+    tokenizer, model
+):
     """A prompt layer's activations (here its up projection, which the MLP's backward keeps) are gone by the time the
     completions' backward has reached their first layer's input: freed layer by layer, not after the whole
     completions' backward."""
     from rloo import logps
+
     model.train()
     up_projections = []  # the prompts' forward (2 distinct prompts) comes first, then the completions' (4 rows)
     for layer in model.model.layers:
         layer.mlp.up_proj.register_forward_hook(
-            lambda module, args, output: up_projections.append(weakref.ref(output.untyped_storage()))
-            if output.size(0) == 2 else None)
+            lambda module, args, output: (
+                up_projections.append(weakref.ref(output.untyped_storage()))
+                if output.size(0) == 2
+                else None
+            )
+        )
     embedded, alive = [], []
-    model.model.embed_tokens.register_forward_hook(lambda module, args, output: embedded.append(output))
+    model.model.embed_tokens.register_forward_hook(
+        lambda module, args, output: embedded.append(output)
+    )
     input_ids = torch.randint(3, len(tokenizer), (2, 9))[[0, 0, 1, 1]]
-    out = logps.per_token_logps(model, input_ids, torch.ones_like(input_ids), 3, 1.0, share_prompts=True)
+    out = logps.per_token_logps(
+        model, input_ids, torch.ones_like(input_ids), 3, 1.0, share_prompts=True
+    )
     assert len(embedded) == 2 and len(up_projections) == model.config.num_hidden_layers
-    embedded[1].register_hook(lambda grad: alive.append(sum(ref() is not None for ref in up_projections)))
+    embedded[1].register_hook(
+        lambda grad: alive.append(sum(ref() is not None for ref in up_projections))
+    )
     embedded.clear()
     out.logps.sum().backward()
     assert alive == [0]
 
 
-def test_a_parameter_with_a_hook_of_its_own_keeps_the_prompts_backward_after_the_completions(tokenizer, model,
-                                                                                            monkeypatch):
+def test_a_parameter_with_a_hook_of_its_own_keeps_the_prompts_backward_after_the_completions(
+    tokenizer, model, monkeypatch
+):
     """A hook on a parameter sees its gradient once per backward, the sum of the prompts' and the completions' parts:
     the prompts' layers then run their backward as autograd orders it (the layered one would show it the prompts'
     part too)."""
     from rloo import logps
     from rloo.engine import prompt_layers
+
     boundaries, seen = [], []
     boundary = prompt_layers.PromptLayers.boundary
-    monkeypatch.setattr(prompt_layers.PromptLayers, "boundary",
-                        lambda self, *args: boundaries.append(args[0]) or boundary(self, *args))
+    monkeypatch.setattr(
+        prompt_layers.PromptLayers,
+        "boundary",
+        lambda self, *args: boundaries.append(args[0]) or boundary(self, *args),
+    )
     model.train()
     model.model.layers[0].mlp.up_proj.weight.register_hook(lambda grad: seen.append(grad.clone()))
     input_ids = torch.randint(3, len(tokenizer), (2, 9))[[0, 0, 1, 1]]
-    logps.per_token_logps(model, input_ids, torch.ones_like(input_ids), 3, 1.0, share_prompts=True).logps.sum().backward()
+    logps.per_token_logps(
+        model, input_ids, torch.ones_like(input_ids), 3, 1.0, share_prompts=True
+    ).logps.sum().backward()
     assert boundaries == [] and len(seen) == 1
     assert torch.equal(seen[0], model.model.layers[0].mlp.up_proj.weight.grad)

@@ -13,8 +13,10 @@ PIPELINE = ("prefect", "mlflow", "submitit", "pydantic", "matplotlib", "flows", 
 
 
 def test_import_rloo_pulls_in_no_pipeline_package():
-    code = ("import sys, rloo; rloo.RLOOTrainer, rloo.RLOOConfig; "
-            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({PIPELINE!r})))")
+    code = (
+        "import sys, rloo; rloo.RLOOTrainer, rloo.RLOOConfig; "
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({PIPELINE!r})))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
@@ -22,9 +24,12 @@ def test_import_rloo_pulls_in_no_pipeline_package():
 
 def test_the_wheel_carries_the_trainer_only():
     from setuptools import find_packages
+
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
         project = tomllib.load(handle)
-    packages = find_packages(ROOT, include=project["tool"]["setuptools"]["packages"]["find"]["include"])
+    packages = find_packages(
+        ROOT, include=project["tool"]["setuptools"]["packages"]["find"]["include"]
+    )
     assert {name.split(".")[0] for name in packages} == {"rloo", "rloo_vllm"}
     assert "rloo.engine" in packages
     scripts = project["project"]["scripts"]
@@ -42,13 +47,20 @@ def _pins(name: str) -> dict[str, str]:
 
 def test_the_lowest_pins_are_the_lower_ends_of_the_ranges():
     from packaging.requirements import Requirement
+
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
         ranges = [Requirement(line) for line in tomllib.load(handle)["project"]["dependencies"]]
-    floors = {requirement.name: next(spec.version for spec in requirement.specifier if spec.operator == ">=")
-              for requirement in ranges}
+    floors = {
+        requirement.name: next(
+            spec.version for spec in requirement.specifier if spec.operator == ">="
+        )
+        for requirement in ranges
+    }
     from packaging.version import Version
-    assert {name: Version(version) for name, version in _pins("constraints-lowest.txt").items()} == \
-        {name: Version(version) for name, version in floors.items()}
+
+    assert {
+        name: Version(version) for name, version in _pins("constraints-lowest.txt").items()
+    } == {name: Version(version) for name, version in floors.items()}
 
 
 @pytest.mark.parametrize("end", ["lowest", "newest"])
@@ -59,6 +71,7 @@ def test_the_trainers_tests_pass_at_both_ends_of_its_ranges(end):
     if not os.path.exists(python):
         pytest.fail(f".venv-{end} is missing: run `bash scripts/setup.sh --with-version-ends`")
     import json
+
     code = "import importlib.metadata as m, json, sys; print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"
     names = list(_pins("constraints-lowest.txt"))
     found = subprocess.run([python, "-c", code, *names], capture_output=True, text=True, check=True)
@@ -67,11 +80,31 @@ def test_the_trainers_tests_pass_at_both_ends_of_its_ranges(end):
         assert installed == _pins("constraints-lowest.txt")
     else:  # at least the suite's own pinned set, torch the newest this machine's pip takes
         from packaging.version import Version
+
         pinned = _pins("constraints.txt")
         assert installed["torch"] == "2.14.1"
-        assert all(Version(installed[name]) >= Version(pinned[name]) for name in names if name in pinned)
-    result = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_algorithm.py",
-                             "tests/test_versions.py", "tests/test_engine.py", "tests/test_trainer.py", "-k",
-                             "not learns_to_emit"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+        assert all(
+            Version(installed[name]) >= Version(pinned[name]) for name in names if name in pinned
+        )
+    result = subprocess.run(
+        [
+            python,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_algorithm.py",
+            "tests/test_versions.py",
+            "tests/test_engine.py",
+            "tests/test_trainer.py",
+            "-k",
+            "not learns_to_emit",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout.splitlines()[-1]

@@ -34,9 +34,23 @@ class PrefectServer:
     def start(self) -> "PrefectServer":
         env = {**os.environ, "PREFECT_HOME": self.home, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
         log = open(os.path.join(self.home, "server.log"), "a")
-        self.process = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                         "--port", str(self.port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "prefect",
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.time() + 180
         while time.time() < deadline:
             try:
@@ -48,6 +62,7 @@ class PrefectServer:
 
     def stop(self) -> None:
         from infra.launch import stop_process_groups
+
         stop_process_groups([self.process], timeout_s=30)
 
 
@@ -68,24 +83,45 @@ def outage(tmp_path_factory):
     process has ended; then `rloo-pipeline resume`. The run is reused by the promotion test."""
     from infra.launch import JobHandle, job_state
     from infra.runconfig import load_run_config
+
     tmp_path = tmp_path_factory.mktemp("outage")
     home = tmp_path / "prefect"
     home.mkdir()
     server = PrefectServer(str(home)).start()
-    env = {**os.environ, "PREFECT_API_URL": server.api, "RLOO_HUB_PUBLISHER": f"local:{tmp_path}/hub",
-           "PREFECT_CLIENT_MAX_RETRIES": "0", "RLOO_TEST_STEP_SLEEP": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "faults"), ROOT])}
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": server.api,
+        "RLOO_HUB_PUBLISHER": f"local:{tmp_path}/hub",
+        "PREFECT_CLIENT_MAX_RETRIES": "0",
+        "RLOO_TEST_STEP_SLEEP": "1",
+        "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "faults"), ROOT]),
+    }
     run_root = str(tmp_path / "runs")
-    sets = [f"run_root={run_root}", f"data.source={ROOT}/data/arithmetic.jsonl", f"training.max_steps={STEPS}",
-            "training.callbacks=[points:SlowSteps]"]
+    sets = [
+        f"run_root={run_root}",
+        f"data.source={ROOT}/data/arithmetic.jsonl",
+        f"training.max_steps={STEPS}",
+        "training.callbacks=[points:SlowSteps]",
+    ]
     config = load_run_config(os.path.join(ROOT, "configs", "tiny.yaml"), sets)
     train_dir = os.path.join(config.run_dir, "train")
     log_path = str(tmp_path / "first.log")
     try:
         with open(log_path, "w") as log:
-            first = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml",
-                                      *[f"--set={s}" for s in sets]], cwd=ROOT, env=env, stdout=log,
-                                     stderr=subprocess.STDOUT)
+            first = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "flows.cli",
+                    "run",
+                    "configs/tiny.yaml",
+                    *[f"--set={s}" for s in sets],
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.time() + 300
         while _logged_step(train_dir) < 2:
             assert first.poll() is None and time.time() < deadline, open(log_path).read()[-4000:]
@@ -99,22 +135,44 @@ def outage(tmp_path_factory):
         job_end = {"state": job_state(handle)[0], "step": _logged_step(train_dir)}
         first_code = first.wait(timeout=240)  # it ends by itself, with the API still away
         server.start()  # back, same database
-        resumed = subprocess.run([sys.executable, "-m", "flows.cli", "resume", config.run_key, "--run-root",
-                                  run_root], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        yield {"server": server, "env": env, "config": config, "run_root": run_root, "job_end": job_end,
-               "first": (first_code, open(log_path).read()), "resumed": resumed, "tmp_path": tmp_path}
+        resumed = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "resume", config.run_key, "--run-root", run_root],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        yield {
+            "server": server,
+            "env": env,
+            "config": config,
+            "run_root": run_root,
+            "job_end": job_end,
+            "first": (first_code, open(log_path).read()),
+            "resumed": resumed,
+            "tmp_path": tmp_path,
+        }
     finally:
         server.stop()
 
 
 def test_training_outlives_the_prefect_api_and_resume_picks_the_run_up(outage):
     from infra import stages
-    assert outage["job_end"] == {"state": "COMPLETED", "step": STEPS}  # trained to the end with no API
+
+    assert outage["job_end"] == {
+        "state": "COMPLETED",
+        "step": STEPS,
+    }  # trained to the end with no API
     code, output = outage["first"]
     assert code == 1, output[-4000:]
-    assert "the Prefect API is unreachable" in output  # it kept following the job without progress updates
-    assert ("went away" in output and f"`rloo-pipeline resume {outage['config'].run_key} --run-root "
-            in output), output[-3000:]
+    assert (
+        "the Prefect API is unreachable" in output
+    )  # it kept following the job without progress updates
+    assert (
+        "went away" in output
+        and f"`rloo-pipeline resume {outage['config'].run_key} --run-root " in output
+    ), output[-3000:]
     resumed = outage["resumed"]
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     config = outage["config"]
@@ -125,23 +183,51 @@ def test_training_outlives_the_prefect_api_and_resume_picks_the_run_up(outage):
 
 
 def test_a_waiting_promotion_survives_a_server_outage(outage):
-    server, env, run_root, tmp_path = outage["server"], outage["env"], outage["run_root"], outage["tmp_path"]
+    server, env, run_root, tmp_path = (
+        outage["server"],
+        outage["env"],
+        outage["run_root"],
+        outage["tmp_path"],
+    )
     assert outage["resumed"].returncode == 0
     run = outage["config"].run_key
     log_path = str(tmp_path / "promote.log")
     with open(log_path, "w") as log:
-        promotion = subprocess.Popen([sys.executable, "-m", "flows.cli", "promote", run, "--run-root", run_root,
-                                      "--set", "promotion.require_approval=true", "--set",
-                                      "promotion.min_gain=-1"], cwd=ROOT, env=env, stdout=log,
-                                     stderr=subprocess.STDOUT)
+        promotion = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "promote",
+                run,
+                "--run-root",
+                run_root,
+                "--set",
+                "promotion.require_approval=true",
+                "--set",
+                "promotion.min_gain=-1",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     wait_for_line(log_path, "waiting for approval", promotion)
     time.sleep(3)
     server.stop()  # the server goes away while the flow run is paused
     wait_for_line(log_path, "went away while waiting for approval", promotion, 120)
     server.start()  # back, same database
-    answer = subprocess.run([sys.executable, "-m", "flows.cli", "promote", run, "--run-root", run_root,
-                             "--approve"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert answer.returncode == 0 and "approved: flow run" in answer.stdout, answer.stdout + answer.stderr
+    answer = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "promote", run, "--run-root", run_root, "--approve"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert answer.returncode == 0 and "approved: flow run" in answer.stdout, (
+        answer.stdout + answer.stderr
+    )
     assert promotion.wait(timeout=180) == 0, open(log_path).read()[-4000:]
     assert "published" in open(log_path).read()
     assert os.path.exists(tmp_path / "hub" / "rloo-tiny" / "main" / "adapter_model.safetensors")

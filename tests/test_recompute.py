@@ -19,10 +19,21 @@ from helpers import conversational, make_args, position_reward, with_lora
 def _model(tokenizer, kind):
     if kind == "qwen2":  # biases on q/k/v, Qwen2's own norm and MLP classes
         from transformers import Qwen2Config, Qwen2ForCausalLM
+
         torch.manual_seed(0)
-        return Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                            eos_token_id=2, pad_token_id=2, bos_token_id=None))
+        return Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=len(tokenizer),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                eos_token_id=2,
+                pad_token_id=2,
+                bos_token_id=None,
+            )
+        )
     model = tiny_causal_lm(tokenizer, tie_word_embeddings=kind == "tied")
     if kind == "lora":
         model = with_lora(model)
@@ -48,7 +59,9 @@ def _logps_and_grads(model, recomputed: bool):
     with recompute.recomputed_activations(model if recomputed else None) as covered:
         out = per_token_logps(model, ids, mask, 5, 0.7, with_entropy=True, share_prompts=True)
     (out.logps.float() * mask[:, -5:]).sum().backward()
-    grads = {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
+    grads = {
+        name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad
+    }
     return covered, out.logps.detach(), out.entropy, grads
 
 
@@ -62,7 +75,9 @@ def test_recomputed_activations_give_the_models_own_logps_and_gradients(tokenize
     assert grads.keys() == grads_plain.keys() and len(grads) > 0
     for name, grad in grads.items():
         assert torch.equal(grad, grads_plain[name]), name
-    assert all("forward" not in module.__dict__ for module in model.modules())  # the model is as it was
+    assert all(
+        "forward" not in module.__dict__ for module in model.modules()
+    )  # the model is as it was
 
 
 def test_recomputable_activations_are_not_kept_for_the_backward(tokenizer, monkeypatch):
@@ -72,13 +87,19 @@ def test_recomputable_activations_are_not_kept_for_the_backward(tokenizer, monke
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
     from rloo.engine.registry import registry
+
     kinds = [registry().get(cls) for cls in (LlamaRMSNorm, LlamaMLP, GemmaRMSNorm)]
     assert kinds == ["norm", "mlp", None]
     model = tiny_causal_lm(tokenizer)
     registered = []
     add = recompute._Recipes.add
-    monkeypatch.setattr(recompute._Recipes, "add",
-                        lambda self, tensor, make: registered.append(weakref.ref(tensor)) or add(self, tensor, make))
+    monkeypatch.setattr(
+        recompute._Recipes,
+        "add",
+        lambda self, tensor, make: (
+            registered.append(weakref.ref(tensor)) or add(self, tensor, make)
+        ),
+    )
     ids, mask = _rows()
 
     def alive_after_forward():
@@ -97,12 +118,16 @@ def test_recomputable_activations_are_not_kept_for_the_backward(tokenizer, monke
     with recompute.recomputed_activations(model) as covered:
         assert covered == 0
     del model.lm_head.weight.ds_id
-    monkeypatch.setattr(recompute, "saved_tensors_hooks", lambda pack, unpack: contextlib.nullcontext())
+    monkeypatch.setattr(
+        recompute, "saved_tensors_hooks", lambda pack, unpack: contextlib.nullcontext()
+    )
     out, alive = alive_after_forward()
     assert len(alive) > len(registered) // 2
 
 
-def test_the_loss_forward_recomputes_activations_unless_layers_are_checkpointed(tmp_path, tokenizer, monkeypatch):
+def test_the_loss_forward_recomputes_activations_unless_layers_are_checkpointed(
+    tmp_path, tokenizer, monkeypatch
+):
     seen = []
     real = recompute.recomputed_activations
 
@@ -115,10 +140,15 @@ def test_the_loss_forward_recomputes_activations_unless_layers_are_checkpointed(
     monkeypatch.setattr(recompute, "recomputed_activations", recording)
     for checkpointed in (False, True):
         seen.clear()
-        trainer = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=position_reward,
-                              args=make_args(tmp_path / str(checkpointed), max_steps=1,
-                                             gradient_checkpointing=checkpointed),
-                              train_dataset=conversational(), processing_class=tokenizer)
+        trainer = RLOOTrainer(
+            model=tiny_causal_lm(tokenizer),
+            reward_funcs=position_reward,
+            args=make_args(
+                tmp_path / str(checkpointed), max_steps=1, gradient_checkpointing=checkpointed
+            ),
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+        )
         trainer.train()
         assert seen == ([0] if checkpointed else [7])
 
@@ -132,13 +162,18 @@ def test_what_a_recipe_needs_goes_with_its_layers_backward(tokenizer):
     outputs = []
     for layer in model.model.layers:
         for projection in (layer.mlp.gate_proj, layer.mlp.up_proj):
-            projection.register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))
+            projection.register_forward_hook(
+                lambda module, args, output: outputs.append(weakref.ref(output))
+            )
     alive_at_the_end = []
     model.model.layers[0].self_attn.q_proj.weight.register_post_accumulate_grad_hook(
-        lambda param: alive_at_the_end.append(sum(ref() is not None for ref in outputs)))
+        lambda param: alive_at_the_end.append(sum(ref() is not None for ref in outputs))
+    )
     ids, mask = _rows()
     with recompute.recomputed_activations(model):
         out = per_token_logps(model, ids, mask, 5, 1.0, share_prompts=True)
-    assert len(outputs) == 2 * 2 * 2 and all(ref() is not None for ref in outputs)  # 2 passes x 2 layers x 2
+    assert len(outputs) == 2 * 2 * 2 and all(
+        ref() is not None for ref in outputs
+    )  # 2 passes x 2 layers x 2
     out.logps.sum().backward()
     assert alive_at_the_end == [0]

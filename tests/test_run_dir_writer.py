@@ -25,29 +25,48 @@ with sole_writer(sys.argv[1], flow_run="the-first-flow-run"):
 
 
 def hold(run_dir, seconds):
-    process = subprocess.Popen([sys.executable, "-c", HOLD, run_dir, str(seconds)], cwd=ROOT, stdout=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLD, run_dir, str(seconds)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout.readline().strip() == "held"
     return process
 
 
 def test_a_second_writer_is_refused_or_waits_and_a_killed_one_frees_the_directory(tmp_path, capsys):
-    assignments = [f"run_root={tmp_path}", "tracking.tracking_uri=sqlite:///" + str(tmp_path / "mlflow.db")]
+    assignments = [
+        f"run_root={tmp_path}",
+        "tracking.tracking_uri=sqlite:///" + str(tmp_path / "mlflow.db"),
+    ]
     run_dir = load_run_config(TINY, assignments).run_dir
     holder = hold(run_dir, 60)
     before = sorted(os.listdir(run_dir))
-    second = subprocess.run([sys.executable, "-m", "flows.cli", "run", TINY, *[f"--set={a}" for a in assignments]],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    second = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", TINY, *[f"--set={a}" for a in assignments]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert second.returncode == 2, second.stdout + second.stderr
-    assert (f"rloo-pipeline run: error: {run_dir} is being written by process {holder.pid} on "
-            in second.stderr), second.stderr
-    assert "Prefect flow run the-first-flow-run" in second.stderr and "--if-running wait" in second.stderr
-    assert sorted(os.listdir(run_dir)) == before == [".writer.lock", "writer.json"]  # nothing else written
+    assert (
+        f"rloo-pipeline run: error: {run_dir} is being written by process {holder.pid} on "
+        in second.stderr
+    ), second.stderr
+    assert (
+        "Prefect flow run the-first-flow-run" in second.stderr
+        and "--if-running wait" in second.stderr
+    )
+    assert (
+        sorted(os.listdir(run_dir)) == before == [".writer.lock", "writer.json"]
+    )  # nothing else written
 
     holder.send_signal(signal.SIGKILL)  # however it dies, the kernel releases the lock
     holder.wait()
     with sole_writer(run_dir):
-        assert f"\"pid\": {os.getpid()}," in open(os.path.join(run_dir, "writer.json")).read()
+        assert f'"pid": {os.getpid()},' in open(os.path.join(run_dir, "writer.json")).read()
     assert "writer.json" not in os.listdir(run_dir)
 
     holder = hold(run_dir, 1.5)

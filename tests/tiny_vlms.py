@@ -24,7 +24,10 @@ from PIL import Image
 
 from rloo.tiny import tiny_text_config, tiny_tokenizer, tiny_vision_model
 
-def _tokenizer(image_tokens: list[str], image_markup: str, extra_special_tokens: dict | None = None):
+
+def _tokenizer(
+    image_tokens: list[str], image_markup: str, extra_special_tokens: dict | None = None
+):
     return tiny_tokenizer(tuple(image_tokens), image_markup, extra_special_tokens)
 
 
@@ -41,54 +44,95 @@ def tiny_gemma3(seed: int = 0):
     """(model, processor): Gemma3 with 32x32 images, 4 soft tokens each."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-    tokenizer = _tokenizer(["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
-                           "<start_of_image>", {"boi_token": "<start_of_image>",
-                                                "image_token": "<image_soft_token>",
-                                                "eoi_token": "<end_of_image>"})
+
+    tokenizer = _tokenizer(
+        ["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
+        "<start_of_image>",
+        {
+            "boi_token": "<start_of_image>",
+            "image_token": "<image_soft_token>",
+            "eoi_token": "<end_of_image>",
+        },
+    )
     ids = tokenizer.convert_tokens_to_ids
     text = _text(len(tokenizer))
     text.update(head_dim=8, query_pre_attn_scalar=8, sliding_window=64)
     config = Gemma3Config(
-        text_config=text, vision_config=dict(hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=1, num_attention_heads=2,
-                                             image_size=32, patch_size=8),
-        mm_tokens_per_image=4, boi_token_index=ids("<start_of_image>"),
-        eoi_token_index=ids("<end_of_image>"), image_token_index=ids("<image_soft_token>"),
-        eos_token_id=2, pad_token_id=2, bos_token_id=None)
+        text_config=text,
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>"),
+        image_token_index=ids("<image_soft_token>"),
+        eos_token_id=2,
+        pad_token_id=2,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config)
     # transformers initialises the projection to zeros: no image would reach the text model
     with torch.no_grad():
         model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
     image_processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
-    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
-                                chat_template=tokenizer.chat_template, image_seq_length=4)
+    processor = Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+        image_seq_length=4,
+    )
     return _finish(model, tokenizer), processor
 
 
 def tiny_llava_next(seed: int = 0):
     """(model, processor): LLaVA-NeXT with 16x16 tiles of 8-pixel patches, grids up to 2x2."""
     from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
-    from transformers.models.llava_next.image_processing_pil_llava_next import \
-        LlavaNextImageProcessorPil
+    from transformers.models.llava_next.image_processing_pil_llava_next import (
+        LlavaNextImageProcessorPil,
+    )
+
     tokenizer = _tokenizer(["<image>"], "<image>")
     config = LlavaNextConfig(
         text_config={"model_type": "llama", **_text(len(tokenizer))},
-        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=2, num_attention_heads=2, image_size=16,
-                           patch_size=8, projection_dim=32),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=8,
+            projection_dim=32,
+        ),
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-        image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]], vision_feature_layer=-1,
-        image_seq_length=4, eos_token_id=2, pad_token_id=2, bos_token_id=None)
+        image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]],
+        vision_feature_layer=-1,
+        image_seq_length=4,
+        eos_token_id=2,
+        pad_token_id=2,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = LlavaNextForConditionalGeneration(config)
     image_processor = LlavaNextImageProcessorPil(
-        size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
-        image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]])
-    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                   chat_template=tokenizer.chat_template, patch_size=8,
-                                   vision_feature_select_strategy="default",
-                                   num_additional_image_tokens=1)
+        size={"shortest_edge": 16},
+        crop_size={"height": 16, "width": 16},
+        image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]],
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
     return _finish(model, tokenizer), processor
 
 
@@ -97,32 +141,54 @@ def tiny_qwen2_5_vl(seed: int = 0):
     first vision block and full attention in its second."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
-        Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from rloo.vision import images_only
-    tokenizer = _tokenizer(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
-                           "<|vision_start|><|image_pad|><|vision_end|>")
+
+    tokenizer = _tokenizer(
+        ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+        "<|vision_start|><|image_pad|><|vision_end|>",
+    )
     ids = tokenizer.convert_tokens_to_ids
     text = _text(len(tokenizer))
-    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 1, 1],
-                               "rope_theta": 10000.0}
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "mrope_section": [2, 1, 1],
+        "rope_theta": 10000.0,
+    }
     config = Qwen2_5_VLConfig(
-        text_config=text, vision_config=dict(depth=2, hidden_size=16, intermediate_size=32,
-                                             num_heads=2, patch_size=4, spatial_merge_size=2,
-                                             temporal_patch_size=2, window_size=16,
-                                             out_hidden_size=32, fullatt_block_indexes=[1]),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        eos_token_id=2, pad_token_id=2, bos_token_id=None)
+        text_config=text,
+        vision_config=dict(
+            depth=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=16,
+            out_hidden_size=32,
+            fullatt_block_indexes=[1],
+        ),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=2,
+        pad_token_id=2,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
-    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 16 * 16,
-                                                     "longest_edge": 32 * 32},
-                                               patch_size=4, merge_size=2, temporal_patch_size=2)
-    processor = images_only(Qwen2_5_VLProcessor)(image_processor=image_processor,
-                                                 tokenizer=tokenizer,
-                                                 chat_template=tokenizer.chat_template)
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
+        patch_size=4,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+    processor = images_only(Qwen2_5_VLProcessor)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+    )
     return _finish(model, tokenizer), processor
 
 
@@ -130,27 +196,47 @@ def tiny_idefics3(seed: int = 0):
     """(model, processor): Idefics3 (SmolVLM's architecture), each image resized to 32x32 without
     splitting, 8-pixel patches shuffled 2x2 into 4 image tokens."""
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
-    from transformers.models.idefics3.image_processing_pil_idefics3 import \
-        Idefics3ImageProcessorPil
-    tokenizer = _tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>",
-                            "<global-img>"], "<image>")
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = _tokenizer(
+        ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"], "<image>"
+    )
     config = Idefics3Config(
         text_config={"model_type": "llama", **_text(len(tokenizer))},
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=32, patch_size=8),
-        scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-        pad_token_id=2, tie_word_embeddings=False)
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config)
     image_processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": 32}, max_image_size={"longest_edge": 32}, do_image_splitting=False)
-    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
-                                  image_seq_len=4, chat_template=tokenizer.chat_template)
+        size={"longest_edge": 32}, max_image_size={"longest_edge": 32}, do_image_splitting=False
+    )
+    processor = Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=4,
+        chat_template=tokenizer.chat_template,
+    )
     return _finish(model, tokenizer), processor
 
 
-FAMILIES = {"qwen2_vl": tiny_qwen2_vl, "qwen2_5_vl": tiny_qwen2_5_vl, "gemma3": tiny_gemma3,
-            "llava_next": tiny_llava_next, "idefics3": tiny_idefics3}
+FAMILIES = {
+    "qwen2_vl": tiny_qwen2_vl,
+    "qwen2_5_vl": tiny_qwen2_5_vl,
+    "gemma3": tiny_gemma3,
+    "llava_next": tiny_llava_next,
+    "idefics3": tiny_idefics3,
+}
 
 
 def _finish(model, tokenizer):

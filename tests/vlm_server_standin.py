@@ -25,11 +25,11 @@ from rloo_vllm.wire import dtype_of, plan_chunks, unpack
 
 
 class Served:
-
     def __init__(self, folder: str, scale_out: bool):
         from transformers import AutoConfig, AutoModelForImageTextToText
 
         from rloo.vision import load_processor
+
         self.folder, self.scale_out = folder, scale_out
         self.model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
         self.processor = load_processor(folder, AutoConfig.from_pretrained(folder), False)
@@ -39,10 +39,19 @@ class Served:
 
     def join(self, info: dict) -> None:
         timeout = timedelta(seconds=info["timeout_s"])
-        store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"],
-                              is_master=False, timeout=timeout)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("rloo-weights", store),
-                                           info["rank_offset"], info["world_size"], timeout)
+        store = dist.TCPStore(
+            info["master_address"],
+            info["master_port"],
+            info["world_size"],
+            is_master=False,
+            timeout=timeout,
+        )
+        self.group = dist.ProcessGroupGloo(
+            dist.PrefixStore("rloo-weights", store),
+            info["rank_offset"],
+            info["world_size"],
+            timeout,
+        )
         self.chunk_bytes = info["chunk_bytes"]
 
     def receive(self, info: dict) -> None:
@@ -52,8 +61,10 @@ class Served:
             raise ValueError(f"no parameter named {unknown[0]!r} in the served model")
         for chunk in plan_chunks(info["dtype_names"], info["shapes"], self.chunk_bytes):
             shapes = [info["shapes"][i] for i in chunk]
-            buffer = torch.empty(sum(torch.Size(s).numel() for s in shapes),
-                                 dtype=dtype_of(info["dtype_names"][chunk[0]]))
+            buffer = torch.empty(
+                sum(torch.Size(s).numel() for s in shapes),
+                dtype=dtype_of(info["dtype_names"][chunk[0]]),
+            )
             self.group.broadcast(buffer, 0).wait()
             with torch.no_grad():
                 for i, tensor in zip(chunk, unpack(buffer, shapes)):
@@ -63,8 +74,11 @@ class Served:
         """The model's inputs for processor-expanded ids and their images (data URLs). As vLLM, it
         computes each image's placeholder length itself and refuses ids whose runs of
         placeholders do not match (Qwen2-VL: one per merged patch)."""
-        images = [Image.open(io.BytesIO(base64.b64decode(part["url"].split(",", 1)[1])))
-                  for part in parts if part["type"] == "image_url"]
+        images = [
+            Image.open(io.BytesIO(base64.b64decode(part["url"].split(",", 1)[1])))
+            for part in parts
+            if part["type"] == "image_url"
+        ]
         inputs = {"input_ids": torch.tensor([token_ids])}
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
         # M-RoPE positions: 1 marks an image token (what the processor returns beside the ids)
@@ -94,34 +108,50 @@ class Served:
                 logits = self.model(**inputs).logits[0].float()
                 logps = torch.log_softmax(logits[:-1], dim=-1)
                 answer["prompt_logprobs"] = [None] + [
-                    {str(t): {"logprob": logps[i, t].item()}} for i, t in enumerate(ids[1:])]
+                    {str(t): {"logprob": logps[i, t].item()}} for i, t in enumerate(ids[1:])
+                ]
                 answer["choices"] = [{"index": 0, "token_ids": [0]}]
                 return answer
             torch.manual_seed(sampling["seed"])
-            suppress = [int(t) for t, bias in (sampling.get("logit_bias") or {}).items()
-                        if bias <= -100]
+            suppress = [
+                int(t) for t, bias in (sampling.get("logit_bias") or {}).items() if bias <= -100
+            ]
             out = self.model.generate(
-                **inputs, do_sample=True, max_new_tokens=sampling["max_tokens"],
-                temperature=sampling["temperature"], top_p=sampling["top_p"],
-                top_k=max(sampling["top_k"], 0), num_return_sequences=sampling["n"],
-                suppress_tokens=suppress or None, output_scores=True,
-                return_dict_in_generate=True)
+                **inputs,
+                do_sample=True,
+                max_new_tokens=sampling["max_tokens"],
+                temperature=sampling["temperature"],
+                top_p=sampling["top_p"],
+                top_k=max(sampling["top_k"], 0),
+                num_return_sequences=sampling["n"],
+                suppress_tokens=suppress or None,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
         width = inputs["input_ids"].size(1)
         eos = self.model.generation_config.eos_token_id
         answer["choices"] = []
         for index, row in enumerate(out.sequences[:, width:].tolist()):
             end = row.index(eos) + 1 if eos in row else len(row)
-            logps = [torch.log_softmax(out.scores[i][index].float(), -1)[t].item()
-                     for i, t in enumerate(row[:end])]
-            answer["choices"].append({"index": index, "token_ids": row[:end], "logprobs": {
-                "content": [{"token_id": t, "logprob": p} for t, p in zip(row[:end], logps)]}})
+            logps = [
+                torch.log_softmax(out.scores[i][index].float(), -1)[t].item()
+                for i, t in enumerate(row[:end])
+            ]
+            answer["choices"].append(
+                {
+                    "index": index,
+                    "token_ids": row[:end],
+                    "logprobs": {
+                        "content": [{"token_id": t, "logprob": p} for t, p in zip(row[:end], logps)]
+                    },
+                }
+            )
         return answer
 
 
 def handler_for(served: Served):
 
     class Handler(BaseHTTPRequestHandler):
-
         def log_message(self, *args):
             pass
 
@@ -141,9 +171,16 @@ def handler_for(served: Served):
                 self._answer(200, {"data": [{"id": served.folder}]})
             elif route == "/server_info":
                 # generate's scores are the processed distribution's: vLLM's processed_logprobs mode
-                self._answer(200, {"vllm_config": {"lora_config": None,
-                                                   "model_config": {"logprobs_mode": "processed_logprobs"},
-                                                   "weight_transfer_config": {"backend": "gloo"}}})
+                self._answer(
+                    200,
+                    {
+                        "vllm_config": {
+                            "lora_config": None,
+                            "model_config": {"logprobs_mode": "processed_logprobs"},
+                            "weight_transfer_config": {"backend": "gloo"},
+                        }
+                    },
+                )
             elif route == "/get_world_size":
                 self._answer(200, {"world_size": 1})
             else:
@@ -158,14 +195,26 @@ def handler_for(served: Served):
                     served.receive(body["update_info"])
                 elif self.path == "/inference/v1/generate":
                     if not served.scale_out:  # vLLM's answer without --enable-scale-out
-                        self._answer(403, {"error": {"message": (
-                            "Scale-out endpoints are disabled. Restart vllm serve with "
-                            "--enable-scale-out to enable them."), "code": 403}})
+                        self._answer(
+                            403,
+                            {
+                                "error": {
+                                    "message": (
+                                        "Scale-out endpoints are disabled. Restart vllm serve with "
+                                        "--enable-scale-out to enable them."
+                                    ),
+                                    "code": 403,
+                                }
+                            },
+                        )
                         return
                     self._answer(200, served.generate(body))
                     return
-                elif self.path not in ("/start_weight_update", "/finish_weight_update",
-                                       "/reset_prefix_cache"):
+                elif self.path not in (
+                    "/start_weight_update",
+                    "/finish_weight_update",
+                    "/reset_prefix_cache",
+                ):
                     self._answer(404, {"error": f"no route {self.path}"})
                     return
             except (ValueError, KeyError) as err:

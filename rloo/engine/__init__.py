@@ -28,7 +28,8 @@ def mode(value: str | None = None) -> str:
         source = "engine" if value is not None else ENVIRONMENT
         raise ValueError(
             f"{source}={chosen!r}: use 'fast' (the speed layer) or 'reference' (model.generate and "
-            "plain forwards, the speed layer off).")
+            "plain forwards, the speed layer off)."
+        )
     return chosen
 
 
@@ -46,6 +47,7 @@ def loss_context(model: nn.Module, unwrapped: nn.Module, fast: bool):
         return
     from rloo.engine.recompute import recomputed_activations
     from rloo.engine.tied import tied_rows
+
     with recomputed_activations(model), tied_rows(unwrapped):
         yield
 
@@ -55,13 +57,14 @@ def keep_freed_memory(fast: bool) -> None:
     on."""
     if fast:
         from rloo.engine import heap
+
         heap.keep_freed_memory()
 
 
 REFERENCE_REASONS = {
     "vision": "a vision-language model: the speed layer's decode loop and forwards take no images",
     "liger": "use_liger_kernel: Liger's kernels replace the model's own modules, which the speed "
-             "layer's forwards would bypass",
+    "layer's forwards would bypass",
 }
 
 
@@ -71,39 +74,73 @@ def reference_reason(vision: bool, use_liger_kernel: bool) -> str | None:
     return "vision" if vision else "liger" if use_liger_kernel else None
 
 
-def describe(fast: bool, model: nn.Module, generator: object, reference: nn.Module | None,
-             forced: str | None = None) -> str:
+def describe(
+    fast: bool,
+    model: nn.Module,
+    generator: object,
+    reference: nn.Module | None,
+    forced: str | None = None,
+) -> str:
     """One line: each part of the speed layer, on or off and why, for this model and machine
     (`forced`: why it takes the reference path whatever the mode, from reference_reason)."""
     model, reference = _unwrapped(model), reference and _unwrapped(reference)
     if forced is not None:
-        return (f"rloo engine: reference ({REFERENCE_REASONS[forced]}): model.generate and plain "
-                "forwards")
+        return (
+            f"rloo engine: reference ({REFERENCE_REASONS[forced]}): model.generate and plain "
+            "forwards"
+        )
     if not fast:
-        return (f"rloo engine: reference ({ENVIRONMENT}=reference or engine='reference'): "
-                "model.generate and plain forwards; no fast path on")
+        return (
+            f"rloo engine: reference ({ENVIRONMENT}=reference or engine='reference'): "
+            "model.generate and plain forwards; no fast path on"
+        )
     from rloo.engine import heap, kernel, shared_prompts, tied
     from rloo.engine.lean import LeanGenerator
     from rloo.engine.recompute import covered_modules
+
     parts = []
     if isinstance(generator, LeanGenerator):
         library = kernel.for_decoding() if _on_cpu(model) else None
-        build = "torch step" if library is None else \
-            "C kernel, AVX-512 build" if library.vector_floats() == 16 else "C kernel, AVX2 build"
+        build = (
+            "torch step"
+            if library is None
+            else "C kernel, AVX-512 build"
+            if library.vector_floats() == 16
+            else "C kernel, AVX2 build"
+        )
         parts.append(f"decode loop: on ({build})")
     else:
         parts.append(f"decode loop: off ({type(generator).__name__} generates)")
-    parts.append("shared prompts: " + ("on" if shared_prompts.can_share_prompts(model) else
-                                       "off (this model's forward takes no shareable KV cache)"))
+    parts.append(
+        "shared prompts: "
+        + (
+            "on"
+            if shared_prompts.can_share_prompts(model)
+            else "off (this model's forward takes no shareable KV cache)"
+        )
+    )
     covered = covered_modules(model)
-    parts.append(f"recomputed activations: on ({covered} modules)" if covered else
-                 "recomputed activations: off (no registered norm or MLP class)")
+    parts.append(
+        f"recomputed activations: on ({covered} modules)"
+        if covered
+        else "recomputed activations: off (no registered norm or MLP class)"
+    )
     parts.append("tied-embedding rows: " + ("on" if tied.is_tied(model) else "off (untied model)"))
     mapped = reference is not None and getattr(reference, "_rloo_mapping", None) is not None
-    parts.append("mapped reference: " + (
-        "on" if mapped else "off (" +
-        ("no separate reference model" if reference is None else "no disk filesystem to map from") +
-        ")"))
+    parts.append(
+        "mapped reference: "
+        + (
+            "on"
+            if mapped
+            else "off ("
+            + (
+                "no separate reference model"
+                if reference is None
+                else "no disk filesystem to map from"
+            )
+            + ")"
+        )
+    )
     parts.append("freed memory kept: " + ("on" if heap.libc() is not None else "off (no glibc)"))
     return "rloo engine: " + "; ".join(parts)
 

@@ -14,11 +14,15 @@ import re
 from typing import Any, NamedTuple
 
 SCALARS = {
-    "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double, "long": ctypes.c_long,
-    "unsigned long long": ctypes.c_ulonglong
+    "int": ctypes.c_int,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+    "long": ctypes.c_long,
+    "unsigned long long": ctypes.c_ulonglong,
 }
-_FUNCTION = re.compile(r"^(void|int|float|double|long|unsigned long long)\s+(\w+)\(([^)]*)\)\s*\{",
-                       re.M)
+_FUNCTION = re.compile(
+    r"^(void|int|float|double|long|unsigned long long)\s+(\w+)\(([^)]*)\)\s*\{", re.M
+)
 _STRUCT = re.compile(r"typedef struct \{(.*?)\} layer;", re.S)
 
 
@@ -37,12 +41,13 @@ def _ctype(declaration: str) -> tuple[str, Any]:
     """'const float *const *ws' -> ('ws', c_void_p); 'int rows' -> ('rows', c_int)."""
     declaration = " ".join(declaration.split())
     name = re.search(r"(\w+)$", declaration).group(1)
-    kind = declaration[:-len(name)].replace("const", "").strip()
+    kind = declaration[: -len(name)].replace("const", "").strip()
     if "*" in kind:
         return name, ctypes.c_void_p
     if kind not in SCALARS:
         raise ValueError(
-            f"kernel.c: parameter {declaration!r} has a type the binding does not know")
+            f"kernel.c: parameter {declaration!r} has a type the binding does not know"
+        )
     return name, SCALARS[kind]
 
 
@@ -52,8 +57,11 @@ def functions(source: str) -> dict[str, Signature]:
     for result, name, parameters in _FUNCTION.findall(source):
         parts = [part for part in parameters.split(",") if part.strip() not in ("", "void")]
         pairs = [_ctype(part) for part in parts]
-        found[name] = Signature(None if result == "void" else SCALARS[result],
-                                tuple(n for n, _ in pairs), tuple(t for _, t in pairs))
+        found[name] = Signature(
+            None if result == "void" else SCALARS[result],
+            tuple(n for n, _ in pairs),
+            tuple(t for _, t in pairs),
+        )
     return found
 
 
@@ -69,7 +77,7 @@ def layer_struct(source: str) -> type[ctypes.Structure]:
             continue
         words = statement.split()
         kind = "const " + words[1] if words[0] == "const" else words[0]
-        for declarator in statement[len(kind):].split(","):
+        for declarator in statement[len(kind) :].split(","):
             name, ctype = _ctype(kind + " " + declarator)
             fields.append((name, ctype))
     return type("Layer", (ctypes.Structure,), {"_fields_": fields})
@@ -89,12 +97,14 @@ class Library:
         if built_from != source_id(source):
             raise RuntimeError(
                 f"kernel library {path} was built from another kernel.c (source id {built_from:x}, "
-                f"expected {source_id(source):x}). Fix: delete it; it is rebuilt on next use.")
+                f"expected {source_id(source):x}). Fix: delete it; it is rebuilt on next use."
+            )
         if self._cdll.layer_size() != ctypes.sizeof(self.Layer):
             raise RuntimeError(
                 f"kernel library {path}: the C `layer` struct is {self._cdll.layer_size()} bytes, "
                 f"its binding {ctypes.sizeof(self.Layer)}: kernel.c's struct and the parser "
-                "disagree.")
+                "disagree."
+            )
 
     def __getattr__(self, name: str):
         signature = self._signatures.get(name)
@@ -110,6 +120,8 @@ class Library:
             if missing or extra:
                 raise TypeError(
                     f"kernel {name}: missing {missing}, unknown {extra} (kernel.c's parameters: "
-                    f"{', '.join(signature.names)})")
+                    f"{', '.join(signature.names)})"
+                )
             return function(*(arguments[n] for n in signature.names))
+
         return call

@@ -51,8 +51,12 @@ def _rms_parts(module: nn.Module) -> tuple[torch.Tensor, float] | None:
     """(weight, eps) of Llama's RMSNorm with an fp32 weight and its own forward; None for anything
     else."""
     weight = getattr(module, "weight", None)
-    if kind_of(module) != "norm" or "forward" in module.__dict__ or weight is None or \
-            weight.dtype != torch.float32:
+    if (
+        kind_of(module) != "norm"
+        or "forward" in module.__dict__
+        or weight is None
+        or weight.dtype != torch.float32
+    ):
         return None
     return weight.detach(), module.variance_epsilon
 
@@ -65,8 +69,9 @@ def _norm(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     if parts is None:
         return module
     (weight, eps), shape = parts, (parts[0].size(0),)
-    return lambda x: (torch.rms_norm(x, shape, weight, eps) if x.dtype == torch.float32
-                      else module(x))
+    return lambda x: (
+        torch.rms_norm(x, shape, weight, eps) if x.dtype == torch.float32 else module(x)
+    )
 
 
 def _standard_rotate_half(module) -> bool:
@@ -74,8 +79,9 @@ def _standard_rotate_half(module) -> bool:
     half)."""
     rotate_half = getattr(module, "rotate_half", None)
     probe = torch.arange(1.0, 5.0)
-    return rotate_half is not None and torch.equal(rotate_half(probe),
-                                                   torch.tensor([-3.0, -4.0, 1.0, 2.0]))
+    return rotate_half is not None and torch.equal(
+        rotate_half(probe), torch.tensor([-3.0, -4.0, 1.0, 2.0])
+    )
 
 
 def _autocast(model: nn.Module, base: nn.Module) -> bool:
@@ -95,30 +101,46 @@ def lean_decoder(model: nn.Module, rows: int) -> Any:
     mixed precision): the step computes in the weights' dtype, so the model's autocast forward
     decodes there, as it filled the prompts' cache."""
     from rloo.zero import is_partitioned
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     inner = getattr(base, "model", None)
-    if config is None or config.model_type not in SUPPORTED or getattr(config, "hidden_act",
-                                                                       None) != "silu":
+    if (
+        config is None
+        or config.model_type not in SUPPORTED
+        or getattr(config, "hidden_act", None) != "silu"
+    ):
         return None
     if is_partitioned(base) or _autocast(model, base):
         return None
-    sliding = getattr(config, "use_sliding_window", False) if config.model_type == "qwen2" else \
-        getattr(config, "sliding_window", None)
-    if sliding or any(kind != "full_attention"
-                      for kind in getattr(config, "layer_types", None) or []):
+    sliding = (
+        getattr(config, "use_sliding_window", False)
+        if config.model_type == "qwen2"
+        else getattr(config, "sliding_window", None)
+    )
+    if sliding or any(
+        kind != "full_attention" for kind in getattr(config, "layer_types", None) or []
+    ):
         return None
     layers = getattr(inner, "layers", None)
-    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(base, "lm_head") or \
-            not _standard_rotate_half(import_module(type(base).__module__)):
+    if (
+        layers is None
+        or not hasattr(inner, "rotary_emb")
+        or not hasattr(base, "lm_head")
+        or not _standard_rotate_half(import_module(type(base).__module__))
+    ):
         return None
     for layer in layers:
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attention is None or mlp is None or any(
-                hasattr(attention, name) for name in ("q_norm", "k_norm")):
+        if (
+            attention is None
+            or mlp is None
+            or any(hasattr(attention, name) for name in ("q_norm", "k_norm"))
+        ):
             return None
-        if not all(hasattr(attention, name) for name in PROJECTIONS[:4]) or \
-                not all(hasattr(mlp, name) for name in PROJECTIONS[4:]):
+        if not all(hasattr(attention, name) for name in PROJECTIONS[:4]) or not all(
+            hasattr(mlp, name) for name in PROJECTIONS[4:]
+        ):
             return None
     return LeanDecoder(base, rows)
 
@@ -134,7 +156,9 @@ def weights_key(model: nn.Module, rows: int) -> tuple | None:
         return None
     adapters = tuple(
         (id(m), m.merged, m.disable_adapters, tuple(m.active_adapters), tuple(m.scaling.items()))
-        for m in model.modules() if hasattr(m, "base_layer") and hasattr(m, "scaling"))
+        for m in model.modules()
+        if hasattr(m, "base_layer") and hasattr(m, "scaling")
+    )
     return id(model), rows, parameters, adapters
 
 
@@ -147,8 +171,9 @@ class LeanDecoder:
         self.model, self.inner, self.rows = model, model.model, rows
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim",
-                                None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.intermediate = config.intermediate_size
         self.layers = []
         # (LoRA's merged weights, one projection at a time: packing.merged_into)
@@ -157,20 +182,27 @@ class LeanDecoder:
             for layer in self.inner.layers:
                 attention, mlp = layer.self_attn, layer.mlp
                 side_by_side = functools.partial(packing.side_by_side, rows=rows, scratch=scratch)
-                self.layers.append(dict(
-                    norm1=_norm(layer.input_layernorm), norm2=_norm(layer.post_attention_layernorm),
-                    scaling=attention.scaling,
-                    qkv=side_by_side([attention.q_proj, attention.k_proj, attention.v_proj]),
-                    o_proj=side_by_side([attention.o_proj]),
-                    gate_up=side_by_side([mlp.gate_proj, mlp.up_proj]),
-                    down_proj=side_by_side([mlp.down_proj])))
+                self.layers.append(
+                    dict(
+                        norm1=_norm(layer.input_layernorm),
+                        norm2=_norm(layer.post_attention_layernorm),
+                        scaling=attention.scaling,
+                        qkv=side_by_side([attention.q_proj, attention.k_proj, attention.v_proj]),
+                        o_proj=side_by_side([attention.o_proj]),
+                        gate_up=side_by_side([mlp.gate_proj, mlp.up_proj]),
+                        down_proj=side_by_side([mlp.down_proj]),
+                    )
+                )
             self.lm_head = packing.side_by_side([model.lm_head], rows, scratch)
             del scratch
         library = kernel_module.for_decoding()
         # the rotary embedding, key/value write and attention of a step in one call (fp32 on the
         # CPU), else torch's
-        self.attend = None if library is None else kernel_module.attention(
-            library, self.heads, self.kv_heads, self.head_dim)
+        self.attend = (
+            None
+            if library is None
+            else kernel_module.attention(library, self.heads, self.kv_heads, self.head_dim)
+        )
         self.whole = self._whole_step(model)
         self.keys, self.values = [], []  # (each layer's buffers: begin)
         self.mask: torch.Tensor | None = None
@@ -184,7 +216,8 @@ class LeanDecoder:
         projections and the LM head packed by our GEMM, Llama's RMSNorm on fp32 weights, head sizes
         its attention takes; else None (the step below, module by module)."""
         linears = [
-            layer[name] for layer in self.layers
+            layer[name]
+            for layer in self.layers
             for name in ("qkv", "o_proj", "gate_up", "down_proj")
         ]
         linears.append(self.lm_head)
@@ -192,19 +225,30 @@ class LeanDecoder:
             return None
         library = linears[0].library
         norms = [
-            _rms_parts(getattr(layer, name)) for layer in self.inner.layers
+            _rms_parts(getattr(layer, name))
+            for layer in self.inner.layers
             for name in ("input_layernorm", "post_attention_layernorm")
         ] + [_rms_parts(self.inner.norm)]
-        if any(norm is None for norm in norms) or \
-                kernel_module.attention(library, self.heads, self.kv_heads, self.head_dim) is None:
+        if (
+            any(norm is None for norm in norms)
+            or kernel_module.attention(library, self.heads, self.kv_heads, self.head_dim) is None
+        ):
             return None
-        layers = [dict(layer, norm1=norms[2 * index], norm2=norms[2 * index + 1])
-                  for index, layer in enumerate(self.layers)]
-        return kernel_module.Step(library, layers, norms[-1], self.lm_head, self.heads,
-                                  self.kv_heads, self.head_dim)
+        layers = [
+            dict(layer, norm1=norms[2 * index], norm2=norms[2 * index + 1])
+            for index, layer in enumerate(self.layers)
+        ]
+        return kernel_module.Step(
+            library, layers, norms[-1], self.lm_head, self.heads, self.kv_heads, self.head_dim
+        )
 
-    def start(self, cache: Any, attention_mask: torch.Tensor, new_tokens: int,
-              prompt_rows: torch.Tensor | None = None) -> None:
+    def start(
+        self,
+        cache: Any,
+        attention_mask: torch.Tensor,
+        new_tokens: int,
+        prompt_rows: torch.Tensor | None = None,
+    ) -> None:
         """Take the prompts' keys and values from a transformers cache into buffers with room for
         `new_tokens`. `prompt_rows`: the cache holds each distinct prompt once, row r of the batch
         reads its row prompt_rows[r] (rloo.engine.prefill). Where the step's attention is ours
@@ -213,8 +257,12 @@ class LeanDecoder:
         first copied to each row."""
         rows, prompt_length = attention_mask.shape
         first = cache.layers[0].keys
-        shared = (prompt_rows is not None and self.attend is not None
-                  and first.dtype == torch.float32 and first.device.type == "cpu")
+        shared = (
+            prompt_rows is not None
+            and self.attend is not None
+            and first.dtype == torch.float32
+            and first.device.type == "cpu"
+        )
         if prompt_rows is not None and not shared:
             cache.batch_select_indices(prompt_rows)
         offset = prompt_length if shared else 0  # (the positions before each row's own buffers)
@@ -228,8 +276,9 @@ class LeanDecoder:
         for layer in cache.layers:
             for source, target in ((layer.keys, keys), (layer.values, values)):
                 make = source.new_zeros if graphed else source.new_empty
-                buffer = make(rows, self.kv_heads, prompt_length + new_tokens - offset,
-                              self.head_dim)
+                buffer = make(
+                    rows, self.kv_heads, prompt_length + new_tokens - offset, self.head_dim
+                )
                 if not shared:
                     buffer[:, :, :prompt_length] = source
                 target.append(buffer)
@@ -238,18 +287,28 @@ class LeanDecoder:
             if prompt_rows.numel() != rows or not 0 <= low <= high < first.size(0):
                 raise ValueError(
                     f"LeanDecoder: prompt_rows must name one of the cache's {first.size(0)} rows "
-                    f"for each of the {rows} rows, got {prompt_rows.tolist()}")
+                    f"for each of the {rows} rows, got {prompt_rows.tolist()}"
+                )
             prompt = prompt_rows.to(torch.int32).contiguous()
-            copies = [kernel_module.Shared(_aligned(layer.keys), _aligned(layer.values), prompt)
-                      for layer in cache.layers]
+            copies = [
+                kernel_module.Shared(_aligned(layer.keys), _aligned(layer.values), prompt)
+                for layer in cache.layers
+            ]
         # added to the attention scores: 0 where a row attends, -inf at its padding and at positions
         # not yet written
         mask = keys[0].new_full((rows, 1, 1, prompt_length + new_tokens), float("-inf"))
         mask[:, 0, 0, :prompt_length].masked_fill_(attention_mask.bool(), 0.0)
         self.begin(keys, values, mask, prompt_length, offset, copies)
 
-    def begin(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor,
-              length: int, offset: int, shared: list[kernel_module.Shared] | None) -> None:
+    def begin(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        mask: torch.Tensor,
+        length: int,
+        offset: int,
+        shared: list[kernel_module.Shared] | None,
+    ) -> None:
         """Decode on from buffers holding the prompts' keys and values (`start`,
         rloo.engine.prompt_steps): per layer rows x kv heads x positions after the `offset` first
         (`shared`'s) x head size; the scores' mask."""
@@ -260,16 +319,22 @@ class LeanDecoder:
             self.whole.start(keys, values, self.rows, shared)
 
     @staticmethod
-    def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _attention(
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
         """softmax(query keys^T * scaling + mask) values, SDPA's formula, for one query token per
         row: query (rows x key/value heads, query heads per key/value head, head size), keys and
         values (rows x key/value heads, positions, head size), mask (rows x key/value heads, 1,
         positions). In fp32 as two bmm and a softmax (for one query token the CPU flash kernel's
         set-up costs more than the work); in other dtypes SDPA itself (its fp32 accumulation)."""
         if query.dtype != torch.float32:
-            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
-                                                  scale=scaling)
+            return F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=scaling
+            )
         scores = torch.bmm(query, keys.transpose(1, 2)).mul_(scaling).add_(mask)
         return torch.bmm(scores.softmax(dim=-1), values)
 
@@ -283,9 +348,9 @@ class LeanDecoder:
             length = self.graph_length(at)
             if length not in self.graphs:
                 self.graphs[length] = Graphed(functools.partial(self._graph_step, length=length))
-            return self.graphs[length](tokens, positions,
-                                       torch.full((1, ), at, dtype=torch.long,
-                                                  device=tokens.device))
+            return self.graphs[length](
+                tokens, positions, torch.full((1,), at, dtype=torch.long, device=tokens.device)
+            )
         self.mask[:, 0, 0, at] = 0.0
         return self._forward(tokens, positions, at, at + 1)
 
@@ -303,16 +368,18 @@ class LeanDecoder:
             length *= 2
         return min(length, self.keys[0].size(2))
 
-    def _graph_step(self, tokens: torch.Tensor, positions: torch.Tensor, at: torch.Tensor,
-                    length: int) -> torch.Tensor:
+    def _graph_step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, at: torch.Tensor, length: int
+    ) -> torch.Tensor:
         """The step with its position a one-element tensor and attention over the buffers' first
         `length` positions (past `at` masked, and zero): the same kernels on the same shapes at
         every position up to `length`, as a CUDA graph replays them (rloo.engine.cuda_graph)."""
         self.mask.index_fill_(3, at, 0.0)
         return self._forward(tokens, positions, at, length)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, at: int | torch.Tensor,
-                 length: int) -> torch.Tensor:
+    def _forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, at: int | torch.Tensor, length: int
+    ) -> torch.Tensor:
         """The layers, the norm and the LM head for one token per row; its keys and values go to
         position `at` (an int, or a one-element tensor: _graph_step) and attention reads the first
         `length` positions."""
@@ -324,27 +391,46 @@ class LeanDecoder:
         batch, groups = rows * kv_heads, heads // kv_heads
         hidden = self.inner.embed_tokens(tokens[:, None])
         cos, sin = self.inner.rotary_emb(hidden, position_ids=positions)
-        if (self.whole is not None and self.whole.table is not None
-                and hidden.dtype == torch.float32 and hidden.device.type == "cpu"):
+        if (
+            self.whole is not None
+            and self.whole.table is not None
+            and hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
+        ):
             return self.whole(hidden, cos, sin, self.mask, at - self.offset)
         mask = self.mask[..., :length].expand(rows, kv_heads, 1, length).reshape(batch, 1, length)
         # rotate_half(x) * sin == x.roll(half) * sin with its first half negated (the same products:
         # one sign moved)
         half = head_dim // 2
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        attend = self.attend if self.attend is not None and hidden.dtype == torch.float32 and \
-            hidden.device.type == "cpu" else None
+        attend = (
+            self.attend
+            if self.attend is not None
+            and hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
+            else None
+        )
         if self.shared is not None and attend is None:
             raise RuntimeError(
-                "LeanDecoder: the prompts' shared keys and values need the C attention")
+                "LeanDecoder: the prompts' shared keys and values need the C attention"
+            )
         for index, layer in enumerate(self.layers):
-            projected = layer["qkv"](layer["norm1"](hidden)).view(rows, heads + 2 * kv_heads,
-                                                                  head_dim)
+            projected = layer["qkv"](layer["norm1"](hidden)).view(
+                rows, heads + 2 * kv_heads, head_dim
+            )
             keys, values = self.keys[index], self.values[index]
             if attend is not None:
-                attended = attend(projected, cos, sin, keys, values, self.mask, at - self.offset,
-                                  layer["scaling"],
-                                  self.shared[index] if self.shared is not None else None)
+                attended = attend(
+                    projected,
+                    cos,
+                    sin,
+                    keys,
+                    values,
+                    self.mask,
+                    at - self.offset,
+                    layer["scaling"],
+                    self.shared[index] if self.shared is not None else None,
+                )
             else:
                 # the rotary embedding of the queries and keys at once (apply_rotary_pos_emb's
                 # formula, cos and sin broadcast over the heads)
@@ -352,17 +438,21 @@ class LeanDecoder:
                 rotated = rotated * cos + rotated.roll(half, -1) * signed_sin
                 if isinstance(at, int):
                     keys[:, :, at] = rotated[:, heads:]
-                    values[:, :, at] = projected[:, heads + kv_heads:]
+                    values[:, :, at] = projected[:, heads + kv_heads :]
                 else:
                     keys.index_copy_(2, at, rotated[:, heads:, None])
-                    values.index_copy_(2, at, projected[:, heads + kv_heads:, None])
+                    values.index_copy_(2, at, projected[:, heads + kv_heads :, None])
                 total = keys.size(2)
-                attended = self._attention(rotated[:, :heads].reshape(batch, groups, head_dim),
-                                           keys.view(batch, total, head_dim)[:, :length],
-                                           values.view(batch, total, head_dim)[:, :length], mask,
-                                           layer["scaling"])
+                attended = self._attention(
+                    rotated[:, :heads].reshape(batch, groups, head_dim),
+                    keys.view(batch, total, head_dim)[:, :length],
+                    values.view(batch, total, head_dim)[:, :length],
+                    mask,
+                    layer["scaling"],
+                )
             hidden = hidden + layer["o_proj"](attended.reshape(rows, 1, heads * head_dim))
             gate_up = layer["gate_up"](layer["norm2"](hidden))
-            hidden = hidden + layer["down_proj"](F.silu(gate_up[..., : self.intermediate])
-                                                 * gate_up[..., self.intermediate:])
+            hidden = hidden + layer["down_proj"](
+                F.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :]
+            )
         return self.lm_head(self.inner.norm(hidden))[:, -1]

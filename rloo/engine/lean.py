@@ -30,8 +30,14 @@ import torch.nn.functional as F
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 from transformers.generation.logits_process import (
-    LogitsProcessorList, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from rloo.engine import kernel
 from rloo.engine.cuda_graph import Graphed
@@ -46,9 +52,21 @@ from rloo.versions import TRANSFORMERS_4
 # GenerationConfig fields this loop implements; any other field set away from its default keeps
 # model.generate.
 HANDLED = {
-    "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
-    "repetition_penalty", "pad_token_id", "bos_token_id", "eos_token_id", "disable_compile",
-    "cache_implementation", "transformers_version", "use_cache"
+    "max_new_tokens",
+    "min_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "disable_compile",
+    "cache_implementation",
+    "transformers_version",
+    "use_cache",
 }
 
 
@@ -56,14 +74,21 @@ def supports(generation_config: GenerationConfig, model) -> bool:
     """Whether this loop reproduces `generate` for these settings and this model (a decoder-only
     LM)."""
     changed = set(generation_config.to_diff_dict())
-    plain = (generation_config.cache_implementation is None and
-             (generation_config.num_beams or 1) == 1 and
-             (generation_config.num_return_sequences or 1) == 1 and
-             generation_config.max_new_tokens is not None)
+    plain = (
+        generation_config.cache_implementation is None
+        and (generation_config.num_beams or 1) == 1
+        and (generation_config.num_return_sequences or 1) == 1
+        and generation_config.max_new_tokens is not None
+    )
     config = getattr(model, "config", None)
     decoder_only = config is not None and not getattr(config, "is_encoder_decoder", False)
-    return (changed <= HANDLED and plain and decoder_only and _takes_decode_arguments(model) and
-            not customised_generate(model))
+    return (
+        changed <= HANDLED
+        and plain
+        and decoder_only
+        and _takes_decode_arguments(model)
+        and not customised_generate(model)
+    )
 
 
 _GENERATE = GenerationMixin.generate  # transformers' own, as imported
@@ -86,6 +111,7 @@ def customised_generate(model) -> bool:
 
 def _forward_parameters(model) -> set[str]:
     import inspect
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return set(inspect.signature(base.forward).parameters)
 
@@ -94,7 +120,8 @@ def _takes_decode_arguments(model) -> bool:
     """A forward that takes what the loop passes (remote-code models may not)."""
     names = _forward_parameters(model)
     return {"attention_mask", "position_ids", "logits_to_keep", "use_cache"} <= names and bool(
-        names & {"cache", "past_key_values"})
+        names & {"cache", "past_key_values"}
+    )
 
 
 BLOCK = 256  # entries per block of the two-level draw
@@ -175,8 +202,13 @@ class MinNewTokens(MinNewTokensLengthLogitsProcessor):
 
 # processors whose work has fixed shapes and no host synchronisation (of the sequences, their length
 # at most)
-GRAPHABLE = (MinNewTokens, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
-             MinPLogitsWarper)
+GRAPHABLE = (
+    MinNewTokens,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+)
 
 
 class Draws:
@@ -189,8 +221,9 @@ class Draws:
 
     def __init__(self, processors: LogitsProcessorList, sample: bool):
         self.processors, self.sample = processors, sample
-        self.graphs: dict[tuple, Graphed] | None = {} if all(isinstance(processor, GRAPHABLE)
-                                                             for processor in processors) else None
+        self.graphs: dict[tuple, Graphed] | None = (
+            {} if all(isinstance(processor, GRAPHABLE) for processor in processors) else None
+        )
 
     def drawn(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """One token per row from softmax(processors(sequences, logits)): where the processors are
@@ -203,16 +236,22 @@ class Draws:
         on_cpu = logits.dtype == torch.float32 and logits.device.type == "cpu"
         library = kernel.for_decoding() if on_cpu else None
         if library is not None and all(
-                isinstance(processor, MinNewTokens) for processor in processors):
-            banned = [int(token) for processor in processors if processor.holding(sequences)
-                      for token in processor.eos_token_id.reshape(-1).tolist()]
+            isinstance(processor, MinNewTokens) for processor in processors
+        ):
+            banned = [
+                int(token)
+                for processor in processors
+                if processor.holding(sequences)
+                for token in processor.eos_token_id.reshape(-1).tolist()
+            ]
             uniform = torch.rand(logits.size(0), 1, dtype=torch.float64)
             drawn = kernel.draw(library, logits, banned, uniform)
             if bool((drawn >= 0).all()):
                 return drawn
             return sample_from(torch.softmax(processors(sequences, logits), dim=-1), uniform)
         return sample_from(
-            torch.softmax(processors(sequences, logits.to(dtype=torch.float32)), dim=-1))
+            torch.softmax(processors(sequences, logits.to(dtype=torch.float32)), dim=-1)
+        )
 
     def eager(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self.sample:
@@ -222,8 +261,11 @@ class Draws:
     def __call__(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self.graphs is None or logits.device.type != "cuda":
             return self.eager(sequences, logits)
-        state = tuple(processor.holding(sequences) for processor in self.processors
-                      if isinstance(processor, MinNewTokens))
+        state = tuple(
+            processor.holding(sequences)
+            for processor in self.processors
+            if isinstance(processor, MinNewTokens)
+        )
         # (the processors read the sequences' length alone: the state's at capture)
         if state not in self.graphs:
             self.graphs[state] = Graphed(functools.partial(self.eager, sequences))
@@ -236,8 +278,14 @@ class LeanGenerator(TransformersGenerator):
     forward is collective): every rank steps until all ranks are done, a rank whose rows are done
     feeding pad without drawing (so its random stream is the one it would have without the sync)."""
 
-    def __init__(self, generation_config: GenerationConfig, pad_token_id: int, eos_ids: list[int],
-                 pad_to_multiple_of: int | None = None, synced: bool = False):
+    def __init__(
+        self,
+        generation_config: GenerationConfig,
+        pad_token_id: int,
+        eos_ids: list[int],
+        pad_to_multiple_of: int | None = None,
+        synced: bool = False,
+    ):
         super().__init__(generation_config, pad_token_id, eos_ids, pad_to_multiple_of)
         self.synced = synced
         # keep the policy's log-probs of the drawn tokens
@@ -274,12 +322,14 @@ class LeanGenerator(TransformersGenerator):
         if not self.synced:
             return bool(unfinished.any())
         import torch.distributed as dist
+
         flag = unfinished.any().to(torch.int32).reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _processors(self, attention_mask: torch.Tensor, prompt_length: int,
-                    device) -> LogitsProcessorList:
+    def _processors(
+        self, attention_mask: torch.Tensor, prompt_length: int, device
+    ) -> LogitsProcessorList:
         """generate's processors for these settings, in generate's order (transformers'
         _get_logits_processor)."""
         config, found = self.generation_config, LogitsProcessorList()
@@ -287,12 +337,19 @@ class LeanGenerator(TransformersGenerator):
             # (transformers 4.x's generate penalises every token of the row, left padding included)
             padding = None if TRANSFORMERS_4 else (attention_mask != 0).int().argmax(dim=1)
             found.append(
-                RepetitionPenaltyLogitsProcessor(config.repetition_penalty,
-                                                 prompt_ignore_length=padding))
+                RepetitionPenaltyLogitsProcessor(
+                    config.repetition_penalty, prompt_ignore_length=padding
+                )
+            )
         if config.min_new_tokens and self.eos_ids:
             found.append(
-                MinNewTokens(prompt_length, config.min_new_tokens,
-                             torch.tensor(self.eos_ids, device=device), device=device))
+                MinNewTokens(
+                    prompt_length,
+                    config.min_new_tokens,
+                    torch.tensor(self.eos_ids, device=device),
+                    device=device,
+                )
+            )
         if config.do_sample:
             if config.temperature is not None and config.temperature != 1.0:
                 found.append(TemperatureLogitsWarper(config.temperature))
@@ -304,35 +361,48 @@ class LeanGenerator(TransformersGenerator):
                 found.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
         return found
 
-    def _completions(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _completions(
+        self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         config, temperature = self.generation_config, self.policy_temperature
         rows, prompt_length = input_ids.shape
         processors = self._processors(attention_mask, prompt_length, input_ids.device)
         eos = torch.tensor(self.eos_ids, device=input_ids.device)
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         # MoE: no auxiliary loss while decoding (as generate)
-        extra = {"output_router_logits": False} if hasattr(model.config,
-                                                           "output_router_logits") else {}
+        extra = (
+            {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
+        )
         # (ZeRO-3: the model's collective forward)
         decoder = None if self.synced else self._decoder(model, rows)
-        logits = None if decoder is None or extra else prompt_steps(
-            decoder, input_ids, attention_mask, positions, config.max_new_tokens)
+        logits = (
+            None
+            if decoder is None or extra
+            else prompt_steps(decoder, input_ids, attention_mask, positions, config.max_new_tokens)
+        )
         if logits is None:
-            logits, arguments, prompt_rows = prefill(model, input_ids, attention_mask, positions,
-                                                     extra, keep_distinct=not self.synced)
+            logits, arguments, prompt_rows = prefill(
+                model, input_ids, attention_mask, positions, extra, keep_distinct=not self.synced
+            )
             if decoder is not None:
-                decoder.start(arguments[cache_argument(model)], attention_mask,
-                              config.max_new_tokens, prompt_rows)
+                decoder.start(
+                    arguments[cache_argument(model)],
+                    attention_mask,
+                    config.max_new_tokens,
+                    prompt_rows,
+                )
             elif prompt_rows is not None:  # (the model's own forward reads a cache row per row)
                 share_cache_rows(arguments[cache_argument(model)], prompt_rows)
         draws = Draws(processors, config.do_sample)
-        sequences, unfinished = input_ids, torch.ones(rows, dtype=torch.bool,
-                                                      device=input_ids.device)
+        sequences, unfinished = (
+            input_ids,
+            torch.ones(rows, dtype=torch.bool, device=input_ids.device),
+        )
         logps: list[torch.Tensor] = []
         for index in range(config.max_new_tokens):
-            tokens = torch.full((rows, ), self.pad_token_id, dtype=torch.long,
-                                device=input_ids.device)
+            tokens = torch.full(
+                (rows,), self.pad_token_id, dtype=torch.long, device=input_ids.device
+            )
             # only a synced rank that is done has nothing to draw (elsewhere some row is unfinished
             # here: the loop ends when none is; not asked there, as on a GPU asking waits for the
             # step)
@@ -351,6 +421,11 @@ class LeanGenerator(TransformersGenerator):
                 logits = decoder.step(tokens, positions)
                 continue
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(rows, 1)], dim=1)
-            logits = model(input_ids=tokens[:, None], attention_mask=attention_mask,
-                           position_ids=positions, use_cache=True, **arguments).logits[:, -1]
+            logits = model(
+                input_ids=tokens[:, None],
+                attention_mask=attention_mask,
+                position_ids=positions,
+                use_cache=True,
+                **arguments,
+            ).logits[:, -1]
         return sequences[:, prompt_length:], (torch.stack(logps, dim=1) if logps else None)

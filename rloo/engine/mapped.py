@@ -50,8 +50,9 @@ def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str |
     path, found, longest = os.path.realpath(path), None, -1
     for line in lines:
         fields, _, tail = line.partition(" - ")
-        point = re.sub(r"\\([0-7]{3})", lambda escape: chr(int(escape.group(1), 8)),
-                       fields.split()[4])  # "\040": " "
+        point = re.sub(
+            r"\\([0-7]{3})", lambda escape: chr(int(escape.group(1), 8)), fields.split()[4]
+        )  # "\040": " "
         inside = path == point or path.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= longest and tail.split():
             found, longest = tail.split()[0], len(point)
@@ -79,8 +80,11 @@ def disk_directory(size: int) -> str | None:
 
 
 def _mappable(tensor: torch.Tensor) -> bool:
-    return type(tensor) in (torch.Tensor, nn.Parameter) and tensor.device.type == "cpu" and (
-        tensor.layout == torch.strided and not tensor.is_quantized)
+    return (
+        type(tensor) in (torch.Tensor, nn.Parameter)
+        and tensor.device.type == "cpu"
+        and (tensor.layout == torch.strided and not tensor.is_quantized)
+    )
 
 
 def mapped_copy(model: nn.Module) -> nn.Module | None:
@@ -116,8 +120,11 @@ def mapped_copy(model: nn.Module) -> nn.Module | None:
     with torch.no_grad():
         for key, tensor in tensors.items():
             start = offsets[key]
-            view = flat[start:start + tensor.numel() * tensor.element_size()].view(
-                tensor.dtype).view(tensor.shape)
+            view = (
+                flat[start : start + tensor.numel() * tensor.element_size()]
+                .view(tensor.dtype)
+                .view(tensor.shape)
+            )
             view.copy_(tensor)
             parameter = isinstance(tensor, nn.Parameter)
             memo[key] = nn.Parameter(view, requires_grad=False) if parameter else view
@@ -125,7 +132,8 @@ def mapped_copy(model: nn.Module) -> nn.Module | None:
     copied._rloo_mapping = flat  # each module's weights leave again as soon as its forward is done:
     copied._rloo_hooks = [
         module.register_forward_hook(functools.partial(_drop_after_forward, flat))
-        for module in copied.modules() if any(True for _ in module.parameters(recurse=False))
+        for module in copied.modules()
+        if any(True for _ in module.parameters(recurse=False))
     ]
     page_out(copied)
     return copied
@@ -143,8 +151,9 @@ def _drop(begin: int, end: int) -> None:
     costs it a minor fault: the mapping is shared, nothing is lost)."""
     first, last = begin // PAGE * PAGE, -(-end // PAGE) * PAGE
     if last > first and _madvise()(first, last - first, MADV_DONTNEED) != 0:
-        raise OSError(ctypes.get_errno(),
-                      "madvise(MADV_DONTNEED) on the reference model's mapping failed")
+        raise OSError(
+            ctypes.get_errno(), "madvise(MADV_DONTNEED) on the reference model's mapping failed"
+        )
 
 
 def _inside(flat: torch.Tensor, tensor: torch.Tensor) -> bool:

@@ -20,16 +20,18 @@ def packable(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.device.type == "cpu" and bool(kernels())
 
 
-def onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None,
-            rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def onednn_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """oneDNN's linear on a weight reordered for `rows` rows (the kernel inductor's freezing
     uses)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def mkl_linear(weight: torch.Tensor, bias: torch.Tensor | None,
-         rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def mkl_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """MKL's GEMM on a weight packed for `rows` rows (cblas_sgemm_pack). The kernel's fallback for
     other row counts gets a zero-strided stand-in, so that `weight` (a merged or concatenated copy)
     can be freed: LeanDecoder.step refuses other row counts."""
@@ -53,8 +55,9 @@ def kernels() -> dict[str, Callable]:
     return found
 
 
-def packed_linear(weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, rows: int
-                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+def packed_linear(
+    weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, rows: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> F.linear(x, weight, bias) (a list of weights: side by side) for inputs of `rows` rows
     (fp32 on the CPU): the weight packed once per generation call for the first of `kernels` (ours
     where the CPU has AVX-512 or AVX2 with FMA), else oneDNN's small-batch GEMM, MKL's where the
@@ -73,20 +76,30 @@ def lora_parts(module: nn.Module) -> tuple[nn.Linear, torch.Tensor, torch.Tensor
     else None."""
     base = getattr(module, "base_layer", None)
     active = getattr(module, "active_adapters", None)
-    if (type(base) is not nn.Linear or active is None or len(active) != 1 or module.merged
-            or module.disable_adapters):
+    if (
+        type(base) is not nn.Linear
+        or active is None
+        or len(active) != 1
+        or module.merged
+        or module.disable_adapters
+    ):
         return None
     name = active[0]
     variant = getattr(module, "lora_variant", {}).get(name)
-    if name not in module.lora_A or variant is not None or module.use_dora.get(name, False) or \
-            getattr(module, "fan_in_fan_out", False):
+    if (
+        name not in module.lora_A
+        or variant is not None
+        or module.use_dora.get(name, False)
+        or getattr(module, "fan_in_fan_out", False)
+    ):
         return None
     down, up = module.lora_A[name].weight.detach(), module.lora_B[name].weight.detach()
     return base, down, up, module.scaling[name]
 
 
 def weight_parts(
-        module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None] | None:
+    module: nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None] | None:
     """(weight, bias, LoRA (A, B, scaling) or None) of what module(x) applies: a plain Linear or a
     LoRA layer (lora_parts); None for anything else."""
     if type(module) is nn.Linear:
@@ -109,8 +122,9 @@ def own_linear(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: base(x) + F.linear(F.linear(x, a), b) * scaling
 
 
-def merged_into(scratch: list[torch.Tensor], weights: list[tuple],
-                 side_by_side: bool = False) -> list[torch.Tensor]:
+def merged_into(
+    scratch: list[torch.Tensor], weights: list[tuple], side_by_side: bool = False
+) -> list[torch.Tensor]:
     """Each (weight, LoRA (A, B, scaling) or None): the weight itself, or W + (B @ A) * scaling
     (peft's merge, one addmm) written into `scratch`'s one buffer (grown as needed, reused by the
     next projection once packed: no fresh pages per projection). `side_by_side`: every weight into
@@ -118,24 +132,29 @@ def merged_into(scratch: list[torch.Tensor], weights: list[tuple],
     after the other, returned as one tensor (kernels that pack a single weight)."""
     into = [w for w, lora in weights if lora is not None or side_by_side]
     need = sum(w.numel() for w in into)
-    if need and (not scratch or scratch[0].numel() < need or
-                 scratch[0].dtype != weights[0][0].dtype):
+    if need and (
+        not scratch or scratch[0].numel() < need or scratch[0].dtype != weights[0][0].dtype
+    ):
         scratch[:] = [weights[0][0].new_empty(need)]
     found, used = [], 0
     for w, lora in weights:
         if lora is None and not side_by_side:
             found.append(w)
             continue
-        part = scratch[0][used: used + w.numel()].view(w.shape)
-        merged = part.copy_(w) if lora is None else \
-            torch.addmm(w, lora[1], lora[0], alpha=lora[2], out=part)
+        part = scratch[0][used : used + w.numel()].view(w.shape)
+        merged = (
+            part.copy_(w)
+            if lora is None
+            else torch.addmm(w, lora[1], lora[0], alpha=lora[2], out=part)
+        )
         found.append(merged)
         used += w.numel()
     return [scratch[0][:used].view(-1, weights[0][0].size(1))] if side_by_side else found
 
 
-def side_by_side(modules: list[nn.Module], rows: int, scratch: list[torch.Tensor] | None = None
-                  ) -> Callable[[torch.Tensor], torch.Tensor]:
+def side_by_side(
+    modules: list[nn.Module], rows: int, scratch: list[torch.Tensor] | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> torch.cat([m(x) for m in modules], dim=-1). Packable (fp32 on the CPU) Linear and LoRA
     layers: one packed matmul over their weights side by side (q/k/v and gate/up: fewer, larger
     matmuls a step), LoRA merged first (peft's base(x) + B(A(x)) *
@@ -147,13 +166,20 @@ def side_by_side(modules: list[nn.Module], rows: int, scratch: list[torch.Tensor
         # (ours packs the weights side by side where they are; the others one tensor)
         with torch.no_grad():
             one_tensor = next(iter(kernels())) != "rloo" and len(found) > 1
-            weights = merged_into([] if scratch is None else scratch,
-                                   [(w, lora) for w, _, lora in found], one_tensor)
+            weights = merged_into(
+                [] if scratch is None else scratch, [(w, lora) for w, _, lora in found], one_tensor
+            )
             biases = [bias for _, bias, _ in found]
-            bias = None if all(b is None for b in biases) else torch.cat([
-                b.detach() if b is not None else w.new_zeros(w.size(0))
-                for (w, _, _), b in zip(found, biases)
-            ])
+            bias = (
+                None
+                if all(b is None for b in biases)
+                else torch.cat(
+                    [
+                        b.detach() if b is not None else w.new_zeros(w.size(0))
+                        for (w, _, _), b in zip(found, biases)
+                    ]
+                )
+            )
             return packed_linear(weights, bias, rows)
     linears = [own_linear(module) for module in modules]
     if len(linears) == 1:

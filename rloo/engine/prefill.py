@@ -26,8 +26,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rloo.kv import (cache_argument, cache_rows_shareable, distinct_prompts, plain_cache,
-                     share_cache_rows)
+from rloo.kv import (
+    cache_argument,
+    cache_rows_shareable,
+    distinct_prompts,
+    plain_cache,
+    share_cache_rows,
+)
 
 # a forward's fixed cost in padded tokens, for _plan: a split into groups must save more padding
 # than this (measured on SmolLM2 with the generation benchmark's prompts: bench_generation.py)
@@ -57,8 +62,10 @@ def length_groups(lengths: list[int], forward_cost: int | None = None) -> list[l
     while end:
         bounds.append((values[cut[end] - 1] if cut[end] else -1, values[end - 1]))
         end = cut[end]
-    return [[row for row, length in enumerate(lengths) if low < length <= high]
-            for low, high in reversed(bounds)]
+    return [
+        [row for row, length in enumerate(lengths) if low < length <= high]
+        for low, high in reversed(bounds)
+    ]
 
 
 def _left_padded(attention_mask: torch.Tensor) -> bool:
@@ -66,11 +73,13 @@ def _left_padded(attention_mask: torch.Tensor) -> bool:
     lengths = attention_mask.sum(-1)
     columns = torch.arange(attention_mask.size(1), device=attention_mask.device)
     return bool(
-        torch.equal(attention_mask.bool(), columns >= attention_mask.size(1) - lengths[:, None]))
+        torch.equal(attention_mask.bool(), columns >= attention_mask.size(1) - lengths[:, None])
+    )
 
 
-def shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  positions: torch.Tensor) -> int:
+def shared_prefix(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor
+) -> int:
     """How many first tokens every row's prompt shares (ids and positions alike; rows
     left-padded), at most each row's length but one: every row keeps a last position of its own
     to predict from."""
@@ -78,8 +87,9 @@ def shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     shortest = int(lengths.min()) - 1
     if shortest < 1:
         return 0
-    columns = (input_ids.size(1) - lengths)[:, None] + torch.arange(shortest,
-                                                                    device=input_ids.device)
+    columns = (input_ids.size(1) - lengths)[:, None] + torch.arange(
+        shortest, device=input_ids.device
+    )
     ids, places = input_ids.gather(1, columns), positions.gather(1, columns)
     same = ((ids == ids[:1]) & (places == places[:1])).all(0)
     return int(same.long().cumprod(0).sum())
@@ -103,14 +113,18 @@ def _linears_on_onednn(model, device: torch.device):
     as another row count's GEMM). oneDNN runs these shapes faster than MKL on the CPUs measured
     (docs/performance.md)."""
     from rloo.zero import is_partitioned
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if device.type != "cpu" or not torch.backends.mkldnn.is_available() or is_partitioned(base):
         yield
         return
     changed = [
-        module for module in model.modules()
-        if type(module) is torch.nn.Linear and "forward" not in module.__dict__ and
-        module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
+        module
+        for module in model.modules()
+        if type(module) is torch.nn.Linear
+        and "forward" not in module.__dict__
+        and module.weight.dtype == torch.float32
+        and module.weight.device.type == "cpu"
     ]
     for module in changed:
         module.forward = functools.partial(_onednn_linear, module)
@@ -124,9 +138,15 @@ def _linears_on_onednn(model, device: torch.device):
 def _forward(model, input_ids, attention_mask, positions, arguments: dict, cache) -> torch.Tensor:
     """The logits of each row's last position, the KV cache filled into `cache` (after what it
     holds)."""
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                 use_cache=True, logits_to_keep=1, **{cache_argument(model): cache},
-                 **arguments).logits[:, -1]
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_argument(model): cache},
+        **arguments,
+    ).logits[:, -1]
 
 
 def _plan(model, input_ids, attention_mask, positions) -> tuple[Any, int, list[list[int]]] | None:
@@ -136,9 +156,15 @@ def _plan(model, input_ids, attention_mask, positions) -> tuple[Any, int, list[l
     left, a cache with other than plain layers) or the only way (ZeRO-3: every forward gathers the
     parameters with the other ranks, which must run as many)."""
     from rloo.zero import is_partitioned
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if (input_ids.device.type != "cpu" or input_ids.size(0) < 2 or plain_cache(base.config) is None
-            or is_partitioned(base) or not _left_padded(attention_mask)):
+    if (
+        input_ids.device.type != "cpu"
+        or input_ids.size(0) < 2
+        or plain_cache(base.config) is None
+        or is_partitioned(base)
+        or not _left_padded(attention_mask)
+    ):
         return None
     prefix = shared_prefix(input_ids, attention_mask, positions)
     # (the tokens it saves vs the prefix's own forward)
@@ -149,8 +175,16 @@ def _plan(model, input_ids, attention_mask, positions) -> tuple[Any, int, list[l
     return None if prefix == 0 and len(groups) == 1 else (base.config, prefix, groups)
 
 
-def _in_parts(model, input_ids, attention_mask, positions, arguments: dict, config: Any,
-              prefix: int, groups: list[list[int]]) -> tuple[torch.Tensor, Any]:
+def _in_parts(
+    model,
+    input_ids,
+    attention_mask,
+    positions,
+    arguments: dict,
+    config: Any,
+    prefix: int,
+    groups: list[list[int]],
+) -> tuple[torch.Tensor, Any]:
     """The prompts' forward in parts (`_plan`): their shared first `prefix` tokens once, then each
     group of rows after them, padded to the group's longest; every part's cache put back into one
     left-padded cache."""
@@ -159,9 +193,14 @@ def _in_parts(model, input_ids, attention_mask, positions, arguments: dict, conf
     shared = plain_cache(config) if prefix else None
     if prefix:
         first = total - int(lengths[0])
-        _forward(model, input_ids[:1, first:first + prefix], attention_mask[:1,
-                                                                            first:first + prefix],
-                 positions[:1, first:first + prefix], arguments, shared)
+        _forward(
+            model,
+            input_ids[:1, first : first + prefix],
+            attention_mask[:1, first : first + prefix],
+            positions[:1, first : first + prefix],
+            arguments,
+            shared,
+        )
     logits, parts = None, []
     for rows in groups:
         index = torch.tensor(rows, device=input_ids.device)
@@ -169,53 +208,75 @@ def _in_parts(model, input_ids, attention_mask, positions, arguments: dict, conf
         width = int(after.max())
         cache = plain_cache(config)
         for number, layer in enumerate(shared.layers if prefix else ()):
-            cache.update(layer.keys.expand(len(rows), *layer.keys.shape[1:]),
-                         layer.values.expand(len(rows), *layer.values.shape[1:]), number)
-        mask = (torch.arange(width, device=index.device)
-                >= width - after[:, None]).to(attention_mask.dtype)
-        found = _forward(model, input_ids[index, -width:],
-                         torch.cat([mask.new_ones(len(rows), prefix), mask], 1),
-                         positions[index, -width:], arguments, cache)
+            cache.update(
+                layer.keys.expand(len(rows), *layer.keys.shape[1:]),
+                layer.values.expand(len(rows), *layer.values.shape[1:]),
+                number,
+            )
+        mask = (torch.arange(width, device=index.device) >= width - after[:, None]).to(
+            attention_mask.dtype
+        )
+        found = _forward(
+            model,
+            input_ids[index, -width:],
+            torch.cat([mask.new_ones(len(rows), prefix), mask], 1),
+            positions[index, -width:],
+            arguments,
+            cache,
+        )
         logits = found.new_empty(input_ids.size(0), found.size(-1)) if logits is None else logits
         logits[index] = found
         # each row's cache column, in the one left-padded cache: its prefix, then its tokens after
         # it
         start = total - lengths[index][:, None]
-        source = torch.where(columns >= total - after[:, None], columns - total + prefix + width,
-                             columns - start)
+        source = torch.where(
+            columns >= total - after[:, None], columns - total + prefix + width, columns - start
+        )
         parts.append((index, source.clamp(min=0), columns >= start, cache))
     merged = plain_cache(config)
     for number in range(len(merged.layers)):
         layer = parts[0][3].layers[number]
-        keys = layer.keys.new_empty(input_ids.size(0), layer.keys.size(1), total,
-                                    layer.keys.size(-1))
-        values = layer.values.new_empty(input_ids.size(0), layer.values.size(1), total,
-                                        layer.values.size(-1))
+        keys = layer.keys.new_empty(
+            input_ids.size(0), layer.keys.size(1), total, layer.keys.size(-1)
+        )
+        values = layer.values.new_empty(
+            input_ids.size(0), layer.values.size(1), total, layer.values.size(-1)
+        )
         for index, source, seen, cache in parts:
-            for into, found in ((keys, cache.layers[number].keys), (values,
-                                                                    cache.layers[number].values)):
+            for into, found in (
+                (keys, cache.layers[number].keys),
+                (values, cache.layers[number].values),
+            ):
                 picked = found.gather(
-                    -2, source[:, None, :, None].expand(-1, found.size(1), -1, found.size(-1)))
+                    -2, source[:, None, :, None].expand(-1, found.size(1), -1, found.size(-1))
+                )
                 into[index] = picked.masked_fill(~seen[:, None, :, None], 0)
         merged.update(keys, values, number)
     return logits, merged
 
 
-def _through(model, input_ids, attention_mask, positions,
-             arguments: dict) -> tuple[torch.Tensor, Any]:
+def _through(
+    model, input_ids, attention_mask, positions, arguments: dict
+) -> tuple[torch.Tensor, Any]:
     """(the logits of each row's last position, the KV cache): in parts where that pays (`_plan`),
     else one forward."""
     plan = _plan(model, input_ids, attention_mask, positions)
     if plan is not None:
         return _in_parts(model, input_ids, attention_mask, positions, arguments, *plan)
     from transformers import DynamicCache
+
     cache = DynamicCache(config=model.config)
     return _forward(model, input_ids, attention_mask, positions, arguments, cache), cache
 
 
-def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-            arguments: dict,
-            keep_distinct: bool = False) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+def prefill(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor,
+    arguments: dict,
+    keep_distinct: bool = False,
+) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
     """The prompts through the model: the logits of each row's last position, `arguments` with the
     KV cache they filled under the model's cache argument, and None, or with `keep_distinct` where
     rows repeat a prompt, each row's row in a cache that holds every distinct prompt once (the
@@ -225,15 +286,21 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positi
         return _prefill(model, input_ids, attention_mask, positions, arguments, keep_distinct)
 
 
-def _prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-             arguments: dict,
-             keep_distinct: bool) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+def _prefill(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor,
+    arguments: dict,
+    keep_distinct: bool,
+) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
     name = cache_argument(model)
     found = distinct_prompts(input_ids, attention_mask)
     if found is not None:
         first, inverse = found
-        logits, cache = _through(model, input_ids[first], attention_mask[first], positions[first],
-                                 arguments)
+        logits, cache = _through(
+            model, input_ids[first], attention_mask[first], positions[first], arguments
+        )
         if keep_distinct and cache_rows_shareable(cache):
             return logits[inverse], {name: cache, **arguments}, inverse
         if share_cache_rows(cache, inverse):

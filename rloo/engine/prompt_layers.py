@@ -56,9 +56,12 @@ class PromptLayers:
         """A decoder with `layers` and a final `norm` whose parameters get gradients, none of them
         with a hook of its own (autograd would also call it on the prompts' part, which a segment's
         backward captures)."""
-        if (decoder is None or not torch.is_grad_enabled()
-                or not isinstance(getattr(decoder, "layers", None), nn.ModuleList)
-                or not isinstance(getattr(decoder, "norm", None), nn.Module)):
+        if (
+            decoder is None
+            or not torch.is_grad_enabled()
+            or not isinstance(getattr(decoder, "layers", None), nn.ModuleList)
+            or not isinstance(getattr(decoder, "norm", None), nn.Module)
+        ):
             return False
         trainable = [p for p in decoder.parameters() if p.requires_grad]
         return bool(trainable) and not any(p._backward_hooks for p in trainable)
@@ -67,24 +70,33 @@ class PromptLayers:
     def cut(self) -> Iterator[None]:
         """Inside (the prompts' forward), each layer and the final norm run on a leaf detached from
         their input."""
+
         def pre_hook(index: int):
             def swap(module, args, kwargs):
                 hidden = args[0] if args else kwargs["hidden_states"]
                 leaf = hidden.detach().requires_grad_(hidden.requires_grad)
                 self.inputs[index] = (hidden, leaf)
-                return ((leaf, *args[1:]), kwargs) if args else (args,
-                                                                 {**kwargs, "hidden_states": leaf})
+                return (
+                    ((leaf, *args[1:]), kwargs)
+                    if args
+                    else (args, {**kwargs, "hidden_states": leaf})
+                )
+
             return swap
-        handles = [module.register_forward_pre_hook(pre_hook(index), with_kwargs=True)
-                   for index, module in enumerate(self.modules)]
+
+        handles = [
+            module.register_forward_pre_hook(pre_hook(index), with_kwargs=True)
+            for index, module in enumerate(self.modules)
+        ]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
 
-    def segments_found(self, keys_values: list[tuple[torch.Tensor, torch.Tensor]],
-                       last: torch.Tensor) -> bool:
+    def segments_found(
+        self, keys_values: list[tuple[torch.Tensor, torch.Tensor]], last: torch.Tensor
+    ) -> bool:
         """Record each segment's outputs and check that its graph reaches no leaf but its own input
         and its module's parameters (False: a layer that uses anything else, which its segment's
         backward would miss)."""
@@ -118,13 +130,15 @@ class PromptLayers:
         anchor = torch.zeros((), device=tensors[0].device, requires_grad=True)
         for param in self.params[index]:
             self.handles.append(
-                param.register_hook(functools.partial(_add_prompt_side, self.stash, id(param))))
+                param.register_hook(functools.partial(_add_prompt_side, self.stash, id(param)))
+            )
         # (`tensors` not inputs)
         return _Boundary.apply(self, index, tensors, anchor, below, *self.params[index])
 
 
-def _add_prompt_side(stash: dict[int, tuple[torch.Tensor, torch.Tensor]], key: int,
-                     grad: torch.Tensor) -> torch.Tensor:
+def _add_prompt_side(
+    stash: dict[int, tuple[torch.Tensor, torch.Tensor]], key: int, grad: torch.Tensor
+) -> torch.Tensor:
     """A segment parameter's hook: the gradient autograd is about to set (the completions') added in
     place into the prompts' part; autograd sets that sum, or adds it to the gradient there, as it
     did with its own sum before."""
@@ -166,16 +180,27 @@ class _Boundary(torch.autograd.Function):
         if index < len(segments.modules) - 1:
             if index + 1 not in segments.grads:
                 raise RuntimeError(
-                    f"the prompts' layer {index + 1} backward has not run before layer {index}'s")
+                    f"the prompts' layer {index + 1} backward has not run before layer {index}'s"
+                )
             grads.append(segments.grads.pop(index + 1))
-        pairs = [(out, grad) for out, grad in zip(outputs, grads)
-                 if grad is not None and out is not None]
+        pairs = [
+            (out, grad) for out, grad in zip(outputs, grads) if grad is not None and out is not None
+        ]
         leaf = segments.leaves.pop(index)
         params = segments.params.pop(index)
         wanted = [*([leaf] if leaf.requires_grad else []), *params]
-        found = list(
-            torch.autograd.grad([out for out, _ in pairs], wanted, [grad for _, grad in pairs],
-                                allow_unused=True)) if pairs and wanted else [None] * len(wanted)
+        found = (
+            list(
+                torch.autograd.grad(
+                    [out for out, _ in pairs],
+                    wanted,
+                    [grad for _, grad in pairs],
+                    allow_unused=True,
+                )
+            )
+            if pairs and wanted
+            else [None] * len(wanted)
+        )
         leaf_grad = found.pop(0) if leaf.requires_grad else None
         for param, grad in zip(params, found):
             if grad is not None:
@@ -185,7 +210,8 @@ class _Boundary(torch.autograd.Function):
             segments.grads[index] = leaf_grad
         if not segments.queued:  # (the first segment to run: the final norm's)
             torch.autograd.Variable._execution_engine.queue_callback(
-                functools.partial(_finish, segments))
+                functools.partial(_finish, segments)
+            )
             segments.queued = True
         below = leaf_grad if index == 0 and ctx.with_below else None
         # The parameters' gradients wait for this node: their hooks find the prompts' part here.

@@ -33,8 +33,9 @@ SPAN_COST = 20
 MOST_TOKENS = 1024
 
 
-def spans(starts: list[int], end: int, span_cost: int | None = None,
-          most: int | None = None) -> list[tuple[int, int]]:
+def spans(
+    starts: list[int], end: int, span_cost: int | None = None, most: int | None = None
+) -> list[tuple[int, int]]:
     """Column spans [a, b) from the first row's start to `end` covering every row's prompt columns
     [start, end): where each span computes the rows begun by its end (start < b) over its columns,
     the spans whose costs (each span's token-rows, at least `span_cost`, plus one) add up least
@@ -64,8 +65,14 @@ def spans(starts: list[int], end: int, span_cost: int | None = None,
     return split
 
 
-def _fill(decoder, ids: torch.Tensor, positions: torch.Tensor, starts: list[int],
-          mask: torch.Tensor, head: bool = True) -> torch.Tensor | None:
+def _fill(
+    decoder,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    starts: list[int],
+    mask: torch.Tensor,
+    head: bool = True,
+) -> torch.Tensor | None:
     """Rows' prompt tokens through the whole step into the buffers it was started on (each layer's:
     rows x kv heads x columns x head size, after shared positions where given), ids / positions
     (rows, columns) at the buffers' columns, row r's prompt from column starts[r] to the last of
@@ -79,13 +86,15 @@ def _fill(decoder, ids: torch.Tensor, positions: torch.Tensor, starts: list[int]
         index = torch.tensor(begun)
         hidden = decoder.inner.embed_tokens(ids[index, a:b])
         cos, sin = decoder.inner.rotary_emb(hidden, position_ids=positions[index, a:b])
-        logits = whole.prompt_tokens(hidden, cos, sin, mask, a, row_of, head and
-                                     number == len(found) - 1)
+        logits = whole.prompt_tokens(
+            hidden, cos, sin, mask, a, row_of, head and number == len(found) - 1
+        )
     return logits
 
 
-def _buffers(rows: int, decoder, columns: int,
-             zeroed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _buffers(
+    rows: int, decoder, columns: int, zeroed: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each layer's keys and values buffers (rows x kv heads x columns x head size), the first
     `zeroed` columns 0 (no span writes a row's columns before its prompt: masked, and finite)."""
     found = [
@@ -94,20 +103,30 @@ def _buffers(rows: int, decoder, columns: int,
     ]
     for buffer in found:
         buffer[:, :, :zeroed].zero_()
-    return found[:len(decoder.layers)], found[len(decoder.layers):]
+    return found[: len(decoder.layers)], found[len(decoder.layers) :]
 
 
-def prompt_steps(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 positions: torch.Tensor, new_tokens: int) -> torch.Tensor | None:
+def prompt_steps(
+    decoder,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor,
+    new_tokens: int,
+) -> torch.Tensor | None:
     """The prompts (left-padded rows) through `decoder`'s C step into buffers it decodes on, with
     room for `new_tokens` after them (as after LeanDecoder.start): the logits of each row's last
     position; None where this does not apply (the decoder's step not wholly C, not fp32 on the CPU,
     padding not all on the left, an empty prompt) and nothing was done. Rows repeating a prompt:
     each distinct prompt goes through once into buffers that all of its rows' decode steps read
     (kernel.Shared), each row's own buffers holding only its new tokens."""
-    if (decoder.whole is None or input_ids.device.type != "cpu" or input_ids.size(0) != decoder.rows
-            or decoder.inner.embed_tokens.weight.dtype != torch.float32
-            or not _left_padded(attention_mask) or not bool(attention_mask.any(-1).all())):
+    if (
+        decoder.whole is None
+        or input_ids.device.type != "cpu"
+        or input_ids.size(0) != decoder.rows
+        or decoder.inner.embed_tokens.weight.dtype != torch.float32
+        or not _left_padded(attention_mask)
+        or not bool(attention_mask.any(-1).all())
+    ):
         return None
     rows, width = input_ids.shape
     found = distinct_prompts(input_ids, attention_mask)
@@ -122,8 +141,14 @@ def prompt_steps(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         start = width - int(lengths[0])
         common = _buffers(1, decoder, prefix, 0)
         decoder.whole.start(*common, 1)
-        _fill(decoder, ids[:1, start:start + prefix], places[:1, start:start + prefix], [0],
-              torch.zeros(1, prefix), head=False)
+        _fill(
+            decoder,
+            ids[:1, start : start + prefix],
+            places[:1, start : start + prefix],
+            [0],
+            torch.zeros(1, prefix),
+            head=False,
+        )
     # rows' own buffers: their prompts after the prefix (read from `common`), then new tokens
     if inverse is None:
         end = width - prefix
@@ -132,13 +157,20 @@ def prompt_steps(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         scores_mask[:, 0, 0, :prefix] = 0.0
         scores_mask[:, 0, 0, prefix:width].masked_fill_(attention_mask[:, :end].bool(), 0.0)
         every_row = torch.zeros(rows, dtype=torch.int32)
-        shared = None if common is None else [
-            kernel_module.Shared(k, v, every_row) for k, v in zip(*common)
-        ]
+        shared = (
+            None
+            if common is None
+            else [kernel_module.Shared(k, v, every_row) for k, v in zip(*common)]
+        )
         # (the whole step started on them)
         decoder.begin(keys, values, scores_mask, width, prefix, shared)
-        return _fill(decoder, ids[:, prefix:], places[:, prefix:],
-                     (end - (lengths - prefix)).tolist(), scores_mask)
+        return _fill(
+            decoder,
+            ids[:, prefix:],
+            places[:, prefix:],
+            (end - (lengths - prefix)).tolist(),
+            scores_mask,
+        )
     # each distinct prompt's buffers (its prefix copied in), read by its rows' steps
     prompt_keys, prompt_values = _buffers(ids.size(0), decoder, width, width)
     starts = (width - lengths).tolist()
@@ -146,7 +178,7 @@ def prompt_steps(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         for buffers, copied in ((prompt_keys, common[0]), (prompt_values, common[1])):
             for buffer, source in zip(buffers, copied):
                 for prompt, start in enumerate(starts):
-                    buffer[prompt, :, start:start + prefix] = source[0]
+                    buffer[prompt, :, start : start + prefix] = source[0]
     prompts_mask = torch.zeros(ids.size(0), width).masked_fill_(~mask.bool(), float("-inf"))
     decoder.whole.start(prompt_keys, prompt_values, ids.size(0))
     logits = _fill(decoder, ids, places, [start + prefix for start in starts], prompts_mask)
@@ -154,6 +186,12 @@ def prompt_steps(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     scores_mask = torch.full((rows, 1, 1, width + new_tokens), float("-inf"))
     scores_mask[:, 0, 0, :width].masked_fill_(attention_mask.bool(), 0.0)
     prompt = inverse.to(torch.int32).contiguous()
-    decoder.begin(keys, values, scores_mask, width, width,
-                  [kernel_module.Shared(k, v, prompt) for k, v in zip(prompt_keys, prompt_values)])
+    decoder.begin(
+        keys,
+        values,
+        scores_mask,
+        width,
+        width,
+        [kernel_module.Shared(k, v, prompt) for k, v in zip(prompt_keys, prompt_values)],
+    )
     return logits[inverse]

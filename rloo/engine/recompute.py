@@ -78,8 +78,9 @@ class _Recipes:
         return packed() if isinstance(packed, _Recipe) else packed
 
 
-def _norm_forward(module: nn.Module, recipes: _Recipes,
-                  hidden_states: torch.Tensor) -> torch.Tensor:
+def _norm_forward(
+    module: nn.Module, recipes: _Recipes, hidden_states: torch.Tensor
+) -> torch.Tensor:
     # LlamaRMSNorm.forward, operation for operation, with the tensors made from the kept ones
     # registered.
     input_dtype = hidden_states.dtype
@@ -90,8 +91,9 @@ def _norm_forward(module: nn.Module, recipes: _Recipes,
     cast = normed.to(input_dtype)
     if cast is not normed:
         recipes.add(cast, lambda: (hidden * scale).to(input_dtype))
-    return recipes.add(module.weight * cast, lambda: module.weight *
-                       (hidden * scale).to(input_dtype))
+    return recipes.add(
+        module.weight * cast, lambda: module.weight * (hidden * scale).to(input_dtype)
+    )
 
 
 def _mlp_forward(module: nn.Module, recipes: _Recipes, x: torch.Tensor) -> torch.Tensor:
@@ -104,8 +106,9 @@ def _mlp_forward(module: nn.Module, recipes: _Recipes, x: torch.Tensor) -> torch
     return module.down_proj(product)
 
 
-def _repeat_kv(recipes: _Recipes, repeat: Callable, hidden_states: torch.Tensor,
-               n_rep: int) -> torch.Tensor:
+def _repeat_kv(
+    recipes: _Recipes, repeat: Callable, hidden_states: torch.Tensor, n_rep: int
+) -> torch.Tensor:
     repeated = repeat(hidden_states, n_rep)
     if repeated is not hidden_states:
         recipes.add(repeated, lambda: repeat(hidden_states, n_rep))
@@ -116,7 +119,8 @@ def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
     """The model's modules with activation checkpointing on (transformers' `gradient_checkpointing`
     flag)."""
     return [
-        module for module in model.modules()
+        module
+        for module in model.modules()
         if getattr(module, "gradient_checkpointing", False) is True
     ]
 
@@ -145,8 +149,11 @@ def recomputed_activations(model: nn.Module | None) -> Iterator[int]:
         return
     recipes = _Recipes()
     forwards = {"norm": _norm_forward, "mlp": _mlp_forward}
-    patched = [module for module in model.modules()
-               if kind_of(module) in forwards and "forward" not in module.__dict__]
+    patched = [
+        module
+        for module in model.modules()
+        if kind_of(module) in forwards and "forward" not in module.__dict__
+    ]
     for module in patched:
         module.forward = functools.partial(forwards[kind_of(module)], module, recipes)
     repeat = sdpa_attention.repeat_kv  # a module global, looked up by SDPA attention at each call

@@ -20,7 +20,11 @@ logger = logging.getLogger(__name__)
 # transformers module -> class-name prefix; each family's RMSNorm, MLP and ForCausalLM are Llama's
 # forms.
 FAMILIES = {
-    "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "smollm3": "SmolLM3"
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "smollm3": "SmolLM3",
 }
 KINDS = {"RMSNorm": "norm", "MLP": "mlp", "ForCausalLM": "causal_lm"}
 
@@ -58,7 +62,9 @@ def kind_of(module: nn.Module) -> str | None:
             logger.warning(
                 "rloo engine: %s.forward no longer computes what the fast path assumes; that fast "
                 "path "
-                "is off for this class (its own forward runs).", cls.__qualname__)
+                "is off for this class (its own forward runs).",
+                cls.__qualname__,
+            )
     return kind if _verdicts.get(cls, True) else None
 
 
@@ -82,8 +88,9 @@ def _matches(module: nn.Module, kind: str) -> bool:
         if kind == "causal_lm":
             ids = torch.tensor([[1, 2, 3]], device=module.lm_head.weight.device)
             own = forward(module, input_ids=ids, use_cache=False).logits
-            return torch.allclose(own,
-                                  module.lm_head(module.model(input_ids=ids).last_hidden_state))
+            return torch.allclose(
+                own, module.lm_head(module.model(input_ids=ids).last_hidden_state)
+            )
         weight = next(module.parameters())
         width = weight.size(-1) if kind == "norm" else module.gate_proj.in_features
         x = torch.randn(2, 3, width, generator=torch.Generator().manual_seed(0)).to(weight)
@@ -92,7 +99,8 @@ def _matches(module: nn.Module, kind: str) -> bool:
             hidden = x.to(torch.float32)
             scale = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
             return torch.equal(own, module.weight * (hidden * scale).to(x.dtype))
-        return torch.equal(own,
-                           module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x)))
+        return torch.equal(
+            own, module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
+        )
     except Exception:  # noqa: BLE001 (a module not of the fast path's form fails the check)
         return False

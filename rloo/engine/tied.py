@@ -26,15 +26,16 @@ class _TouchedRows(torch.autograd.Function):
     the touched rows."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, ids: torch.Tensor,
-                padding_idx: int | None) -> torch.Tensor:
+    def forward(
+        ctx, weight: torch.Tensor, ids: torch.Tensor, padding_idx: int | None
+    ) -> torch.Tensor:
         ctx.save_for_backward(ids)
         ctx.shape, ctx.padding_idx = weight.shape, padding_idx
         return F.embedding(ids, weight, padding_idx)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ids, = ctx.saved_tensors
+        (ids,) = ctx.saved_tensors
         # sorted distinct tokens; each id's row among them
         rows, position = torch.unique(ids, return_inverse=True)
         # PyTorch's "none"; else the padding token's row among the distinct ones (it gets no
@@ -44,8 +45,13 @@ class _TouchedRows(torch.autograd.Function):
             found = (rows == ctx.padding_idx).nonzero()
             padding = int(found[0, 0]) if found.numel() else -1
         sums = torch.ops.aten.embedding_dense_backward(grad, position, rows.numel(), padding, False)
-        return torch.sparse_coo_tensor(rows.unsqueeze(0), sums, ctx.shape, is_coalesced=True,
-                                       check_invariants=False), None, None
+        return (
+            torch.sparse_coo_tensor(
+                rows.unsqueeze(0), sums, ctx.shape, is_coalesced=True, check_invariants=False
+            ),
+            None,
+            None,
+        )
 
 
 class _Uses(torch.autograd.Function):
@@ -62,8 +68,9 @@ class _Uses(torch.autograd.Function):
             return None if embedding_grad is None else embedding_grad.to_dense()
         if embedding_grad is None:
             return head_grad
-        if head_grad.layout is torch.strided and (head_grad.is_contiguous() or
-                                                  head_grad.t().is_contiguous()):
+        if head_grad.layout is torch.strided and (
+            head_grad.is_contiguous() or head_grad.t().is_contiguous()
+        ):
             # (the head's product, ours alone; often stored transposed)
             return head_grad.add_(embedding_grad)
         return head_grad + embedding_grad
@@ -71,16 +78,27 @@ class _Uses(torch.autograd.Function):
 
 def _tied_modules(model: nn.Module) -> tuple[nn.Embedding, nn.Linear] | None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    get_input, get_output = getattr(base, "get_input_embeddings",
-                                    None), getattr(base, "get_output_embeddings", None)
+    get_input, get_output = (
+        getattr(base, "get_input_embeddings", None),
+        getattr(base, "get_output_embeddings", None),
+    )
     if get_input is None or get_output is None:
         return None
     embedding, head = get_input(), get_output()
-    if type(embedding) is not nn.Embedding or type(
-            head) is not nn.Linear or embedding.weight is not head.weight:
+    if (
+        type(embedding) is not nn.Embedding
+        or type(head) is not nn.Linear
+        or embedding.weight is not head.weight
+    ):
         return None
-    if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse or \
-            "forward" in embedding.__dict__ or "forward" in head.__dict__ or is_partitioned(base):
+    if (
+        embedding.max_norm is not None
+        or embedding.scale_grad_by_freq
+        or embedding.sparse
+        or "forward" in embedding.__dict__
+        or "forward" in head.__dict__
+        or is_partitioned(base)
+    ):
         return None
     return embedding, head
 

@@ -21,8 +21,12 @@ class Completions(list):
     the draw): what a no-grad forward over the finished rows would give, so the rollout takes them
     for pi_old instead of running that forward."""
 
-    def __init__(self, ids: list[list[int]], logprobs: list[list[float]] | None = None,
-                 policy_logprobs: torch.Tensor | None = None):
+    def __init__(
+        self,
+        ids: list[list[int]],
+        logprobs: list[list[float]] | None = None,
+        policy_logprobs: torch.Tensor | None = None,
+    ):
         super().__init__(ids)
         self.logprobs = logprobs
         self.policy_logprobs = policy_logprobs  # (rows, longest completion), 0 after a row's end
@@ -43,8 +47,9 @@ class GenerationBackend:
 
     timer = NULL_TIMER
 
-    def generate(self, model: nn.Module, prompt_ids: list[list[int]], num_generations: int,
-                 step: int) -> list[list[int]]:
+    def generate(
+        self, model: nn.Module, prompt_ids: list[list[int]], num_generations: int, step: int
+    ) -> list[list[int]]:
         """Completion ids per row; vLLM backends return `Completions` with the sampled tokens'
         log-probs."""
         raise NotImplementedError

@@ -22,14 +22,16 @@ class ContinuousBatchingGenerator(GenerationBackend):
     (prompts + max_new_tokens each) instead of transformers' default of half the free memory, which
     on a CPU host means allocating gigabytes for every call."""
 
-    def __init__(self, generation_config: GenerationConfig, eos_ids: list[int],
-                 config: dict | None = None):
+    def __init__(
+        self, generation_config: GenerationConfig, eos_ids: list[int], config: dict | None = None
+    ):
         self.generation_config = generation_config
         self.eos_ids = eos_ids
         self.config = dict(config or {})
 
     def _engine_config(self, prompt_ids: list[list[int]]):
         from transformers import ContinuousBatchingConfig
+
         settings = dict(self.config)
         if not any(key in settings for key in SIZING_KEYS):
             page = settings.setdefault("page_size", 16)
@@ -40,13 +42,21 @@ class ContinuousBatchingGenerator(GenerationBackend):
         return ContinuousBatchingConfig(**settings)
 
     @torch.no_grad()
-    def generate(self, model: PreTrainedModel, prompt_ids: list[list[int]],
-                 num_generations: int = 1, step: int = 0) -> list[list[int]]:
+    def generate(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: list[list[int]],
+        num_generations: int = 1,
+        step: int = 0,
+    ) -> list[list[int]]:
         with eval_mode(model):
             outputs = model.generate_batch(
-                [list(ids) for ids in prompt_ids], generation_config=self.generation_config,
-                continuous_batching_config=self._engine_config(prompt_ids), progress_bar=False,
-                warmup=False)
+                [list(ids) for ids in prompt_ids],
+                generation_config=self.generation_config,
+                continuous_batching_config=self._engine_config(prompt_ids),
+                progress_bar=False,
+                warmup=False,
+            )
         completions = []
         for index in range(len(prompt_ids)):
             output = outputs.get(f"req_{index}")
@@ -55,7 +65,8 @@ class ContinuousBatchingGenerator(GenerationBackend):
                 raise RuntimeError(
                     f"continuous batching failed for prompt {index} ({reason}). Check "
                     "transformers_continuous_batching_config (num_blocks / max_batch_tokens), or "
-                    "set use_transformers_continuous_batching=False.")
+                    "set use_transformers_continuous_batching=False."
+                )
             tokens = list(output.generated_tokens)
             if tokens:
                 row = torch.tensor([tokens])

@@ -28,6 +28,7 @@ def server_log_tail(lines: int = 20) -> str:
     """The server's last log lines when its log is readable from here (RLOO_VLLM_SERVER_LOG, set by
     the SLURM launcher), for the error of a failed call."""
     import os
+
     path = os.environ.get("RLOO_VLLM_SERVER_LOG")
     if not path or not os.path.isfile(path):
         return ""
@@ -42,6 +43,7 @@ def image_data_url(image) -> str:
     """A PIL image as a PNG `data:` URL, as vLLM's `image_url` content parts take it."""
     import base64
     import io
+
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
@@ -61,8 +63,13 @@ class VLLMServerClient:
     (vllm_request_timeout_s); `progress`: called as each chunk of a weight push is sent (the
     trainer's StepTimer.advance, so a long push is not taken for a stalled one)."""
 
-    def __init__(self, base_url: str, connect_timeout_s: float = 240.0,
-                 request_timeout_s: float = 1800.0, progress: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        connect_timeout_s: float = 240.0,
+        request_timeout_s: float = 1800.0,
+        progress: Callable[[], None] | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
@@ -76,8 +83,9 @@ class VLLMServerClient:
         self.source = None
 
     # ------------------------------------------------------------------ HTTP
-    def _call(self, method: str, route: str, payload: dict | None = None,
-              timeout: float | None = None):
+    def _call(
+        self, method: str, route: str, payload: dict | None = None, timeout: float | None = None
+    ):
         url = self.base_url + route
         timeout = timeout or self.request_timeout_s
         try:
@@ -89,7 +97,8 @@ class VLLMServerClient:
         if response.status_code != 200:
             raise VLLMServerError(
                 f"{method} {url} answered {response.status_code}: "
-                f"{response.text[:1000]}{server_log_tail()}")
+                f"{response.text[:1000]}{server_log_tail()}"
+            )
         if not response.content:
             return None
         try:
@@ -102,7 +111,8 @@ class VLLMServerClient:
             f"{method} {self.base_url}{route} got no answer for {timeout:g} s "
             "(vllm_request_timeout_s): the vLLM server is stopped or overloaded, or this batch "
             "takes longer than that allows (then raise vllm_request_timeout_s). The run resumes "
-            f"from its last checkpoint.{server_log_tail()}")
+            f"from its last checkpoint.{server_log_tail()}"
+        )
 
     def wait_until_healthy(self) -> None:
         deadline = time.monotonic() + self.connect_timeout_s
@@ -119,7 +129,8 @@ class VLLMServerClient:
                 raise ConnectionError(
                     f"the vLLM server at {self.base_url} did not become healthy within "
                     f"{self.connect_timeout_s:.0f} s (vllm_server_timeout; last: {last}). Start it "
-                    "first, or fix vllm_server_base_url / vllm_server_host / vllm_server_port.")
+                    "first, or fix vllm_server_base_url / vllm_server_host / vllm_server_port."
+                )
             time.sleep(1.0)
 
     def model_info(self) -> dict:
@@ -139,14 +150,16 @@ class VLLMServerClient:
         except VLLMServerError as err:
             raise VLLMServerError(
                 f"{err}. The weight-update routes exist only when the server runs with "
-                "VLLM_SERVER_DEV_MODE=1.") from err
+                "VLLM_SERVER_DEV_MODE=1."
+            ) from err
         backend = (config.get("weight_transfer_config") or {}).get("backend")
         if backend not in ("gloo", "nccl"):
             raise VLLMServerError(
                 f"the server's weight transfer backend is {backend!r}; this trainer pushes weights "
                 "over 'gloo' (any device) or 'nccl' (GPUs). Restart the server with "
-                "--weight-transfer-config '{\"backend\": \"gloo\"}' --worker-extension-cls "
-                "rloo_vllm.engine.WorkerExtension.")
+                '--weight-transfer-config \'{"backend": "gloo"}\' --worker-extension-cls '
+                "rloo_vllm.engine.WorkerExtension."
+            )
         self._close_abandoned_update(config)
         workers = int(self._call("GET", "/get_world_size", timeout=30)["world_size"])
         world = workers + 1
@@ -154,13 +167,21 @@ class VLLMServerClient:
             self._init_nccl(host, port, world)
             return
         timeout = timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout,
-                                    wait_for_workers=False)
-        info = {"master_address": host, "master_port": port, "world_size": world, "rank_offset": 1,
-                "timeout_s": timeout_s, "chunk_bytes": self.chunk_bytes}
+        self._store = dist.TCPStore(
+            host, port, world, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        info = {
+            "master_address": host,
+            "master_port": port,
+            "world_size": world,
+            "rank_offset": 1,
+            "timeout_s": timeout_s,
+            "chunk_bytes": self.chunk_bytes,
+        }
         errors = self._in_thread("POST", "/init_weight_transfer_engine", {"init_info": info})
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("rloo-weights", self._store), 0, world,
-                                           timeout)
+        self.group = dist.ProcessGroupGloo(
+            dist.PrefixStore("rloo-weights", self._store), 0, world, timeout
+        )
         errors.join_and_raise()
 
     def _init_nccl(self, host: str, port: int, world: int) -> None:
@@ -171,23 +192,27 @@ class VLLMServerClient:
             raise VLLMServerError(
                 "the server's weight transfer backend is 'nccl', which sends from a GPU of this "
                 "process, and this process has none. Fix: restart the server with "
-                "--weight-transfer-config '{\"backend\": \"gloo\"}' --worker-extension-cls "
+                '--weight-transfer-config \'{"backend": "gloo"}\' --worker-extension-cls '
                 "rloo_vllm.engine.WorkerExtension (works with GPU servers too, through host "
                 "memory)."
             )
         try:
             from vllm.distributed.weight_transfer.nccl_engine import (
-                NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine)
+                NCCLTrainerInitInfo,
+                NCCLTrainerWeightTransferEngine,
+            )
         except ImportError as err:
             raise ImportError(
                 "the server's weight transfer backend is 'nccl': the trainer side needs vLLM in "
                 "the training environment (pip install vllm), or restart the server with the "
                 "'gloo' "
-                "backend (--weight-transfer-config '{\"backend\": \"gloo\"}').") from err
+                'backend (--weight-transfer-config \'{"backend": "gloo"}\').'
+            ) from err
         self.source = named_tensor_source()
         info = NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=world, rank=0)
-        self.nccl = NCCLTrainerWeightTransferEngine.trainer_init(info, client=self,
-                                                                 source=self.source)
+        self.nccl = NCCLTrainerWeightTransferEngine.trainer_init(
+            info, client=self, source=self.source
+        )
 
     def _close_abandoned_update(self, config: dict) -> None:
         """A trainer killed between starting a weight update and finishing it leaves the server's
@@ -198,12 +223,15 @@ class VLLMServerClient:
         extension = str((config.get("parallel_config") or {}).get("worker_extension_cls") or "")
         if extension != "rloo_vllm.engine.WorkerExtension":
             return
-        results = self._call("POST", "/collective_rpc",
-                             {"method": "rloo_close_abandoned_weight_update"}, timeout=60)
+        results = self._call(
+            "POST", "/collective_rpc", {"method": "rloo_close_abandoned_weight_update"}, timeout=60
+        )
         if any((result or {}).get("closed") for result in results.get("results") or []):
-            logger.warning("The vLLM server at %s had a weight update left open by a trainer that "
-                           "stopped mid-push; it is closed, and every weight is pushed again.",
-                           self.base_url)
+            logger.warning(
+                "The vLLM server at %s had a weight update left open by a trainer that "
+                "stopped mid-push; it is closed, and every weight is pushed again.",
+                self.base_url,
+            )
 
     # vLLM's trainer-side client protocol (VLLMWeightSyncClient): its NCCL engine calls these.
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -227,12 +255,15 @@ class VLLMServerClient:
         if self.nccl is not None:
             # NCCL sends from this process's GPU
             device = torch.device("cuda", torch.cuda.current_device())
-            self.source.named = [(name, tensor.detach().to(device))
-                                 for name, tensor in named_tensors]
+            self.source.named = [
+                (name, tensor.detach().to(device)) for name, tensor in named_tensors
+            ]
             self.nccl.send_weights()
             self._call("POST", "/reset_prefix_cache", {})
-            return {"seconds": time.perf_counter() - start,
-                    "bytes": sum(t.numel() * t.element_size() for _, t in self.source.named)}
+            return {
+                "seconds": time.perf_counter() - start,
+                "bytes": sum(t.numel() * t.element_size() for _, t in self.source.named),
+            }
         if self.group is None:
             raise RuntimeError("init_weight_transfer() must run before push_weights()")
         names = [name for name, _ in named_tensors]
@@ -241,8 +272,10 @@ class VLLMServerClient:
         shapes = [list(t.shape) for t in tensors]
         self.start_weight_update()
         errors = self._in_thread(
-            "POST", "/update_weights",
-            {"update_info": {"names": names, "dtype_names": dtype_names, "shapes": shapes}})
+            "POST",
+            "/update_weights",
+            {"update_info": {"names": names, "dtype_names": dtype_names, "shapes": shapes}},
+        )
         sent = 0
         try:
             for chunk in plan_chunks(dtype_names, shapes, self.chunk_bytes):
@@ -259,71 +292,107 @@ class VLLMServerClient:
 
     def load_lora_adapter(self, name: str, path: str) -> float:
         start = time.perf_counter()
-        self._call("POST", "/v1/load_lora_adapter",
-                   {"lora_name": name, "lora_path": path, "load_inplace": True})
+        self._call(
+            "POST",
+            "/v1/load_lora_adapter",
+            {"lora_name": name, "lora_path": path, "load_inplace": True},
+        )
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ sampling and scoring
-    def complete(self, model: str, prompts: list[list[int]], n: int,
-                 sampling: dict) -> list[list[dict]]:
+    def complete(
+        self, model: str, prompts: list[list[int]], n: int, sampling: dict
+    ) -> list[list[dict]]:
         """Per prompt, `n` completions: {"ids": [...], "logprobs": [...]} (sampled-token
         log-probs)."""
         payload = {
-            "model": model, "prompt": prompts, "n": n, "logprobs": 0, "return_token_ids": True,
-            "return_tokens_as_token_ids": True, **sampling
+            "model": model,
+            "prompt": prompts,
+            "n": n,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            **sampling,
         }
         choices = self._call("POST", "/v1/completions", payload)["choices"]
         if len(choices) != len(prompts) * n:
             raise VLLMServerError(
                 f"POST {self.base_url}/v1/completions returned {len(choices)} choices for "
-                f"{len(prompts)} prompts x n={n}")
+                f"{len(prompts)} prompts x n={n}"
+            )
         choices = sorted(choices, key=lambda c: c["index"])
-        rows = [_sampled(c, list((c.get("logprobs") or {}).get("token_logprobs") or []),
-                         f"POST {self.base_url}/v1/completions", f"prompt {c['index'] // n}")
-                for c in choices]
-        return [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
+        rows = [
+            _sampled(
+                c,
+                list((c.get("logprobs") or {}).get("token_logprobs") or []),
+                f"POST {self.base_url}/v1/completions",
+                f"prompt {c['index'] // n}",
+            )
+            for c in choices
+        ]
+        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def score(self, model: str, prompt: list[int], completion: list[int]) -> list[float]:
         """The server's log-probs (temperature 1) of `completion`'s tokens after `prompt`."""
         payload = {
-            "model": model, "prompt": [prompt + completion], "max_tokens": 1, "temperature": 1.0,
-            "prompt_logprobs": 0, "return_token_ids": True
+            "model": model,
+            "prompt": [prompt + completion],
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
         }
         entries = self._call("POST", "/v1/completions", payload)["choices"][0]["prompt_logprobs"]
         return _completion_logprobs(entries, prompt, completion)
 
     # ------------------------------------------------------------------ with images
-    def complete_with_images(self, model: str, prompt: list[int], images: list, n: int,
-                             sampling: dict) -> list[dict]:
+    def complete_with_images(
+        self, model: str, prompt: list[int], images: list, n: int, sampling: dict
+    ) -> list[dict]:
         """`n` completions of one prompt and its images, as `complete` gives them. /v1/completions
         takes token ids but no images, so this goes through vLLM's token-in route."""
         body = self._tokens_call(model, prompt, images, dict(sampling, n=n, logprobs=0))
         choices = sorted(body["choices"], key=lambda c: c["index"])
         if len(choices) != n:
-            raise VLLMServerError(f"POST {self.base_url}{TOKENS_ROUTE} returned {len(choices)} "
-                                  f"choices for n={n}")
-        return [_sampled(c, [float(entry["logprob"])
-                             for entry in (c.get("logprobs") or {}).get("content") or []],
-                         f"POST {self.base_url}{TOKENS_ROUTE}", "the prompt")
-                for c in choices]
+            raise VLLMServerError(
+                f"POST {self.base_url}{TOKENS_ROUTE} returned {len(choices)} choices for n={n}"
+            )
+        return [
+            _sampled(
+                c,
+                [
+                    float(entry["logprob"])
+                    for entry in (c.get("logprobs") or {}).get("content") or []
+                ],
+                f"POST {self.base_url}{TOKENS_ROUTE}",
+                "the prompt",
+            )
+            for c in choices
+        ]
 
-    def score_with_images(self, model: str, prompt: list[int], completion: list[int],
-                          images: list) -> list[float]:
+    def score_with_images(
+        self, model: str, prompt: list[int], completion: list[int], images: list
+    ) -> list[float]:
         """`score` for a prompt with images."""
         tokens = list(prompt) + list(completion)
-        body = self._tokens_call(model, tokens, images,
-                                 {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0})
+        body = self._tokens_call(
+            model, tokens, images, {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        )
         return _completion_logprobs(body["prompt_logprobs"], prompt, completion)
 
-    def _tokens_call(self, model: str, token_ids: list[int], images: list,
-                     sampling: dict) -> dict:
+    def _tokens_call(self, model: str, token_ids: list[int], images: list, sampling: dict) -> dict:
         """POST /inference/v1/generate: the prompt's ids as the processor expanded them, each image
         as a PNG data URL (lossless: the server sees our pixels). The server expands the
         placeholders itself and echoes the ids; other ids mean another processor there."""
-        payload = {"model": model, "token_ids": list(token_ids),
-                   "content_parts": [{"type": "image_url", "url": image_data_url(image)}
-                                     for image in images],
-                   "sampling_params": sampling, "return_token_ids": True}
+        payload = {
+            "model": model,
+            "token_ids": list(token_ids),
+            "content_parts": [
+                {"type": "image_url", "url": image_data_url(image)} for image in images
+            ],
+            "sampling_params": sampling,
+            "return_token_ids": True,
+        }
         try:
             body = self._call("POST", TOKENS_ROUTE, payload)
         except VLLMServerError as err:
@@ -331,7 +400,8 @@ class VLLMServerClient:
                 raise VLLMServerError(
                     f"{err}\nImages reach a vLLM server through its token-in route, served only "
                     "with `vllm serve ... --enable-scale-out`. Fix: restart the server with "
-                    "--enable-scale-out.") from err
+                    "--enable-scale-out."
+                ) from err
             raise
         echoed = body.get("prompt_token_ids")
         if echoed is not None and list(echoed) != list(token_ids):
@@ -340,7 +410,8 @@ class VLLMServerClient:
                 f"{len(images)} image(s) that the trainer's processor made {len(token_ids)} "
                 "tokens of: it processes images differently, so it would sample for other "
                 "inputs than the trainer trains on. Fix: serve the checkpoint folder that holds "
-                "the trainer's processor (processor_config.json / preprocessor_config.json).")
+                "the trainer's processor (processor_config.json / preprocessor_config.json)."
+            )
         return body
 
     def close(self) -> None:
@@ -407,7 +478,8 @@ def _sampled(choice: dict, logprobs: list[float], request: str, prompt: str) -> 
         raise VLLMServerError(
             f"{request} answered completion {choice['index']} ({prompt}) with {len(ids)} token ids "
             f"and {len(logprobs)} log-probs; the request asked for the log-prob of every sampled "
-            "token (logprobs=0). Is the server a vLLM that returns them?")
+            "token (logprobs=0). Is the server a vLLM that returns them?"
+        )
     return {"ids": ids, "logprobs": [float(value) for value in logprobs]}
 
 

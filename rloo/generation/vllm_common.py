@@ -16,9 +16,12 @@ def sampling_of(args, suppress: list[int] = ()) -> dict:
     RLOOConfig. `suppress`: tokens never to sample (a VLM's image placeholders, rloo.vision): a bias
     of -100 (vLLM's bound) leaves them ~e^-100 of the mass, as `suppress_tokens` leaves none."""
     sampling = {
-        "max_tokens": args.max_completion_length, "temperature": args.temperature,
-        "top_p": args.top_p, "top_k": args.top_k if args.top_k else -1, "min_p": args.min_p or 0.0,
-        "repetition_penalty": args.repetition_penalty
+        "max_tokens": args.max_completion_length,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k if args.top_k else -1,
+        "min_p": args.min_p or 0.0,
+        "repetition_penalty": args.repetition_penalty,
     }
     if args.vllm_structured_outputs_regex:
         sampling["structured_outputs"] = {"regex": args.vllm_structured_outputs_regex}
@@ -45,6 +48,7 @@ def sync_weights_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     PeftModel must have its adapter merged by the caller: base-layer names are mapped back, LoRA
     tensors left out."""
     from rloo.models import is_peft_model
+
     if is_peft_model(model):
         named = []
         for name, param in model.base_model.model.named_parameters():
@@ -63,6 +67,7 @@ def full_weights(model: torch.nn.Module, zero3: bool):
     afterwards)."""
     from rloo.models import is_peft_model
     from rloo.zero import gathered_parameters
+
     with gathered_parameters(model, zero3):
         if is_peft_model(model):
             model.merge_adapter()
@@ -76,7 +81,7 @@ def full_weights(model: torch.nn.Module, zero3: bool):
 def cut_at_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
     for position, token in enumerate(ids):
         if token in eos_ids:
-            return ids[:position + 1]
+            return ids[: position + 1]
     return ids
 
 
@@ -84,9 +89,14 @@ def unwarped(args) -> bool:
     """Whether the sampler's log-probs are those of the plain (temperature-scaled) distribution,
     which the trainer computes too: no top-k/top-p/min-p, repetition penalty, structured outputs or
     extra generation_kwargs."""
-    return (args.top_k in (0, -1, None) and args.top_p == 1.0 and not args.min_p and
-            args.repetition_penalty == 1.0 and not args.vllm_structured_outputs_regex and
-            not args.generation_kwargs)
+    return (
+        args.top_k in (0, -1, None)
+        and args.top_p == 1.0
+        and not args.min_p
+        and args.repetition_penalty == 1.0
+        and not args.vllm_structured_outputs_regex
+        and not args.generation_kwargs
+    )
 
 
 def sync_tolerance(args, model: torch.nn.Module) -> float:
@@ -104,21 +114,24 @@ def max_logprob_diff(model: torch.nn.Module, samples: list[dict]) -> float:
     it with the same number of samples (the forwards gather)."""
     from rloo.logps import per_token_logps
     from rloo.models import eval_mode
+
     device = next(model.parameters()).device
     worst = 0.0
     with eval_mode(model):
         for sample in samples:
             ids = torch.tensor([sample["prompt"] + sample["completion"]], device=device)
             media = [sample["media"]] if "media" in sample else None
-            mine = per_token_logps(model, ids, torch.ones_like(ids), len(sample["completion"]), 1.0,
-                                   media=media)
+            mine = per_token_logps(
+                model, ids, torch.ones_like(ids), len(sample["completion"]), 1.0, media=media
+            )
             difference = mine.logps[0].float().cpu() - torch.tensor(sample["vllm"])
             worst = max(worst, difference.abs().max().item())
     return worst
 
 
-def judge_sync(worst: float, tolerance: float, on_mismatch: str, samples: int, step: int,
-               engine: str) -> None:
+def judge_sync(
+    worst: float, tolerance: float, on_mismatch: str, samples: int, step: int, engine: str
+) -> None:
     """Stop training (or warn) when the engine generates from other weights than the policy's."""
     if worst <= tolerance:
         return
@@ -126,7 +139,8 @@ def judge_sync(worst: float, tolerance: float, on_mismatch: str, samples: int, s
         f"weight sync check failed: the {engine}'s log-probs differ from the trainer's by "
         f"{worst:.3g} (> vllm_sync_tolerance {tolerance:g}) on {samples} sampled completions after "
         f"the sync at step {step}: it is generating from other weights than the policy's. Check "
-        "that it serves the same model and dtype (float32 for exact checks).")
+        "that it serves the same model and dtype (float32 for exact checks)."
+    )
     if on_mismatch == "error":
         raise RuntimeError(message)
     warnings.warn(message)

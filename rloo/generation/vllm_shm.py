@@ -31,8 +31,11 @@ def remove_stale_cpu_shm() -> list[str]:
     killed launch); returns their names. Call on every rank before any of them starts an engine."""
     if not os.path.isdir(SHM_DIR) or not os.path.isdir("/proc"):
         return []
-    ours = [name for name in os.listdir(SHM_DIR)
-            if CPU_SHM_MARK in name and os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid()]
+    ours = [
+        name
+        for name in os.listdir(SHM_DIR)
+        if CPU_SHM_MARK in name and os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid()
+    ]
     mapped = _mapped_shm_names() if ours else set()
     removed = []
     for name in ours:

@@ -26,7 +26,8 @@ def _math_verify():
     except ImportError as err:
         raise ImportError(
             "accuracy_reward needs math-verify, which is not installed. Fix: pip install "
-            "'rloo[math]' (or pip install math-verify).") from err
+            "'rloo[math]' (or pip install math-verify)."
+        ) from err
     return math_verify, NormalizationConfig
 
 
@@ -42,27 +43,36 @@ def _verified(gold_text, answer_text: str) -> tuple[float | None, str | None, st
     math_verify, NormalizationConfig = _math_verify()
     timeout = _timeout()
     extraction = [
-        math_verify.LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
-                                          boxed_match_priority=0, try_extract_without_anchor=False)
+        math_verify.LatexExtractionConfig(
+            normalization_config=NormalizationConfig(units=True),
+            boxed_match_priority=0,
+            try_extract_without_anchor=False,
+        )
     ]
     gold = math_verify.parse(str(gold_text), parsing_timeout=timeout)
-    answer = math_verify.parse(answer_text, extraction_config=extraction,
-                               extraction_mode="first_match", parsing_timeout=timeout)
+    answer = math_verify.parse(
+        answer_text,
+        extraction_config=extraction,
+        extraction_mode="first_match",
+        parsing_timeout=timeout,
+    )
     shown = (str(gold[0]) if gold else None, str(answer[0]) if answer else None)
     if not gold:
         return None, *shown
     return float(math_verify.verify(gold, answer, timeout_seconds=timeout)), *shown
 
 
-def accuracy_reward(completions: list, solution: list, log_extra=None,
-                    **kwargs) -> list[float | None]:
+def accuracy_reward(
+    completions: list, solution: list, log_extra=None, **kwargs
+) -> list[float | None]:
     """1.0 if the completion's first LaTeX answer (a `\\boxed{}` first, then `$...$`) equals the
     `solution` column mathematically (math-verify), else 0.0; None when the solution itself cannot
     be parsed (the row is left to the other reward functions). Standard and conversational
     completions. With `log_extra`, the parsed gold and answer appear as columns of the completion
     table."""
-    found = [_verified(gold, _content(completion))
-             for completion, gold in zip(completions, solution)]
+    found = [
+        _verified(gold, _content(completion)) for completion, gold in zip(completions, solution)
+    ]
     if log_extra is not None:
         log_extra("solution", [str(s) for s in solution])
         log_extra("gold_parsed", [gold for _, gold, _ in found])
@@ -70,9 +80,13 @@ def accuracy_reward(completions: list, solution: list, log_extra=None,
     return [reward for reward, _, _ in found]
 
 
-def reasoning_accuracy_reward(completions: list, solution: list,
-                              reasoning_delimiters: list[str] | None = None, log_extra=None,
-                              **kwargs) -> list[float | None]:
+def reasoning_accuracy_reward(
+    completions: list,
+    solution: list,
+    reasoning_delimiters: list[str] | None = None,
+    log_extra=None,
+    **kwargs,
+) -> list[float | None]:
     """accuracy_reward on what follows the reasoning: the text after the last occurrence of the
     first of `reasoning_delimiters` (default `</think>`) that the completion contains. A completion
     that never closes its reasoning gets 0.0 (not None: an unfinished reasoning is wrong, not
@@ -100,13 +114,15 @@ def reasoning_accuracy_reward(completions: list, solution: list,
 
 class _CosineScaled:
     """get_cosine_scaled_reward's reward (a class, not a closure: picklable for other processes)."""
+
     __name__ = "cosine_scaled_reward"
 
     def __init__(self, max_len: int, wrong: tuple[float, float], correct: tuple[float, float]):
         self.max_len, self.wrong, self.correct = max_len, wrong, correct
 
-    def __call__(self, completions: list, solution: list, completion_ids: list[list[int]],
-                 **kwargs) -> list[float | None]:
+    def __call__(
+        self, completions: list, solution: list, completion_ids: list[list[int]], **kwargs
+    ) -> list[float | None]:
         rewards = []
         for completion, gold, ids in zip(completions, solution, completion_ids):
             verdict = _verified(gold, _content(completion))[0]
@@ -120,9 +136,13 @@ class _CosineScaled:
         return rewards
 
 
-def get_cosine_scaled_reward(max_len: int, min_value_wrong: float = -1.0,
-                             max_value_wrong: float = -0.5, min_value_correct: float = 0.5,
-                             max_value_correct: float = 1.0):
+def get_cosine_scaled_reward(
+    max_len: int,
+    min_value_wrong: float = -1.0,
+    max_value_wrong: float = -0.5,
+    min_value_correct: float = 0.5,
+    max_value_correct: float = 1.0,
+):
     """Correctness (as accuracy_reward) scaled by the completion's token count on a cosine from 0 to
     `max_len` ("Demystifying Long Chain-of-Thought Reasoning", appendix C.1): a correct completion
     earns `max_value_correct` when short down to `min_value_correct` at `max_len`; a wrong one is
@@ -130,12 +150,14 @@ def get_cosine_scaled_reward(max_len: int, min_value_wrong: float = -1.0,
     attempt is penalised less). None where the solution cannot be parsed."""
     if max_len < 1:
         raise ValueError(f"max_len={max_len} must be >= 1 (tokens).")
-    return _CosineScaled(max_len, (min_value_wrong, max_value_wrong),
-                         (min_value_correct, max_value_correct))
+    return _CosineScaled(
+        max_len, (min_value_wrong, max_value_wrong), (min_value_correct, max_value_correct)
+    )
 
 
 class _RepetitionPenalty:
     """get_repetition_penalty_reward's reward (a picklable class)."""
+
     __name__ = "repetition_penalty_reward"
 
     def __init__(self, ngram_size: int, max_penalty: float):
@@ -144,8 +166,9 @@ class _RepetitionPenalty:
     def __call__(self, completion_ids: list[list[int]], **kwargs) -> list[float]:
         rewards = []
         for ids in completion_ids:
-            grams = [tuple(ids[i:i + self.ngram_size])
-                     for i in range(len(ids) - self.ngram_size + 1)]
+            grams = [
+                tuple(ids[i : i + self.ngram_size]) for i in range(len(ids) - self.ngram_size + 1)
+            ]
             repeated = 1.0 - len(set(grams)) / len(grams) if grams else 0.0
             rewards.append(repeated * self.max_penalty if repeated else 0.0)
         return rewards
@@ -183,7 +206,8 @@ def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int
     if not 0 <= soft_punish_cache <= max_completion_len:
         raise ValueError(
             f"soft_punish_cache={soft_punish_cache} must lie in [0, "
-            f"max_completion_len={max_completion_len}].")
+            f"max_completion_len={max_completion_len}]."
+        )
     free = max_completion_len - soft_punish_cache
 
     def soft_overlong_punishment(completion_ids: list[list[int]], **kwargs) -> list[float]:

@@ -41,8 +41,11 @@ class RewardTimeoutError(RewardFunctionError, TimeoutError):
 
 def reward_function_name(func: Any) -> str:
     if isinstance(func, nn.Module):
-        return str(getattr(func.config, "_name_or_path",
-                           type(func).__name__)).rstrip("/").split("/")[-1]
+        return (
+            str(getattr(func.config, "_name_or_path", type(func).__name__))
+            .rstrip("/")
+            .split("/")[-1]
+        )
     while isinstance(func, functools.partial):
         func = func.func
     name = getattr(func, "__name__", None)
@@ -53,7 +56,8 @@ def is_async_reward(func: Any) -> bool:
     while isinstance(func, functools.partial):
         func = func.func
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
-        getattr(func, "__call__", None))
+        getattr(func, "__call__", None)
+    )
 
 
 class _AsyncLoop:
@@ -62,8 +66,9 @@ class _AsyncLoop:
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
-                                       name="rloo-reward-loop")
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, daemon=True, name="rloo-reward-loop"
+        )
         self.thread.start()
 
     def run(self, coroutine):
@@ -83,26 +88,33 @@ class ExtraLog:
         values = list(values)
         if len(values) != self.num_rows:
             raise RewardFunctionError(
-                f"log_extra({column!r}, ...) got {len(values)} values for {self.num_rows} rows")
+                f"log_extra({column!r}, ...) got {len(values)} values for {self.num_rows} rows"
+            )
         self.columns[column] = values
 
     def log_metric(self, name: str, value: float) -> None:
         self.metrics[name].append(float(value))
 
 
-def _check_output(name: str, output: Any, num_rows: int, rows_desc: Callable[[int], str],
-                  nonfinite: str = "error") -> list[float]:
+def _check_output(
+    name: str, output: Any, num_rows: int, rows_desc: Callable[[int], str], nonfinite: str = "error"
+) -> list[float]:
     if output is None or isinstance(output, (str, bytes)) or not hasattr(output, "__len__"):
         raise RewardFunctionError(
             f"reward function '{name}' returned {type(output).__name__}; it must return a list "
-            f"with one float (or None) per completion ({num_rows} here).")
+            f"with one float (or None) per completion ({num_rows} here)."
+        )
     # tensors and numpy arrays as Python numbers; bools (`[c == answer ...]`) are 1.0 / 0.0, as TRL
-    values = output.tolist() if hasattr(output, "tolist") and not isinstance(output, list) \
+    values = (
+        output.tolist()
+        if hasattr(output, "tolist") and not isinstance(output, list)
         else list(output)
+    )
     if len(values) != num_rows:
         raise RewardFunctionError(
             f"reward function '{name}' returned {len(values)} values for {num_rows} completions; "
-            "it must return exactly one float (or None) per completion, in order.")
+            "it must return exactly one float (or None) per completion, in order."
+        )
     result = []
     for row, value in enumerate(values):
         if hasattr(value, "item") and not isinstance(value, (str, bytes)):
@@ -112,12 +124,14 @@ def _check_output(name: str, output: Any, num_rows: int, rows_desc: Callable[[in
         elif not isinstance(value, numbers.Real):
             raise RewardFunctionError(
                 f"reward function '{name}' returned {value!r} ({type(value).__name__}) for row "
-                f"{row} ({rows_desc(row)}); rewards must be numbers or None.")
+                f"{row} ({rows_desc(row)}); rewards must be numbers or None."
+            )
         elif not math.isfinite(float(value)) and nonfinite == "error":
             raise RewardFunctionError(
                 f"reward function '{name}' returned {float(value)} for row {row} "
                 f"({rows_desc(row)}). Fix: return a finite number, or None where the reward does "
-                "not apply (or set nonfinite_rewards='none' to read NaN/inf as None).")
+                "not apply (or set nonfinite_rewards='none' to read NaN/inf as None)."
+            )
         else:
             result.append(float(value) if math.isfinite(float(value)) else math.nan)
     return result
@@ -127,9 +141,14 @@ class RewardRunner:
     """Turns completions into the (rows, functions) reward matrix, NaN where a function returned
     None."""
 
-    def __init__(self, reward_funcs: list, reward_processing_classes: list,
-                 chat_template_kwargs: dict | None = None, timeout: float | None = None,
-                 nonfinite: str = "error"):
+    def __init__(
+        self,
+        reward_funcs: list,
+        reward_processing_classes: list,
+        chat_template_kwargs: dict | None = None,
+        timeout: float | None = None,
+        nonfinite: str = "error",
+    ):
         self.reward_funcs = reward_funcs
         self.timeout = timeout
         self.nonfinite = nonfinite
@@ -141,35 +160,52 @@ class RewardRunner:
         # then takes a slow batch of several functions for one that progresses)
         self.progress: Callable[[], None] = lambda: None
 
-    def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]],
-                 columns: dict[str, list], trainer_state: Any,
-                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, ExtraLog]:
+    def __call__(
+        self,
+        prompts: list,
+        completions: list,
+        completion_ids: list[list[int]],
+        columns: dict[str, list],
+        trainer_state: Any,
+        device: torch.device | str = "cpu",
+    ) -> tuple[torch.Tensor, ExtraLog]:
         num_rows = len(prompts)
         extra = ExtraLog(num_rows)
-        kwargs = dict(columns, prompts=prompts, completions=completions,
-                      completion_ids=completion_ids, trainer_state=trainer_state,
-                      log_extra=extra.log_extra, log_metric=extra.log_metric)
+        kwargs = dict(
+            columns,
+            prompts=prompts,
+            completions=completions,
+            completion_ids=completion_ids,
+            trainer_state=trainer_state,
+            log_extra=extra.log_extra,
+            log_metric=extra.log_metric,
+        )
 
         def describe(row: int) -> str:
             return f"prompt {str(prompts[row])[:60]!r}"
 
         def late(index: int) -> RewardTimeoutError:
             shown = list(dict.fromkeys(str(p)[:60] for p in prompts))
-            fate = ("cancelled" if is_async_reward(self.reward_funcs[index])
-                    else "abandoned in its thread")
+            fate = (
+                "cancelled"
+                if is_async_reward(self.reward_funcs[index])
+                else "abandoned in its thread"
+            )
             return RewardTimeoutError(
                 f"reward function '{self.names[index]}' did not return within "
                 f"reward_timeout={self.timeout} s ({fate}) on a batch of {num_rows} completions of "
                 f"the prompts {shown[:3]}{' ...' if len(shown) > 3 else ''}. Fix: make it faster "
-                "(or async), or raise reward_timeout.")
+                "(or async), or raise reward_timeout."
+            )
 
         outputs: dict[int, list[float]] = {}
         async_indices = []
         for index, func in enumerate(self.reward_funcs):
             name = self.names[index]
             if isinstance(func, PreTrainedModel):
-                output = self._score_with_model(func, self.processing_classes[index], prompts,
-                                                completions)
+                output = self._score_with_model(
+                    func, self.processing_classes[index], prompts, completions
+                )
             elif is_async_reward(func):
                 async_indices.append(index)
                 continue
@@ -183,6 +219,7 @@ class RewardRunner:
             outputs[index] = _check_output(name, output, num_rows, describe, self.nonfinite)
             self.progress()
         if async_indices:
+
             async def bounded(index):
                 try:
                     return await asyncio.wait_for(self.reward_funcs[index](**kwargs), self.timeout)
@@ -192,18 +229,24 @@ class RewardRunner:
                     self.progress()
 
             async def gather():
-                return await asyncio.gather(*(bounded(i) for i in async_indices),
-                                            return_exceptions=True)
+                return await asyncio.gather(
+                    *(bounded(i) for i in async_indices), return_exceptions=True
+                )
+
             for index, output in zip(async_indices, self._loop.run(gather())):
                 if isinstance(output, RewardTimeoutError):
                     raise output
                 if isinstance(output, BaseException):
-                    raise RewardFunctionError(f"reward function '{self.names[index]}' raised "
-                                              f"{type(output).__name__}: {output}") from output
-                outputs[index] = _check_output(self.names[index], output, num_rows, describe,
-                                               self.nonfinite)
-        matrix = torch.tensor([outputs[i] for i in range(len(self.reward_funcs))],
-                              dtype=torch.float32).T.reshape(num_rows, len(self.reward_funcs))
+                    raise RewardFunctionError(
+                        f"reward function '{self.names[index]}' raised "
+                        f"{type(output).__name__}: {output}"
+                    ) from output
+                outputs[index] = _check_output(
+                    self.names[index], output, num_rows, describe, self.nonfinite
+                )
+        matrix = torch.tensor(
+            [outputs[i] for i in range(len(self.reward_funcs))], dtype=torch.float32
+        ).T.reshape(num_rows, len(self.reward_funcs))
         unscorable = torch.isnan(matrix).all(dim=1).nonzero().flatten().tolist()
         if unscorable:  # TRL's warning, word for word where users and tests match on it
             row = unscorable[0]
@@ -212,7 +255,11 @@ class RewardRunner:
             logger.warning(
                 "All reward functions returned None for the following kwargs:\n%s\nPlease ensure "
                 "that at least one reward function returns a valid reward (%d of %d completions "
-                "here; they get advantage 0).", shown, len(unscorable), num_rows)
+                "here; they get advantage 0).",
+                shown,
+                len(unscorable),
+                num_rows,
+            )
         return matrix.to(device), extra
 
     def _call(self, func, kwargs: dict, timed_out: Callable[[], Exception]):
@@ -228,6 +275,7 @@ class RewardRunner:
                     outcome["value"] = func(**kwargs)
             except BaseException as err:  # re-raised in the caller's thread
                 outcome["error"] = err
+
         thread = threading.Thread(target=target, daemon=True, name="rloo-reward-call")
         thread.start()
         thread.join(self.timeout)
@@ -237,35 +285,45 @@ class RewardRunner:
             raise outcome["error"]
         return outcome["value"]
 
-    def _locate_failure(self, index: int, kwargs: dict, num_rows: int, describe,
-                        err: Exception) -> Exception:
+    def _locate_failure(
+        self, index: int, kwargs: dict, num_rows: int, describe, err: Exception
+    ) -> Exception:
         """Re-run the failing function one row at a time to name the first row that raises."""
         name = self.names[index]
         for row in range(num_rows):
-            row_kwargs = {key: value[row:row + 1]
-                          if isinstance(value, list) and len(value) == num_rows else value
-                          for key, value in kwargs.items()}
+            row_kwargs = {
+                key: value[row : row + 1]
+                if isinstance(value, list) and len(value) == num_rows
+                else value
+                for key, value in kwargs.items()
+            }
             row_kwargs["log_extra"] = lambda *a, **k: None
             row_kwargs["log_metric"] = lambda *a, **k: None
             try:
                 self._call(
-                    self.reward_funcs[index], row_kwargs, lambda: RewardTimeoutError(
+                    self.reward_funcs[index],
+                    row_kwargs,
+                    lambda: RewardTimeoutError(
                         f"reward function '{name}' raised {type(err).__name__}: {err} on the "
                         f"batch, and re-running it on row {row} ({describe(row)}) alone did not "
                         f"return within reward_timeout={self.timeout} s"
-                    ))
+                    ),
+                )
             except RewardTimeoutError:
                 raise
             except Exception as row_err:
                 return RewardFunctionError(
                     f"reward function '{name}' raised {type(row_err).__name__}: {row_err} on row "
-                    f"{row} ({describe(row)}, completion {str(kwargs['completions'][row])[:60]!r})")
+                    f"{row} ({describe(row)}, completion {str(kwargs['completions'][row])[:60]!r})"
+                )
         return RewardFunctionError(
             f"reward function '{name}' raised {type(err).__name__}: {err} (on the batch of "
-            f"{num_rows} rows; no single row reproduces it)")
+            f"{num_rows} rows; no single row reproduces it)"
+        )
 
-    def _score_with_model(self, model: PreTrainedModel, tokenizer: Any, prompts: list,
-                          completions: list) -> list[float]:
+    def _score_with_model(
+        self, model: PreTrainedModel, tokenizer: Any, prompts: list, completions: list
+    ) -> list[float]:
         if is_conversational(prompts[0]):
             texts = [
                 tokenizer.apply_chat_template(p + c, tokenize=False, **self.chat_template_kwargs)
@@ -274,9 +332,12 @@ class RewardRunner:
         else:
             texts = [p + c for p, c in zip(prompts, completions)]
         device = next(model.parameters()).device
-        encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right",
-                            add_special_tokens=False)
+        encoded = tokenizer(
+            texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        )
         with torch.inference_mode():
-            logits = model(input_ids=encoded["input_ids"].to(device),
-                           attention_mask=encoded["attention_mask"].to(device)).logits
+            logits = model(
+                input_ids=encoded["input_ids"].to(device),
+                attention_mask=encoded["attention_mask"].to(device),
+            ).logits
         return logits[:, 0].float().cpu().tolist()

@@ -18,11 +18,27 @@ from services import free_port  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_STEPS = 6
-RECIPE = {"model_name_or_path": "tiny", "dataset_name": os.path.join(ROOT, "data", "arithmetic.jsonl"),
-          "reward_funcs": ["points:position_reward"], "callbacks": ["points:KillPoints"], "use_cpu": True,
-          "bf16": False, "max_steps": MAX_STEPS, "per_device_train_batch_size": 4, "num_generations": 2,
-          "max_completion_length": 6, "learning_rate": 0.05, "logging_steps": 1, "save_strategy": "steps",
-          "save_steps": 1, "save_total_limit": 2, "report_to": "none", "disable_tqdm": True, "beta": 0.0, "seed": 0}
+RECIPE = {
+    "model_name_or_path": "tiny",
+    "dataset_name": os.path.join(ROOT, "data", "arithmetic.jsonl"),
+    "reward_funcs": ["points:position_reward"],
+    "callbacks": ["points:KillPoints"],
+    "use_cpu": True,
+    "bf16": False,
+    "max_steps": MAX_STEPS,
+    "per_device_train_batch_size": 4,
+    "num_generations": 2,
+    "max_completion_length": 6,
+    "learning_rate": 0.05,
+    "logging_steps": 1,
+    "save_strategy": "steps",
+    "save_steps": 1,
+    "save_total_limit": 2,
+    "report_to": "none",
+    "disable_tqdm": True,
+    "beta": 0.0,
+    "seed": 0,
+}
 
 
 def write_recipe(folder: str, nproc: int, **changes) -> str:
@@ -33,17 +49,37 @@ def write_recipe(folder: str, nproc: int, **changes) -> str:
 
 
 def command(recipe: str, output_dir: str, nproc: int) -> list[str]:
-    train = ["-m", "rloo", "train", "--config", recipe, "--output_dir", output_dir,
-             "--resume_from_checkpoint", "latest"]
+    train = [
+        "-m",
+        "rloo",
+        "train",
+        "--config",
+        recipe,
+        "--output_dir",
+        output_dir,
+        "--resume_from_checkpoint",
+        "latest",
+    ]
     if nproc == 1:
         return [sys.executable, *train]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-            str(free_port()), *train]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        *train,
+    ]
 
 
 def environment(extra: dict | None = None, **kill) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("RLOO_TEST_KILL_",
-                                                                                   "RLOO_TEST_REWARD_"))}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("RLOO_TEST_KILL_", "RLOO_TEST_REWARD_"))
+    }
     env.update(extra or {})
     env.update({f"RLOO_TEST_KILL_{key.upper()}": str(value) for key, value in kill.items()})
     env["PYTHONPATH"] = os.pathsep.join([HERE, ROOT, env.get("PYTHONPATH", "")])
@@ -51,8 +87,15 @@ def environment(extra: dict | None = None, **kill) -> dict[str, str]:
     return env
 
 
-def run(recipe: str, output_dir: str, nproc: int = 1, kill_after_s: float | None = None, timeout_s: float = 300,
-        env: dict | None = None, **kill) -> subprocess.CompletedProcess:
+def run(
+    recipe: str,
+    output_dir: str,
+    nproc: int = 1,
+    kill_after_s: float | None = None,
+    timeout_s: float = 300,
+    env: dict | None = None,
+    **kill,
+) -> subprocess.CompletedProcess:
     """One `rloo train` (a kill point in `kill`, or SIGKILL to the whole process group after `kill_after_s`; `env`:
     more variables, e.g. points.py's RLOO_TEST_REWARD_RAISES_AT)."""
     process = start(recipe, output_dir, nproc, env, **kill)
@@ -66,13 +109,26 @@ def run(recipe: str, output_dir: str, nproc: int = 1, kill_after_s: float | None
     return subprocess.CompletedProcess(process.args, process.returncode, output)
 
 
-def start(recipe: str, output_dir: str, nproc: int = 1, env: dict | None = None, log: str | None = None,
-          **kill) -> subprocess.Popen:
+def start(
+    recipe: str,
+    output_dir: str,
+    nproc: int = 1,
+    env: dict | None = None,
+    log: str | None = None,
+    **kill,
+) -> subprocess.Popen:
     """`rloo train` started in its own process group, its output in a pipe, or in the file `log` for a run whose
     output may outgrow a pipe's buffer before anyone reads it (a full pipe would stop the run)."""
     output = open(log, "w") if log else subprocess.PIPE
-    return subprocess.Popen(command(recipe, output_dir, nproc), cwd=ROOT, env=environment(env, **kill),
-                            stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        command(recipe, output_dir, nproc),
+        cwd=ROOT,
+        env=environment(env, **kill),
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _reap(process) -> None:
@@ -86,12 +142,14 @@ def _reap(process) -> None:
 
 def final_weights(output_dir: str) -> dict:
     from safetensors.torch import load_file
+
     return load_file(os.path.join(output_dir, "model.safetensors"))
 
 
 def reward_history(output_dir: str) -> list[tuple[int, float]]:
     """(step, reward) of every logged step, from the newest complete checkpoint's trainer state."""
     from rloo.checkpoint import latest_checkpoint
+
     with open(os.path.join(latest_checkpoint(output_dir), "trainer_state.json")) as handle:
         logs = json.load(handle)["log_history"]
     return [(log["step"], log["reward"]) for log in logs if "reward" in log]
@@ -101,6 +159,7 @@ def assert_same_as_reference(output_dir: str, reference: tuple) -> None:
     """The same final weights as the uninterrupted run, and its reward at every step, each step logged once."""
     import pytest
     import torch
+
     weights, history = reference
     got = final_weights(output_dir)
     assert got.keys() == weights.keys()

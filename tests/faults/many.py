@@ -20,8 +20,13 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--many", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-delay", type=float, default=None, help="kill within this many seconds of the start "
-                        "(default: the uninterrupted run's wall time, so that every kill lands before it ends)")
+    parser.add_argument(
+        "--max-delay",
+        type=float,
+        default=None,
+        help="kill within this many seconds of the start "
+        "(default: the uninterrupted run's wall time, so that every kill lands before it ends)",
+    )
     options = parser.parse_args()
     draw = random.Random(options.seed)
     folder = tempfile.mkdtemp(prefix="rloo-faults-")
@@ -30,7 +35,10 @@ def main() -> int:
     done = run(recipe, os.path.join(folder, "reference"))
     assert done.returncode == 0, done.stdout[-3000:]
     max_delay = options.max_delay or time.time() - start
-    weights, history = final_weights(os.path.join(folder, "reference")), reward_history(os.path.join(folder, "reference"))
+    weights, history = (
+        final_weights(os.path.join(folder, "reference")),
+        reward_history(os.path.join(folder, "reference")),
+    )
     survived = 0
     for trial in range(options.many):
         delay = draw.uniform(0.5, max_delay)
@@ -40,13 +48,22 @@ def main() -> int:
         ok = resumed.returncode == 0
         if ok:
             got = final_weights(output_dir)
-            ok = all(torch.allclose(got[k], weights[k], atol=1e-6) for k in weights) and \
-                [s for s, _ in reward_history(output_dir)] == list(range(1, MAX_STEPS + 1)) and \
-                all(abs(a - b) < 1e-6 for (_, a), (_, b) in zip(reward_history(output_dir), history))
+            ok = (
+                all(torch.allclose(got[k], weights[k], atol=1e-6) for k in weights)
+                and [s for s, _ in reward_history(output_dir)] == list(range(1, MAX_STEPS + 1))
+                and all(
+                    abs(a - b) < 1e-6 for (_, a), (_, b) in zip(reward_history(output_dir), history)
+                )
+            )
         survived += ok
-        print(f"trial {trial}: killed after {delay:.2f} s ({'died' if killed.returncode else 'had finished'}), "
-              f"resumed: {'same weights and history' if ok else 'DIFFERENT or failed'}", flush=True)
-    print(f"survived {survived}/{options.many} random kill points in {time.time() - start:.0f} s ({folder})")
+        print(
+            f"trial {trial}: killed after {delay:.2f} s ({'died' if killed.returncode else 'had finished'}), "
+            f"resumed: {'same weights and history' if ok else 'DIFFERENT or failed'}",
+            flush=True,
+        )
+    print(
+        f"survived {survived}/{options.many} random kill points in {time.time() - start:.0f} s ({folder})"
+    )
     return 0 if survived == options.many else 1
 
 

@@ -21,7 +21,9 @@ class KillPoints(TrainerCallback):
         faults.point("step-end")
 
     def on_train_end(self, args, state, control, **kwargs):
-        faults.point("train-end")  # after the last step, before `rloo train` saves the final model and exits
+        faults.point(
+            "train-end"
+        )  # after the last step, before `rloo train` saves the final model and exits
         if os.environ.get("RLOO_TEST_FILL_DISK_AT_END"):  # another writer takes the last free byte
             try:
                 with open(os.environ["RLOO_TEST_FILL_DISK_AT_END"], "wb", buffering=0) as filler:

@@ -31,9 +31,17 @@ def asynchronous(tmp_path_factory):
     server = start_vllm_cpu_server(folder, PORT)
 
     def recipe(nproc: int) -> str:
-        return write_recipe(str(folder), nproc, model_name_or_path=server["model_dir"], use_vllm=True,
-                            vllm_mode="server", vllm_server_base_url=server["url"], vllm_group_port=free_port(),
-                            async_generation=True, vllm_server_timeout=60)
+        return write_recipe(
+            str(folder),
+            nproc,
+            model_name_or_path=server["model_dir"],
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_url=server["url"],
+            vllm_group_port=free_port(),
+            async_generation=True,
+            vllm_server_timeout=60,
+        )
 
     runs = {}
     try:
@@ -48,7 +56,9 @@ def asynchronous(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,nproc,kill", POINTS, ids=[p[0] for p in POINTS])
-def test_killed_and_resumed_async_run_matches_the_uninterrupted_one(asynchronous, tmp_path, name, nproc, kill):
+def test_killed_and_resumed_async_run_matches_the_uninterrupted_one(
+    asynchronous, tmp_path, name, nproc, kill
+):
     recipe, runs = asynchronous
     output_dir = str(tmp_path / "out")
     killed = run(recipe(nproc), output_dir, nproc, env=CHUNKS, **kill)

@@ -12,8 +12,14 @@ import time
 import pytest
 
 from harness import start, write_recipe
-from infra.job_tracking import (enqueue, flush_pending, metrics_item, pending_count, read_metrics,
-                                 tracking_environment)
+from infra.job_tracking import (
+    enqueue,
+    flush_pending,
+    metrics_item,
+    pending_count,
+    read_metrics,
+    tracking_environment,
+)
 from infra.tracking import client, start_run
 from services import MlflowServer
 
@@ -43,11 +49,22 @@ def server(tmp_path):
 def test_mlflow_killed_restarted_and_paused_mid_run_loses_and_doubles_no_metric(tmp_path, server):
     run_id = start_run(server.uri, "tracking-faults", "train", {})
     train_dir = str(tmp_path / "train")
-    recipe = write_recipe(str(tmp_path), 1, max_steps=STEPS, save_steps=50, callbacks=[
-        "points:SlowSteps", "infra.job_tracking:RunDirTrackingCallback"])
-    release = tmp_path / "faults-done"  # the run waits at step 90 until the faults are over, however slow they are
-    env = {**tracking_environment(server.uri, run_id, train_dir), "RLOO_TEST_STEP_SLEEP": "0.3",
-           "RLOO_TEST_HOLD_AT": "90", "RLOO_TEST_HOLD_UNTIL": str(release)}
+    recipe = write_recipe(
+        str(tmp_path),
+        1,
+        max_steps=STEPS,
+        save_steps=50,
+        callbacks=["points:SlowSteps", "infra.job_tracking:RunDirTrackingCallback"],
+    )
+    release = (
+        tmp_path / "faults-done"
+    )  # the run waits at step 90 until the faults are over, however slow they are
+    env = {
+        **tracking_environment(server.uri, run_id, train_dir),
+        "RLOO_TEST_STEP_SLEEP": "0.3",
+        "RLOO_TEST_HOLD_AT": "90",
+        "RLOO_TEST_HOLD_UNTIL": str(release),
+    }
     log = str(tmp_path / "job.log")  # 100 steps of log lines: more than a pipe holds
     process = start(recipe, str(tmp_path / "out"), env=env, log=log)
     try:
@@ -58,7 +75,9 @@ def test_mlflow_killed_restarted_and_paused_mid_run_loses_and_doubles_no_metric(
             time.sleep(1)
             server.start()
         _wait_for_step(train_dir, 65, process, log)
-        os.killpg(server.process.pid, signal.SIGSTOP)  # frozen: connections accepted, nothing answered
+        os.killpg(
+            server.process.pid, signal.SIGSTOP
+        )  # frozen: connections accepted, nothing answered
         time.sleep(15)  # past the job's 10 s client timeout
         os.killpg(server.process.pid, signal.SIGCONT)
         release.touch()
@@ -68,7 +87,9 @@ def test_mlflow_killed_restarted_and_paused_mid_run_loses_and_doubles_no_metric(
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 0, output[-3000:]
-    assert flush_pending(train_dir, server.uri, run_id)  # what the train stage does before it closes the run
+    assert flush_pending(
+        train_dir, server.uri, run_id
+    )  # what the train stage does before it closes the run
     assert pending_count(train_dir) == 0
     with open(os.path.join(train_dir, "metrics.jsonl")) as handle:
         records = [json.loads(line) for line in handle if line.strip()]
