@@ -390,21 +390,3 @@ def load_renamed_weights(model: torch.nn.Module, checkpoint: str) -> bool:
     loaded = type(model).from_pretrained(checkpoint, dtype=next(model.parameters()).dtype)
     model.load_state_dict(loaded.state_dict(), strict=True)
     return True
-
-
-class CheckpointLoading:
-    """Trainer's resume and load_best_model_at_end, with renamed checkpoints loaded whole
-    (load_renamed_weights); mixed into RLOOTrainer."""
-
-    def _load_renamed(self, checkpoint: str, model=None) -> bool:
-        target = self.accelerator.unwrap_model(model if model is not None else self.model)
-        plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
-        return plain and load_renamed_weights(target, checkpoint)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        if not self._load_renamed(resume_from_checkpoint, model):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-    def _load_best_model(self) -> None:
-        if not self._load_renamed(self.state.best_model_checkpoint):
-            super()._load_best_model()

@@ -538,35 +538,3 @@ def _link_or_copy(source: str, destination: str) -> None:
         os.link(source, destination)
     except OSError:  # another filesystem, or links not allowed
         shutil.copy2(source, destination)
-
-
-class HubMethods:
-    """The Trainer's Hub methods, through this module's Publisher; mixed into RLOOTrainer."""
-
-    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
-        init_repo(self, token=token, private=private)
-
-    def create_model_card(
-        self,
-        model_name: str | None = None,
-        dataset_name: str | None = None,
-        tags: str | list[str] | None = None,
-        **kwargs,
-    ) -> None:
-        write_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
-
-    def push_to_hub(
-        self,
-        commit_message: str | None = "End of training",
-        blocking: bool = True,
-        token: str | None = None,
-        revision: str | None = None,
-        private: bool | None = None,
-        **kwargs,
-    ):
-        """Save, write the model card, upload output_dir (checkpoints excluded). Returns the commit,
-        or with blocking=False a Future of it (the upload goes on in the background)."""
-        return push_output_dir(self, commit_message, blocking, token, revision, private, **kwargs)
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        push_checkpoint(self, checkpoint_folder)
