@@ -232,29 +232,6 @@ def held_out_rows(dataset_result: dict) -> list[dict]:
     return rows
 
 
-def extra_set_rows(config: RunConfig, name: str, training_prompts: list) -> list[dict]:
-    """evaluation.extra_sets[name]'s rows, checked as training rows are, none of whose prompts is a
-    training prompt (a held-out set must be kept out of training)."""
-    from rloo.data import load_prompt_dataset, validate_prompt_rows
-
-    path = config.evaluation.extra_sets[name]
-    if not os.path.isfile(path):
-        raise ValueError(f"evaluation.extra_sets.{name}: {path!r}: no such file.")
-    dataset = load_prompt_dataset(path)
-    validate_prompt_rows(dataset, path)
-    rows = list(dataset)
-    seen = {
-        json.dumps(prompt, sort_keys=True): index for index, prompt in enumerate(training_prompts)
-    }
-    for index, row in enumerate(rows):
-        if (found := seen.get(json.dumps(row["prompt"], sort_keys=True))) is not None:
-            raise ValueError(
-                f"evaluation.extra_sets.{name}: row {index}'s prompt is training prompt {found} of "
-                "data.source. Fix: keep the set's prompts out of the training data."
-            )
-    return rows
-
-
 def evaluate_policy(
     config: RunConfig, dataset_result: dict, model_result: dict, train_result: dict
 ) -> dict:
@@ -274,7 +251,10 @@ def evaluate_policy(
     )
     row_sets = {
         "held_out": rows,
-        **{name: extra_set_rows(config, name, training) for name in config.evaluation.extra_sets},
+        **{
+            name: stages.extra_set_rows(config, name, training)
+            for name in config.evaluation.extra_sets
+        },
     }
     step = train_result["global_step"]
     evaluated = checkpoints.to_evaluate(config, train_result)

@@ -220,8 +220,6 @@ def check_config(config: RunConfig, read_rows: bool) -> bool:
     try:
         dataset, _ = load_checked_rows(config)
         check_enough_prompts(config, args, len(dataset) - config.data.eval_size)
-        from infra.evaluation import extra_set_rows
-
         # (against every source row: the split is not drawn yet)
         for name in config.evaluation.extra_sets:
             extra_set_rows(config, name, dataset["prompt"])
@@ -579,3 +577,26 @@ async def follow_training(config: RunConfig, record: dict, on_progress=None, jud
         "resumed_from": record.get("resumed_from"),
     }
     return save_stage_result(config, "train", result)
+
+
+def extra_set_rows(config: RunConfig, name: str, training_prompts: list) -> list[dict]:
+    """evaluation.extra_sets[name]'s rows, checked as training rows are, none of whose prompts is a
+    training prompt (a held-out set must be kept out of training)."""
+    from rloo.data import load_prompt_dataset, validate_prompt_rows
+
+    path = config.evaluation.extra_sets[name]
+    if not os.path.isfile(path):
+        raise ValueError(f"evaluation.extra_sets.{name}: {path!r}: no such file.")
+    dataset = load_prompt_dataset(path)
+    validate_prompt_rows(dataset, path)
+    rows = list(dataset)
+    seen = {
+        json.dumps(prompt, sort_keys=True): index for index, prompt in enumerate(training_prompts)
+    }
+    for index, row in enumerate(rows):
+        if (found := seen.get(json.dumps(row["prompt"], sort_keys=True))) is not None:
+            raise ValueError(
+                f"evaluation.extra_sets.{name}: row {index}'s prompt is training prompt {found} of "
+                "data.source. Fix: keep the set's prompts out of the training data."
+            )
+    return rows

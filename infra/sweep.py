@@ -380,7 +380,8 @@ class PruningJudge:
     def _rows(self) -> list[dict]:
         from datasets import load_from_disk
 
-        from infra.evaluation import extra_set_rows, held_out_rows
+        from infra.evaluation import held_out_rows
+        from infra.stages import extra_set_rows
 
         if self.rows is None:
             name = self.config.trial.objective_set

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -102,8 +103,6 @@ def load_prompt_dataset(
 ):
     """A Hub dataset id, a folder written by `save_to_disk`, or a JSON/JSONL/CSV/Parquet file -> one
     split."""
-    import os
-
     from datasets import DatasetDict, load_dataset, load_from_disk
 
     path = os.path.expanduser(name)
@@ -111,8 +110,6 @@ def load_prompt_dataset(
     if extension in FILE_BUILDERS:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"dataset {name!r}: no such file.")
-        from rloo.vision import with_image_files
-
         loaded = load_dataset(
             FILE_BUILDERS[extension], data_files={split: path}, split=split, streaming=streaming
         )
@@ -192,8 +189,6 @@ def load_mixture(values: dict) -> dict:
     with its name, data_dir, data_files and split), its `columns` kept, cut to its `fraction` of
     the mixture (the largest mixture no entry has to repeat rows for, the first rows of each),
     concatenated in order; {"train": ...} plus "test" with `test_split_size`."""
-    import os
-
     from datasets import concatenate_datasets, load_dataset
 
     streaming = bool(values.get("streaming"))
@@ -334,3 +329,41 @@ def validate_prompt_rows(dataset, source: str = "dataset") -> str:
                     "functions would get it as a number). Fix: fill it in, or drop the row."
                 )
     return kind
+
+
+def with_image_files(dataset: Any, base_dir: str) -> Any:
+    """A data file's `image` / `images` columns of file paths (relative to the file's folder) or of
+    encoded bytes (Parquet) as datasets.Image features, so that rows hold PIL images as with a Hub
+    dataset. A path that is no file is an error naming its row (a stream's: when it is read)."""
+    from datasets import List
+    from datasets import Image as ImageFeature
+
+    features = getattr(dataset, "features", None) or {}
+    for column, nested in (("image", False), ("images", True)):
+        feature = features.get(column)
+        dtype = getattr(getattr(feature, "feature", feature), "dtype", None)
+        if dtype in ("binary", "large_binary"):  # datasets.Image takes encoded bytes as they are
+            dataset = dataset.cast_column(
+                column, List(ImageFeature()) if nested else ImageFeature()
+            )
+        if dtype != "string":
+            continue
+
+        def absolute(row, index, column=column, nested=nested):
+            def one(path):
+                if path is None:
+                    return None
+                full = os.path.join(base_dir, os.path.expanduser(path))
+                if not os.path.isfile(full):
+                    raise ValueError(
+                        f"row {index}: {column} {path!r} is not a file ({full}). Fix: "
+                        "paths relative to the data file's folder, or absolute."
+                    )
+                return full
+
+            value = row[column]
+            return {column: [one(p) for p in value] if nested and value is not None else one(value)}
+
+        dataset = dataset.map(absolute, with_indices=True)
+        dataset = dataset.cast_column(column, List(ImageFeature()) if nested else ImageFeature())
+    return dataset

@@ -1,5 +1,5 @@
 """The layout kept: the formatter's layout and the lint, where mlflow may be imported, no test code
-in the product, no import cycle between the launchers."""
+in the product, no import circle (at module level or through function-level imports)."""
 
 import os
 import pathlib
@@ -69,3 +69,77 @@ def test_every_mlflow_call_of_the_pipeline_is_in_infra_tracking():
         if re.search(r"^\s*(import mlflow|from mlflow)", p.read_text(), re.M)
     ]
     assert hits == ["infra/tracking.py"]
+
+
+def _project_imports() -> dict[str, set[str]]:
+    """module -> the project's modules it imports, at module level or inside a function (a function
+    level import hides a circle from Python's import order, not from a reader)."""
+    import ast
+
+    modules = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges = {module: set() for module in modules}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package
+                    for _ in range(node.level - 1):
+                        parent = parent.rpartition(".")[0]
+                    base = f"{parent}.{base}" if base else parent
+                names = [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                found = resolve(name)
+                if found and found != module:
+                    edges[module].add(found)
+    return edges
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in edges[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in edges:
+        if module not in index:
+            visit(module)
+    return groups
+
+
+def test_no_import_circle_in_the_project_even_through_function_level_imports():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    edges = _project_imports()
+    assert "rloo.engine" in edges["rloo.trainer"]  # (the graph sees the project's imports)
+    assert _circles(edges) == []
