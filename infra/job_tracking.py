@@ -224,6 +224,7 @@ STEP_FILE = "step.json"  # in the train directory: the running attempt's last op
 def write_step(train_dir: str, step: int) -> None:
     """The attempt's optimizer step, replaced in one rename (a reader never sees half of it)."""
     path = os.path.join(train_dir, STEP_FILE)
+    os.makedirs(train_dir, exist_ok=True)
     with open(path + ".tmp", "w") as handle:
         json.dump({"step": step, "time": time.time()}, handle)
     os.replace(path + ".tmp", path)
