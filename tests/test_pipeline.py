@@ -61,7 +61,14 @@ async def _task_states(flow_run_id):
 
 
 def task_states(state):
-    return asyncio.run(_task_states(state.state_details.flow_run_id))
+    """The flow run's task states by stage, once none reads Running: Prefect records a task's final
+    state through its events, which may land a moment after the flow has returned."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = asyncio.run(_task_states(state.state_details.flow_run_id))
+        if "Running" not in found.values() or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 def test_end_to_end_two_processes(prefect_api, mlflow_server, run_root):
