@@ -9,8 +9,11 @@ def length_reward(completion_ids, **kwargs):
 
 
 def slow_length_reward(completion_ids, **kwargs):
-    """Training slow enough to be interrupted between checkpoints."""
+    """Training slow enough to be interrupted between checkpoints. RLOO_TEST_REWARD_RETURNED names a file
+    touched once a call has slept its full time (a test's proof that a call was, or was not, waited for)."""
     time.sleep(float(os.environ.get("RLOO_TEST_REWARD_SLEEP", "0.7")))
+    if os.environ.get("RLOO_TEST_REWARD_RETURNED"):
+        open(os.environ["RLOO_TEST_REWARD_RETURNED"], "a").close()
     return [float(len(ids)) for ids in completion_ids]
 
 
