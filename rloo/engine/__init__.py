@@ -83,7 +83,9 @@ def describe(
 ) -> str:
     """One line: each part of the speed layer, on or off and why, for this model and machine
     (`forced`: why it takes the reference path whatever the mode, from reference_reason)."""
-    model, reference = _unwrapped(model), reference and _unwrapped(reference)
+    from accelerate.utils import extract_model_from_parallel as unwrapped
+
+    model, reference = unwrapped(model), reference and unwrapped(reference)
     if forced is not None:
         return (
             f"rloo engine: reference ({REFERENCE_REASONS[forced]}): model.generate and plain "
@@ -143,13 +145,6 @@ def describe(
     )
     parts.append("freed memory kept: " + ("on" if heap.libc() is not None else "off (no glibc)"))
     return "rloo engine: " + "; ".join(parts)
-
-
-def _unwrapped(model: nn.Module) -> nn.Module:
-    # DDP / DeepSpeed wrappers
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
 
 
 def _on_cpu(model: nn.Module) -> bool:

@@ -177,14 +177,14 @@ class AsyncServerGenerator(VLLMServerGenerator):
                     }
                 )
         if training and self.last_synced_step == step:
-            self._launch_until_next_push(gather_object, upcoming, num_generations, step)
+            self._launch_until_next_push(upcoming, num_generations, step)
         return self._deliver(model, result, len(prompt_ids))
 
-    def _launch_until_next_push(
-        self, gather_object, upcoming: "ReadAhead", n: int, step: int
-    ) -> None:
+    def _launch_until_next_push(self, upcoming: "ReadAhead", n: int, step: int) -> None:
         """With the server holding this step's weights: the batches trained before the next push
         that are not in flight yet (one per optimizer step), sampled from these weights."""
+        from accelerate.utils import gather_object
+
         every = self.args.weight_sync_steps
         wanted = upcoming.first(every - step % every)
         following = [
