@@ -56,3 +56,23 @@ def test_every_link_between_pages_resolves():
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert broken == []
+
+
+def test_every_repository_path_the_pages_name_exists():
+    # a path under one of the repository's folders, or a source file named from inside a
+    # package (`engine/lean.py`); a run's outputs (runs/, train/...) are not in the repository
+    folders = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".venv")}
+    packages = ["", "rloo/", "infra/", "flows/", "tasks/"]
+    source = (".py", ".c", ".sh", ".yaml", ".toml")
+    missing = []
+    for page in DOCS:
+        for path in re.findall(r"`((?:\.?[\w-]+/)+[\w.-]*)`", page.read_text()):
+            if path.split("/")[0] in folders:
+                found = (ROOT / path).exists()
+            elif path.endswith(source):
+                found = any((ROOT / f"{package}{path}").exists() for package in packages)
+            else:
+                continue
+            if not found:
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert missing == []
