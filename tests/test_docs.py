@@ -76,3 +76,35 @@ def test_every_repository_path_the_pages_name_exists():
             if not found:
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert missing == []
+
+
+def _column(text: str, heading: str, machine: str) -> dict[str, list[str]]:
+    """The cells of `machine`'s column (split at " / ") by row, in the first table after
+    `heading`."""
+    table = text[text.index(heading) :].split("\n\n", 2)[1].splitlines()
+    header = [cell.strip() for cell in table[0].split("|")]
+    index = next(i for i, cell in enumerate(header) if cell.startswith(machine))
+    return {
+        cells[1].strip(): [part.strip() for part in cells[index].split("(")[0].split("/")]
+        for cells in (row.split("|") for row in table[2:])
+    }
+
+
+def test_the_readmes_headline_figures_are_the_performance_pages():
+    # one run, one source: the README quotes docs/performance.md's tables, it does not re-measure
+    readme = (ROOT / "README.md").read_text()
+    performance = (ROOT / "docs" / "performance.md").read_text()
+    bold = re.findall(
+        r"\*\*([^*]+)\*\*", readme[readme.index("## Headline numbers") :].split("\n\n", 2)[1]
+    )
+    steps = _column(performance, "Steps/s ratio", "EPYC-512")
+    memory = _column(performance, "Peak RSS ratio", "EPYC-512")
+
+    def ratio(cell: str) -> float:
+        return float(cell.rstrip("x"))
+
+    assert bold[0] == steps["full fine-tune, 32 tokens"][0]  # beta 0.05
+    assert bold[1] == min((c for cells in steps.values() for c in cells), key=ratio)
+    assert bold[2] == max((c for cells in memory.values() for c in cells), key=ratio)
+    for figure in bold[3:]:
+        assert all(part.strip() in performance for part in figure.split("/")), figure
