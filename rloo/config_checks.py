@@ -74,7 +74,7 @@ def check_backend_combinations(config) -> None:
     if config.use_vllm and not config.ds3_gather_for_generation:
         raise ValueError(
             "ds3_gather_for_generation=False with use_vllm=True: vLLM loads full weights, so they "
-            "are gathered for it whatever this says (the spec calls the two incompatible). Fix: "
+            "are gathered for it whatever this says (the TRL docs call the two incompatible). Fix: "
             "drop ds3_gather_for_generation=False, or use_vllm=False to generate layer by layer."
         )
     check_async_generation(config)

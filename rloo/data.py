@@ -227,7 +227,7 @@ def load_mixture(values: dict) -> dict:
 
 def with_prompt(dataset, column: str | None, system_prompt: str | None):
     """The dataset's `prompt` made from a text `column` (as one user message) and/or a system
-    message before each conversational prompt: what the spec's example scripts do with `map`."""
+    message before each conversational prompt: what the TRL docs' example scripts do with `map`."""
     names = dataset.column_names or []
     if column is not None and column not in names:
         raise ValueError(f"dataset_prompt_column={column!r}: no such column (columns: {names}).")

@@ -144,7 +144,7 @@ def load_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """The processing class of a model id or path: for a vision-language model (`config`, the
     model's), its processor (AutoProcessor, rloo.vision), else its tokenizer (AutoTokenizer);
-    `revision` as for the model (the spec: model_init_kwargs' revision is also used for the
+    `revision` as for the model (the TRL docs: model_init_kwargs' revision is also used for the
     processing class)."""
     from rloo import vision
 

@@ -9,7 +9,7 @@ rollout is completed by `complete_rollout`, a named stage of the step that the l
 that forward. Its collaborators are arguments (a generate function, the processing class, the reward
 runner, log-prob functions, the cross-process gather), so it knows nothing of the trainer: the
 trainer's `_prepare_inputs` and the pipeline's evaluation stage call this same function.
-`rollout_metrics` computes the spec's metrics from a Rollout.
+`rollout_metrics` computes the TRL docs' metrics from a Rollout.
 """
 
 from __future__ import annotations

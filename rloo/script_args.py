@@ -63,7 +63,7 @@ class ScriptArguments:
         default=None,
         metadata={
             "help": "A text column to train on as the prompt: each row's text becomes a user "
-            "message (e.g. 'problem' for the spec's visual-math dataset)."
+            "message (e.g. 'problem' for the TRL docs' visual-math dataset)."
         },
     )
     system_prompt: str | None = field(

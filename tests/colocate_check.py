@@ -50,7 +50,7 @@ result["metrics"] = generator.pop_metrics()
 result["log_history"] = trainer.state.log_history
 result["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
 result["tied"] = bool(model.config.tie_word_embeddings)
-# one process, no launcher: the spec's rendezvous defaults were applied
+# one process, no launcher: the TRL docs' rendezvous defaults were applied
 result["rendezvous"] = [os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")]
 result["recipe"] = yaml.safe_load(open(recipe))
 with open(out, "w") as handle:

@@ -1,5 +1,5 @@
 """`rloo train --config recipe.yaml [--field value]`: parsing, overrides, clear errors, a real run (also under
-torchrun on two processes), and the spec's two scripts as recipes."""
+torchrun on two processes), and the TRL docs' two scripts as recipes."""
 
 import json
 import os

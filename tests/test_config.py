@@ -1,4 +1,4 @@
-"""RLOOConfig: the spec's defaults and the validation rules."""
+"""RLOOConfig: the TRL docs' defaults and the validation rules."""
 
 import dataclasses
 
@@ -117,7 +117,7 @@ def test_batch_math(tmp_path):
         (dict(auto_find_batch_size=True), "auto_find_batch_size"),
         (dict(reward_clip_range=(1.0, -1.0)), "reward_clip_range"),
         (dict(generation_kwargs="{not json"), "generation_kwargs"),
-        # the spec: incompatible with vLLM (which loads full weights anyway)
+        # the TRL docs: incompatible with vLLM (which loads full weights anyway)
         (
             dict(use_vllm=True, ds3_gather_for_generation=False),
             "ds3_gather_for_generation=False with use_vllm",

@@ -287,7 +287,7 @@ def test_cache_implementation_reaches_generation(tmp_path, tokenizer, model):
 
 
 def test_prompt_from_a_text_column_and_a_system_prompt():
-    """rloo train's dataset_prompt_column / system_prompt (the spec's example scripts map their data so)."""
+    """rloo train's dataset_prompt_column / system_prompt (the TRL docs' example scripts map their data so)."""
     from datasets import Dataset
 
     from rloo.data import with_prompt

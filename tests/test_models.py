@@ -128,7 +128,7 @@ def test_quantization_needs_peft_and_bitsandbytes(tmp_path, tokenizer, model):
 def test_quantization_config_on_an_instantiated_model_is_ignored_with_a_warning(
     tmp_path, tokenizer, model
 ):
-    """As the spec says: no PEFT, a model object: quantization_config is ignored (not refused)."""
+    """As the TRL docs say: no PEFT, a model object: quantization_config is ignored (not refused)."""
     from transformers import BitsAndBytesConfig
 
     with pytest.warns(

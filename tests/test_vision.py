@@ -429,7 +429,7 @@ def _image_files_dataset(folder, count: int = 4) -> str:
 def test_rloo_train_with_dtype_bfloat16_and_image_files(tmp_path, capsys):
     """The spec's VLM quick start as it runs here: `rloo train --dtype bfloat16` with a VLM folder,
     a JSONL file whose image column holds paths (relative to the file) and whose 'problem' column
-    becomes the user message after a system prompt (as the spec's rloo_vlm.py maps its data)."""
+    becomes the user message after a system prompt (as the TRL docs' rloo_vlm.py maps its data)."""
     import json
 
     import yaml

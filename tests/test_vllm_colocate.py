@@ -123,7 +123,7 @@ def test_colocate_trains_with_verified_in_place_syncs_and_noise_reaches_the_engi
     assert check["rendezvous"] == [
         "localhost",
         "12345",
-    ]  # the spec's MASTER_ADDR / MASTER_PORT defaults
+    ]  # the TRL docs' MASTER_ADDR / MASTER_PORT defaults
     assert (
         check["after_last_step"] > 1e-2
     )  # the engine holds the weights it generated with, not the final ones

@@ -243,7 +243,7 @@ def engine_folder(model: torch.nn.Module, tokenizer, need_tokenizer: bool) -> st
 
 def rendezvous_defaults() -> None:
     """One process, no launcher: vLLM's own process group meets at MASTER_ADDR=localhost,
-    MASTER_PORT=12345 unless the environment says otherwise (the spec's defaults)."""
+    MASTER_PORT=12345 unless the environment says otherwise (the TRL docs' defaults)."""
     os.environ.setdefault("MASTER_ADDR", "localhost")
     os.environ.setdefault("MASTER_PORT", "12345")
 

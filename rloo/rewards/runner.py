@@ -1,4 +1,4 @@
-"""Running reward functions and reward models: the reward-function contract of the spec.
+"""Running reward functions and reward models: the reward-function contract of the TRL docs.
 
 A reward function is called with keyword arguments `prompts`, `completions`, `completion_ids`,
 `trainer_state`, `log_extra`, `log_metric` and every dataset column except `prompt`, and returns one
