@@ -85,6 +85,7 @@ def child(stage: str, case: str) -> dict:
     import torch.nn.functional as F
 
     import bench_vs_trl
+    import rloo.engine as engine
     import rloo.engine.decode as decode
     import rloo.engine.packing as packing
     import rloo.engine.lean as lean
@@ -94,7 +95,9 @@ def child(stage: str, case: str) -> dict:
 
     level = STAGES.index(stage)
     if level < 1:
-        shared_prompts.can_share_prompts = lambda model: False
+        # (the engine's face, which rloo.logps calls, and the module's own, which
+        # kl_forwards_share_prompts calls)
+        engine.can_share_prompts = shared_prompts.can_share_prompts = lambda model: False
         prefill.distinct_prompts = lambda *args: None
     if level < 2:
         lean.lean_decoder = lambda *args: None

@@ -95,7 +95,7 @@ def template_path() -> str:
     run roots."""
     import prefect
 
-    from rloo.assets import cache_root
+    from rloo.primitives import cache_root
 
     return os.path.join(cache_root(), "prefect-db", f"prefect-{prefect.__version__}.db")
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from rloo.models import is_peft_model
+from rloo.primitives import is_peft_model
 
 REFERENCE_ADAPTER = "ref"
 

@@ -11,11 +11,9 @@ import os
 import shutil
 import tempfile
 
+from rloo.primitives import cache_root
+
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> str:
-    return os.environ.get("RLOO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rloo"))
 
 
 def smollm2_path() -> str:

@@ -17,7 +17,7 @@ from torch import nn
 
 from rloo.data import check_prompt_dataset
 from rloo.adapters import check_quantization_supported
-from rloo.models import is_peft_model
+from rloo.primitives import is_peft_model
 from rloo.rewards.runner import RewardFunctionError, reward_function_name
 from rloo.vision import IMAGE_COLUMNS
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
-from rloo.models import is_peft_model
+from rloo.primitives import is_peft_model
 
 
 def cache_argument(model: nn.Module) -> str | None:

@@ -8,35 +8,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from rloo import vision
-from rloo.engine import shared_prompts
-
-
-def selective_log_softmax(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] per position, one row at a time to bound memory."""
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = torch.gather(logits, -1, token_ids.unsqueeze(-1)).squeeze(-1)
-        normalizer = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-        return picked - normalizer
-    rows = []
-    for row_logits, row_ids in zip(logits, token_ids):
-        row_logps = F.log_softmax(row_logits.float(), dim=-1)
-        rows.append(row_logps.gather(-1, row_ids.unsqueeze(-1)).squeeze(-1))
-    return torch.stack(rows)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy per position, one row at a time to bound memory (three vocabulary-wide temporaries
-    per row)."""
-    with torch.no_grad():
-        rows = []
-        for row in logits:
-            logps = F.log_softmax(row.float(), dim=-1)
-            rows.append(-(logps.exp() * logps).sum(dim=-1))
-        return torch.stack(rows) if rows else logits.new_zeros(logits.shape[:-1])
+from rloo import engine, vision
+from rloo.primitives import entropy_from_logits, selective_log_softmax
 
 
 class TokenLogps(NamedTuple):
@@ -73,15 +48,8 @@ def per_token_logps(
         if media is None
         else vision.forward_media(media, attention_mask, logits_to_keep, input_ids.device)
     )
-    if (
-        share_prompts
-        and media is None
-        and logits_to_keep > 0
-        and shared_prompts.can_share_prompts(model)
-    ):
-        found = shared_prompts.shared_prompt_logits(
-            model, input_ids, attention_mask, logits_to_keep
-        )
+    if share_prompts and media is None and logits_to_keep > 0 and engine.can_share_prompts(model):
+        found = engine.shared_prompt_logits(model, input_ids, attention_mask, logits_to_keep)
         if found is not None:
             logits, outputs = found
     if logits is None:

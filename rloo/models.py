@@ -19,7 +19,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from rloo.engine.mapped import mapped_copy
+from rloo.engine import mapped_copy
+from rloo.primitives import is_moe, is_peft_model
 
 
 def _looks_like_local_path(name: str) -> bool:
@@ -341,11 +342,6 @@ def model_identity(model: nn.Module) -> dict:
 
 # --------------------------------------------------------------------------------------------------
 # MoE
-def is_moe(model: nn.Module) -> bool:
-    config = getattr(model, "config", None)
-    return config is not None and hasattr(config, "output_router_logits")
-
-
 def resolve_router_aux_loss_coef(model: nn.Module, coef: float | None) -> float:
     """TRL 1.16 rule: None takes the model's coefficient; a non-zero value on a dense model is an
     error."""
@@ -361,14 +357,6 @@ def resolve_router_aux_loss_coef(model: nn.Module, coef: float | None) -> float:
         coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
     model.config.output_router_logits = coef != 0.0
     return float(coef)
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
 
 
 def load_policy(model, args, quantization_config: Any = None) -> tuple[PreTrainedModel, dict]:

@@ -24,9 +24,7 @@ from rloo.checks import check_dispatch, check_inputs, prepare_for_iterable_datas
 from rloo.completion_log import CompletionLog, print_table
 from rloo.config import RLOOConfig
 from rloo.config_checks import reject_legacy_trainer_arguments
-from rloo.engine import mapped
-from rloo.engine.shared_prompts import kl_forwards_share_prompts
-from rloo.generation import make_generation_backend
+from rloo.generation import LeanGenerator, make_generation_backend
 from rloo.importance import sampler_weights
 from rloo.logps import per_token_logps
 from rloo.metrics import MetricBuffer
@@ -250,7 +248,10 @@ class RLOOTrainer(Trainer):
         self._metrics, self._timer = MetricBuffer(), device_timer(self.accelerator.device)
         self.generator.timer = self._timer
         self.reward_runner.progress = self._timer.advance
-        logger.info(engine.describe(self._fast, self.model, self.generator, self.ref_model, forced))
+        generated_by = (
+            None if isinstance(self.generator, LeanGenerator) else type(self.generator).__name__
+        )
+        logger.info(engine.describe(self._fast, self.model, generated_by, self.ref_model, forced))
         self.add_callback(StepTimingCallback(self._timer, self._metrics))
         self._watchdog = None  # no silent hang (rloo.watchdog)
         if args.stall_timeout_s:
@@ -544,7 +545,7 @@ class RLOOTrainer(Trainer):
         self, model, input_ids, attention_mask, logits_to_keep, chunk, media=None
     ) -> torch.Tensor:
         unwrap = self.accelerator.unwrap_model
-        share = self._fast and kl_forwards_share_prompts(unwrap(self.model), self.ref_model)
+        share = self._fast and engine.kl_forwards_share_prompts(unwrap(self.model), self.ref_model)
         if self._pi_old.kl == "loss" and self.model.training:  # as the loss's forward (no wrapper)
             share = share and unwrap(self.model_wrapped) is self.model_wrapped
         parts = []
@@ -568,7 +569,7 @@ class RLOOTrainer(Trainer):
     ) -> torch.Tensor:
         if self.ref_model is not None:
             # its pages go (rloo.engine.mapped)
-            with mapped.paged_out_after(self.accelerator.unwrap_model(self.ref_model)):
+            with engine.paged_out_after(self.accelerator.unwrap_model(self.ref_model)):
                 return self._chunked_logps(
                     self.ref_model, input_ids, attention_mask, logits_to_keep, chunk, media
                 )

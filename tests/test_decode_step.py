@@ -305,8 +305,8 @@ def test_packed_weights_are_reused_inside_reusing_weights_until_a_weight_or_adap
             4,
             3,
         ]  # other rows
-        assert generator._kept is not None
-    assert generator._kept is None
+        assert generator.loop._kept is not None
+    assert generator.loop._kept is None
 
 
 def test_trainer_evaluation_packs_once_and_training_on_every_call(
@@ -332,4 +332,4 @@ def test_trainer_evaluation_packs_once_and_training_on_every_call(
     trainer.evaluate()  # 8 prompts x 2 generations in batches of 4 rows
     assert built == [4]
     trainer.train()
-    assert built == [4, 4] and trainer.generator._kept is None
+    assert built == [4, 4] and trainer.generator.loop._kept is None

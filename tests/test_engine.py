@@ -140,7 +140,9 @@ def test_a_registered_class_whose_forward_changed_keeps_its_own_forward(
     from rloo.engine.recompute import covered_modules
 
     assert covered_modules(model) == sum(type(m).__name__ == "LlamaMLP" for m in model.modules())
-    assert engine.describe(True, model, None, None).startswith("rloo engine: decode loop: off")
+    assert engine.describe(True, model, "TransformersGenerator", None).startswith(
+        "rloo engine: decode loop: off (TransformersGenerator generates)"
+    )
 
 
 def test_liger_kernels_are_refused_without_the_package_and_take_the_reference_path(

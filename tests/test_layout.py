@@ -143,3 +143,36 @@ def test_no_import_circle_in_the_project_even_through_function_level_imports():
     edges = _project_imports()
     assert "rloo.engine" in edges["rloo.trainer"]  # (the graph sees the project's imports)
     assert _circles(edges) == []
+
+
+# What the speed layer may import from the rest of the project: leaves that import nothing of the
+# project but each other.
+ENGINE_LEAVES = {"rloo.primitives", "rloo.kv", "rloo.zero", "rloo.versions"}
+
+
+def test_the_engine_is_walled_both_ways():
+    """rloo/engine/ imports only the leaves; everything else imports only its package face
+    (rloo.engine), never a module inside it."""
+    edges = _project_imports()
+
+    def inside(module: str) -> bool:
+        return module == "rloo.engine" or module.startswith("rloo.engine.")
+
+    leaking = sorted(
+        f"{module} -> {target}"
+        for module, targets in edges.items()
+        if inside(module)
+        for target in targets
+        if not inside(target) and target not in ENGINE_LEAVES
+    )
+    leaves = sorted(
+        f"{leaf} -> {target}" for leaf in ENGINE_LEAVES for target in edges[leaf] - ENGINE_LEAVES
+    )
+    reaching = sorted(
+        f"{module} -> {target}"
+        for module, targets in edges.items()
+        if not inside(module)
+        for target in targets
+        if target.startswith("rloo.engine.")
+    )
+    assert (leaking, leaves, reaching) == ([], [], [])

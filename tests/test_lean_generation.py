@@ -253,7 +253,7 @@ def test_settings_it_does_not_implement_keep_generate(tokenizer, model):
         config(tokenizer), tokenizer.pad_token_id, eos, model, synced=True
     )
     assert (
-        type(synced) is LeanGenerator and synced.synced
+        type(synced) is LeanGenerator and synced.loop.synced
     )  # ZeRO-3 layer by layer: ranks step together
 
 

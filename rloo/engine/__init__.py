@@ -1,9 +1,10 @@
 """The speed layer: faster code for parts of the reference path (`model.generate` for in-process
 generation, plain forwards for log-probs) that gives the same gradients for given samples, the same
 greedy tokens and the same sampling distribution. Seams toward the trainer: generation through
-`rloo.generation.make_generation_backend` (this package's decode loop or `model.generate`), the
-forwards through `rloo.logps.per_token_logps` (`share_prompts`), and the memory techniques the
-trainer enters around its loss (`loss_context`).
+`rloo.generation.make_generation_backend` (a backend around this package's `DecodeLoop`, or
+`model.generate`), the forwards through `rloo.logps.per_token_logps` (`share_prompts`), and the
+memory techniques the trainer enters around its loss (`loss_context`). This module is the
+package's face: the rest of the project imports nothing from inside it.
 
 One switch turns all of it off: RLOO_ENGINE=reference in the environment, or
 RLOOConfig(engine="reference"). `describe` says, in one line, which parts are on for a model and
@@ -16,6 +17,31 @@ import contextlib
 import os
 
 from torch import nn
+
+from rloo.engine.lean import DecodeLoop, customised_generate, supports
+from rloo.engine.mapped import mapped_copy, paged_out_after
+from rloo.engine.shared_prompts import (
+    can_share_prompts,
+    kl_forwards_share_prompts,
+    shared_prompt_logits,
+)
+
+__all__ = [
+    "DecodeLoop",
+    "can_share_prompts",
+    "customised_generate",
+    "describe",
+    "is_fast",
+    "keep_freed_memory",
+    "kl_forwards_share_prompts",
+    "loss_context",
+    "mapped_copy",
+    "mode",
+    "paged_out_after",
+    "reference_reason",
+    "shared_prompt_logits",
+    "supports",
+]
 
 ENVIRONMENT = "RLOO_ENGINE"
 MODES = ("fast", "reference")
@@ -77,12 +103,13 @@ def reference_reason(vision: bool, use_liger_kernel: bool) -> str | None:
 def describe(
     fast: bool,
     model: nn.Module,
-    generator: object,
+    generated_by: str | None,
     reference: nn.Module | None,
     forced: str | None = None,
 ) -> str:
     """One line: each part of the speed layer, on or off and why, for this model and machine
-    (`forced`: why it takes the reference path whatever the mode, from reference_reason)."""
+    (`generated_by`: None where the decode loop generates, else the backend that does; `forced`:
+    why it takes the reference path whatever the mode, from reference_reason)."""
     from accelerate.utils import extract_model_from_parallel as unwrapped
 
     model, reference = unwrapped(model), reference and unwrapped(reference)
@@ -96,12 +123,11 @@ def describe(
             f"rloo engine: reference ({ENVIRONMENT}=reference or engine='reference'): "
             "model.generate and plain forwards; no fast path on"
         )
-    from rloo.engine import heap, kernel, shared_prompts, tied
-    from rloo.engine.lean import LeanGenerator
+    from rloo.engine import heap, kernel, tied
     from rloo.engine.recompute import covered_modules
 
     parts = []
-    if isinstance(generator, LeanGenerator):
+    if generated_by is None:
         library = kernel.for_decoding() if _on_cpu(model) else None
         build = (
             "torch step"
@@ -112,12 +138,12 @@ def describe(
         )
         parts.append(f"decode loop: on ({build})")
     else:
-        parts.append(f"decode loop: off ({type(generator).__name__} generates)")
+        parts.append(f"decode loop: off ({generated_by} generates)")
     parts.append(
         "shared prompts: "
         + (
             "on"
-            if shared_prompts.can_share_prompts(model)
+            if can_share_prompts(model)
             else "off (this model's forward takes no shareable KV cache)"
         )
     )

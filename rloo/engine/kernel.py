@@ -18,8 +18,8 @@ e^(s - max) in double, two levels as rloo.engine.lean.sample_from, without a pro
 memory.
 
 Compiled once per machine and source by the system's gcc (-O3 -march=native, OpenMP) into the
-kernels folder of rloo.assets.cache_root and loaded with ctypes. The decode step takes it where the
-CPU has AVX-512 or AVX2 with FMA (`for_decoding`; $RLOO_KERNEL_MARCH, where set, is the -march
+kernels folder of rloo.primitives.cache_root and loaded with ctypes. The decode step takes it where
+the CPU has AVX-512 or AVX2 with FMA (`for_decoding`; $RLOO_KERNEL_MARCH, where set, is the -march
 instead of native, e.g. x86-64-v3 to measure on a CPU with AVX-512 what one without it does).
 Without either, without gcc, or off Linux on x86-64, the step keeps oneDNN's GEMM and torch's
 attention, and says so once. What each part buys: docs/performance.md."""
@@ -77,7 +77,7 @@ def compiled(target: str = "native") -> Library | None:
     key = hashlib.sha256("\n".join([SOURCE, compiler, torch_lib, *flags]).encode()).hexdigest()[:16]
     # (-march=native: one build per CPU model)
     cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:8]
-    from rloo.assets import cache_root
+    from rloo.primitives import cache_root
 
     path = os.path.join(cache_root(), "kernels", f"decode-gemm-{key}-{cpu}.so")
     if not os.path.exists(path):

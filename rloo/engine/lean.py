@@ -44,9 +44,8 @@ from rloo.engine.cuda_graph import Graphed
 from rloo.engine.decode import lean_decoder, weights_key
 from rloo.engine.prefill import prefill
 from rloo.engine.prompt_steps import prompt_steps
-from rloo.generation.transformers_backend import TransformersGenerator
 from rloo.kv import cache_argument, share_cache_rows
-from rloo.logps import selective_log_softmax
+from rloo.primitives import selective_log_softmax
 from rloo.versions import TRANSFORMERS_4
 
 # GenerationConfig fields this loop implements; any other field set away from its default keeps
@@ -272,24 +271,15 @@ class Draws:
         return self.graphs[state](logits)
 
 
-class LeanGenerator(TransformersGenerator):
-    """TransformersGenerator (left padding, the cut after the first EOS) with its `generate` call
-    replaced by a decode loop on the model's KV cache. `synced` (ZeRO-3 without gathering: every
-    forward is collective): every rank steps until all ranks are done, a rank whose rows are done
-    feeding pad without drawing (so its random stream is the one it would have without the sync)."""
+class DecodeLoop:
+    """The decode loop that stands in for `generate` (left-padded prompts in, each row's tokens out
+    up to max_new_tokens, pad after a row's EOS), on the model's KV cache. `synced` (ZeRO-3
+    without gathering: every forward is collective): every rank steps until all ranks are done, a
+    rank whose rows are done feeding pad without drawing (so its random stream is the one it would
+    have without the sync). The generation backend that uses it is rloo.generation.lean."""
 
-    def __init__(
-        self,
-        generation_config: GenerationConfig,
-        pad_token_id: int,
-        eos_ids: list[int],
-        pad_to_multiple_of: int | None = None,
-        synced: bool = False,
-    ):
-        super().__init__(generation_config, pad_token_id, eos_ids, pad_to_multiple_of)
+    def __init__(self, synced: bool = False):
         self.synced = synced
-        # keep the policy's log-probs of the drawn tokens
-        self.policy_temperature: float | None = None
         # (weights_key, LeanDecoder) inside reusing_weights, else None
         self._kept: tuple | None = None
         self._reusing = False
@@ -327,12 +317,17 @@ class LeanGenerator(TransformersGenerator):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    @staticmethod
     def _processors(
-        self, attention_mask: torch.Tensor, prompt_length: int, device
+        config: GenerationConfig,
+        eos_ids: list[int],
+        attention_mask: torch.Tensor,
+        prompt_length: int,
+        device,
     ) -> LogitsProcessorList:
         """generate's processors for these settings, in generate's order (transformers'
         _get_logits_processor)."""
-        config, found = self.generation_config, LogitsProcessorList()
+        found = LogitsProcessorList()
         if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
             # (transformers 4.x's generate penalises every token of the row, left padding included)
             padding = None if TRANSFORMERS_4 else (attention_mask != 0).int().argmax(dim=1)
@@ -341,12 +336,12 @@ class LeanGenerator(TransformersGenerator):
                     config.repetition_penalty, prompt_ignore_length=padding
                 )
             )
-        if config.min_new_tokens and self.eos_ids:
+        if config.min_new_tokens and eos_ids:
             found.append(
                 MinNewTokens(
                     prompt_length,
                     config.min_new_tokens,
-                    torch.tensor(self.eos_ids, device=device),
+                    torch.tensor(eos_ids, device=device),
                     device=device,
                 )
             )
@@ -361,13 +356,24 @@ class LeanGenerator(TransformersGenerator):
                 found.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
         return found
 
-    def _completions(
-        self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    def completions(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        config: GenerationConfig,
+        pad_token_id: int,
+        eos_ids: list[int],
+        temperature: float | None = None,
+        progress=lambda: None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        config, temperature = self.generation_config, self.policy_temperature
+        """(each row's completion tokens, and with `temperature` the policy's log-probs of them at
+        that temperature, else None); `progress()` after each token (the stall watchdog's)."""
         rows, prompt_length = input_ids.shape
-        processors = self._processors(attention_mask, prompt_length, input_ids.device)
-        eos = torch.tensor(self.eos_ids, device=input_ids.device)
+        processors = self._processors(
+            config, eos_ids, attention_mask, prompt_length, input_ids.device
+        )
+        eos = torch.tensor(eos_ids, device=input_ids.device)
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         # MoE: no auxiliary loss while decoding (as generate)
         extra = (
@@ -400,9 +406,7 @@ class LeanGenerator(TransformersGenerator):
         )
         logps: list[torch.Tensor] = []
         for index in range(config.max_new_tokens):
-            tokens = torch.full(
-                (rows,), self.pad_token_id, dtype=torch.long, device=input_ids.device
-            )
+            tokens = torch.full((rows,), pad_token_id, dtype=torch.long, device=input_ids.device)
             # only a synced rank that is done has nothing to draw (elsewhere some row is unfinished
             # here: the loop ends when none is; not asked there, as on a GPU asking waits for the
             # step)
@@ -413,7 +417,7 @@ class LeanGenerator(TransformersGenerator):
                 logps.append(policy_logps_of(logits, tokens, temperature))
             sequences = torch.cat([sequences, tokens[:, None]], dim=1)
             unfinished &= ~torch.isin(tokens, eos)
-            self.timer.advance()  # a token decoded: progress for the stall watchdog
+            progress()  # a token decoded: progress for the stall watchdog
             if index == config.max_new_tokens - 1 or not self._anyone_unfinished(unfinished):
                 break
             positions = positions[:, -1:] + 1

@@ -26,7 +26,7 @@ from rloo.kv import (
     layer_initialized,
     plain_cache,
 )
-from rloo.models import is_moe, is_peft_model
+from rloo.primitives import is_moe, is_peft_model
 
 
 def can_share_prompts(model: nn.Module) -> bool:

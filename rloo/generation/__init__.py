@@ -2,9 +2,9 @@
 (rloo.generation.base), and the one factory that picks a backend from an RLOOConfig."""
 
 from rloo import engine
-from rloo.engine.lean import LeanGenerator, supports
 from rloo.generation.base import Completions, GenerationBackend
 from rloo.generation.continuous_batching import ContinuousBatchingGenerator
+from rloo.generation.lean import LeanGenerator
 from rloo.generation.transformers_backend import TransformersGenerator, build_generation_config
 
 __all__ = [
@@ -29,11 +29,11 @@ def in_process_generator(
     fast: bool | None = None,
 ) -> GenerationBackend:
     """Our decode loop where it reproduces `generate` for these settings
-    (rloo.engine.lean.supports), else `model.generate`. `synced`: ZeRO-3 without gathering for
+    (rloo.engine.supports), else `model.generate`. `synced`: ZeRO-3 without gathering for
     generation, where every rank must run the same forwards until all are done (as generate's
     synced_gpus). `fast`: the speed layer on (None: rloo.engine's environment switch); off, always
     `model.generate`."""
-    if (engine.is_fast() if fast is None else fast) and supports(generation_config, model):
+    if (engine.is_fast() if fast is None else fast) and engine.supports(generation_config, model):
         return LeanGenerator(
             generation_config, pad_token_id, eos_token_ids, pad_to_multiple_of, synced
         )

@@ -225,7 +225,7 @@ def engine_folder(model: torch.nn.Module, tokenizer, need_tokenizer: bool) -> st
     """A folder holding only the policy's config (the engine starts with dummy weights; the real
     ones are loaded in place before the first generation), plus the tokenizer when vLLM needs one
     (structured outputs)."""
-    from rloo.models import is_peft_model
+    from rloo.primitives import is_peft_model
 
     base = model.get_base_model() if is_peft_model(model) else model
     config = base.config.to_dict()

@@ -47,7 +47,7 @@ def sync_weights_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The policy's weights under the names of its checkpoint (what vLLM's load_weights expects). A
     PeftModel must have its adapter merged by the caller: base-layer names are mapped back, LoRA
     tensors left out."""
-    from rloo.models import is_peft_model
+    from rloo.primitives import is_peft_model
 
     if is_peft_model(model):
         named = []
@@ -65,7 +65,7 @@ def full_weights(model: torch.nn.Module, zero3: bool):
     """The policy's full weights under checkpoint names, for a push: gathered from ZeRO-3 shards
     (every rank takes part) and, for a PeftModel, with the adapter merged (unmerged again
     afterwards)."""
-    from rloo.models import is_peft_model
+    from rloo.primitives import is_peft_model
     from rloo.zero import gathered_parameters
 
     with gathered_parameters(model, zero3):

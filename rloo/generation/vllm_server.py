@@ -129,7 +129,7 @@ class VLLMServerGenerator(GenerationBackend):
         self.requests = 0
         self.adapter_mode = False
         self.base_pending = False
-        from rloo.models import is_peft_model
+        from rloo.primitives import is_peft_model
 
         if accelerator.is_main_process:
             self.client = VLLMServerClient(
