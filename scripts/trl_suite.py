@@ -1,7 +1,7 @@
 """Runs TRL's own RLOO test file offline, against TRL and against rloo, and lists the tests that
 pass on TRL but not here.
 
-TRL's `tests/test_rloo_trainer.py` (from a TRL checkout) is copied twice beside its
+TRL's tests/test_rloo_trainer.py (from a TRL checkout) is copied twice beside its
 `testing_utils.py` and `conftest.py`: once as it is, once with `from trl import RLOOConfig,
 RLOOTrainer` changed to `from rloo import ...`, the switch a TRL user makes (and the conftest's
 fixture that sets `use_cpu=True` on a machine without a GPU applied to rloo's config class). The Hub models it names
