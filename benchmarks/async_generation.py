@@ -25,16 +25,10 @@ SERVER_CORE, TRAINER_CORE = 0, 1
 
 
 def start_server(model_dir: str, log_path: str) -> subprocess.Popen:
-    from services import vllm_cpu_server_command
+    from services import vllm_cpu_server_command, vllm_cpu_server_environment
 
-    env = dict(
-        os.environ,
-        VLLM_SERVER_DEV_MODE="1",
-        VLLM_CPU_KVCACHE_SPACE="2",
-        PYTHONPATH=ROOT,
-        VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
-        VLLM_CPU_OMP_THREADS_BIND=str(SERVER_CORE),
-        OMP_NUM_THREADS="1",
+    env = vllm_cpu_server_environment(
+        2, VLLM_CPU_OMP_THREADS_BIND=str(SERVER_CORE), OMP_NUM_THREADS="1"
     )
     command = [
         "taskset",

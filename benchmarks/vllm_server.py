@@ -33,14 +33,9 @@ NEW_TOKENS = 64
 
 
 def start_server(model_dir: str, log_path: str) -> subprocess.Popen:
-    env = dict(
-        os.environ,
-        VLLM_SERVER_DEV_MODE="1",
-        VLLM_CPU_KVCACHE_SPACE="2",
-        PYTHONPATH=ROOT,
-        VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
-    )
-    from services import vllm_cpu_server_command
+    from services import vllm_cpu_server_command, vllm_cpu_server_environment
+
+    env = vllm_cpu_server_environment(2)
 
     extra = ["--enable-lora", "--max-lora-rank", "16"]
     command = vllm_cpu_server_command(model_dir, "127.0.0.1", PORT, *extra, max_model_len=1024)

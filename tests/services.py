@@ -15,11 +15,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 
 
+def vllm_cpu_server_environment(kv_cache_gib: int = 1, **extra: str) -> dict[str, str]:
+    """The environment vllm_cpu_server_command's server needs: the weight-update routes
+    (VLLM_SERVER_DEV_MODE), runtime LoRA loading, a KV cache of `kv_cache_gib`, the project on
+    PYTHONPATH (the worker extension); `extra` on top."""
+    return dict(
+        os.environ,
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+        PYTHONPATH=ROOT,
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+        **extra,
+    )
+
+
 def vllm_cpu_server_command(
     model: str, host: str, port: str | int, *extra: str, max_model_len: int = 256
 ) -> list[str]:
-    """vllm-cpu (.venv-vllm) serving in float32 (exact log-prob checks) with the weight-update routes' gloo backend;
-    VLLM_SERVER_DEV_MODE=1 must be in its environment."""
+    """vllm-cpu (.venv-vllm) serving in float32 (exact log-prob checks) with the weight-update routes' gloo backend,
+    in vllm_cpu_server_environment."""
     return [
         VLLM_PYTHON,
         "-m",
@@ -67,13 +81,7 @@ def start_vllm_cpu_server(root, port: int, *extra: str) -> dict:
     model_dir = save_servable(
         os.path.join(root, "model"), tiny_servable_causal_lm(tokenizer), tokenizer
     )
-    env = dict(
-        os.environ,
-        VLLM_SERVER_DEV_MODE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        PYTHONPATH=ROOT,
-        VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
-    )
+    env = vllm_cpu_server_environment()
     log_path = os.path.join(root, "server.log")
     log = open(log_path, "w")
     process = subprocess.Popen(
