@@ -15,10 +15,10 @@ probabilities (float64), where `multinomial` draws an exponential variate for ev
 `generate`'s tokens. Settings it does not implement (beams, n-gram bans, bad words, a cache
 implementation, ...) keep `model.generate` (`supports`).
 
-With `policy_temperature` set (RLOOConfig.kl_logps_from_generation,
-rloo.generation.keep_policy_logprobs), it keeps log softmax(logits / temperature) of every drawn
-token, from the raw logits before any processor: the policy's own log-probs, which the rollout then
-takes instead of a second forward over the finished rows."""
+Given a `temperature` (RLOOConfig.kl_logps_from_generation, rloo.generation.keep_policy_logprobs),
+it keeps log softmax(logits / temperature) of every drawn token, from the raw logits before any
+processor: the policy's own log-probs, which the rollout then takes instead of a second forward
+over the finished rows. The generation backend around it is rloo.generation.lean."""
 
 from __future__ import annotations
 
