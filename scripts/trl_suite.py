@@ -326,8 +326,14 @@ def run_side(work: str, trl_checkout: str, against: str, extra: list[str]) -> di
     junit = os.path.join(work, f"{against}.xml")
     command = [sys.executable, "-m", "pytest", "tests/test_rloo_trainer.py", "-p", "trl_suite"]
     command += ["-q", "-o", "addopts=", "-p", "no:cacheprovider", f"--junitxml={junit}"]
-    print(f"[trl-suite] TRL's RLOO tests against {against} ...", flush=True)
-    subprocess.run(command + extra, cwd=side_dir, env=env, stdout=subprocess.DEVNULL)
+    log = os.path.join(work, f"{against}.log")
+    print(
+        f"[trl-suite] TRL's RLOO tests against {against} (pytest's output: {log}) ...", flush=True
+    )
+    with open(log, "w") as handle:
+        subprocess.run(
+            command + ["-rfE"] + extra, cwd=side_dir, env=env, stdout=handle, stderr=handle
+        )
     return outcomes(junit)
 
 
