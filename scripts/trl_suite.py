@@ -196,7 +196,15 @@ def build_models(hub: str) -> None:
             processor.save_pretrained(path)
 
         _cache_repo(hub, name, save)
-    _cache_repo(hub, "tiny-RemoteForCausalLM", save_remote_code_model)
+
+    def save_remote(path):  # the remote-code model and the tokenizer its vocabulary is sized for
+        from rloo.tiny import tiny_tokenizer
+
+        own = tiny_tokenizer()
+        save_remote_code_model(path, own)
+        own.save_pretrained(path)
+
+    _cache_repo(hub, "tiny-RemoteForCausalLM", save_remote)
 
 
 # --- the pytest plugin: TRL's testing datasets, offline ---------------------------------------
