@@ -27,10 +27,6 @@ class LeanGenerator(TransformersGenerator):
         # set: keep the policy's log-probs of the drawn tokens at this temperature
         self.policy_temperature: float | None = None
 
-    @property
-    def synced(self) -> bool:
-        return self.loop.synced
-
     def reusing_weights(self):
         return self.loop.reusing_weights()
 
