@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from typing import Any
 
 import torch
@@ -14,6 +15,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from rloo.primitives import is_peft_model
+
+logger = logging.getLogger(__name__)
 
 REFERENCE_ADAPTER = "ref"
 
@@ -161,7 +164,19 @@ def attach_adapter(model, peft_config: Any, args) -> tuple[nn.Module, str | None
         )
         model = wrap_with_peft(model, peft_config, args.gradient_checkpointing, quantized)
     elif is_peft_model(model) and args.beta != 0.0:
-        trainable_adapter = add_reference_adapter(model)
+        targets = [getattr(c, "target_parameters", None) for c in model.peft_config.values()]
+        if any(targets):
+            # PEFT holds one adapter per model where a LoRA targets parameters (peft#3340): no
+            # frozen copy can be added, and the reference is the base model, as TRL does
+            logger.warning(
+                "The PeftModel's adapter targets parameters (target_parameters=%s), and PEFT "
+                "holds no second adapter beside such a one: the KL's reference is the base model "
+                "with the adapter disabled, not the adapter as it arrived (as in TRL). Set "
+                "beta=0.0 for no KL term.",
+                next(t for t in targets if t),
+            )
+        else:
+            trainable_adapter = add_reference_adapter(model)
     if is_peft_model(model) and args.gradient_checkpointing:
         model.enable_input_require_grads()
     return model, trainable_adapter

@@ -257,9 +257,10 @@ def check_dispatch(args, train_dataset, eval_dataset) -> None:
     """Streaming datasets cannot be dispatched from rank 0 (checked first, as TRL does)."""
     if _streams(train_dataset, eval_dataset) and args.accelerator_config.dispatch_batches:
         raise ValueError(
-            "accelerator_config.dispatch_batches=True cannot be used with an IterableDataset here "
-            "(iterable datasets require `dispatch_batches=False`): prompts are strings or message "
-            "lists, which rank 0 cannot dispatch as tensors. Fix: leave dispatch_batches unset."
+            "Iterable datasets require `dispatch_batches=False`: "
+            "accelerator_config.dispatch_batches=True cannot be used with an IterableDataset, "
+            "whose prompts are strings or message lists that rank 0 cannot dispatch as tensors. "
+            "Fix: leave dispatch_batches unset."
         )
 
 

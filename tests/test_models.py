@@ -202,6 +202,46 @@ def test_remote_code_refused_without_trust_remote_code(tmp_path, tokenizer):
     assert type(trainer.model).__name__ == "RemoteForCausalLM"
 
 
+@pytest.mark.skipif(TRANSFORMERS_4, reason="transformers 4's experts are Linear modules")
+def test_a_lora_on_expert_parameters_passed_in_takes_the_base_as_its_reference(
+    tmp_path, tokenizer, caplog
+):
+    """PEFT holds one adapter per model where a LoRA targets parameters (an MoE's fused experts):
+    no frozen 'ref' copy is added; the reference is the base with the adapter off, as in TRL, and
+    a warning says so; the experts' adapter trains and the base does not move."""
+    if "target_parameters" not in LoraConfig.__dataclass_fields__:
+        pytest.skip("this PEFT release has no target_parameters")
+    base = tiny_moe_causal_lm(tokenizer)
+    targets = ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    model = get_peft_model(
+        base, LoraConfig(r=2, target_parameters=targets, init_lora_weights=False)
+    )
+    before = snapshot(model)
+    with caplog.at_level("WARNING", logger="rloo.adapters"):
+        trainer = RLOOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            args=make_args(tmp_path, beta=0.05, max_steps=1, learning_rate=0.1),
+            train_dataset=conversational(),
+            processing_class=tokenizer,
+        )
+    assert "ref" not in trainer.model.peft_config and trainer._trainable_adapter is None
+    assert "the KL's reference is the base model" in caplog.text
+    trainer.train()
+    after = snapshot(trainer.model)
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    assert moved and all("lora_" in name for name in moved)
+    ids = torch.tensor([[3, 10, 11, 12, 13]])
+    with torch.no_grad():
+        from rloo.adapters import reference_adapter
+
+        with reference_adapter(trainer.model, trainer._trainable_adapter):
+            reference = trainer.model(input_ids=ids).logits
+        with trainer.model.disable_adapter():
+            plain = trainer.model(input_ids=ids).logits
+    assert torch.equal(reference, plain)
+
+
 def test_moe_router_aux_loss_is_added_and_logged(tmp_path, tokenizer):
     model = tiny_moe_causal_lm(tokenizer)
     # One micro-batch holds whole groups, on-policy: the surrogate's value is -mean(A) = 0, so the logged loss
