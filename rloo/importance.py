@@ -1,8 +1,8 @@
 """The sampler side of the loss: how far the sampler's (vLLM's) log-probs of its tokens are from the
 trainer's, and, with `vllm_importance_sampling_correction`, the importance weights that correct for
-it (rloo.algorithm.importance_weights) with their metrics. pi_old for the weights is the rollout's
-per-token log-probs where it kept them (the policy moved since), else the loss's own forward (the
-policy has not moved since sampling)."""
+it (rloo.algorithm.importance_weights) with their metrics. pi_old for the weights comes from where
+the step's plan says (rloo.rollout.PiOld `weights`): the rollout's per-token log-probs, or the
+loss's own forward."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from rloo import algorithm
 from rloo.metrics import MetricBuffer
-from rloo.rollout import Rollout, global_masked_mean
+from rloo.rollout import PiOld, Rollout, global_masked_mean
 
 
 def sampler_weights(
@@ -22,9 +22,10 @@ def sampler_weights(
     metrics: MetricBuffer,
     mode: str,
     gather: Callable,
+    pi_old: PiOld,
 ) -> torch.Tensor | None:
     """The weights for clipped_surrogate_loss's `importance` (None: no correction), after adding
-    this micro-batch's sampler metrics."""
+    this micro-batch's sampler metrics; `pi_old`: the step's plan (rloo.rollout.pi_old_plan)."""
     sampler, mask = inputs.sampler_logps, inputs.completion_mask
     if sampler is None:
         return None
@@ -35,7 +36,13 @@ def sampler_weights(
     metrics.add(mode, "vllm/logprob_diff_max", gather(worst.reshape(1)).max(), reduce="max")
     if not args.vllm_importance_sampling_correction:
         return None
-    old = inputs.old_token_logps if inputs.old_token_logps is not None else token_logps.detach()
+    old = token_logps.detach()
+    if pi_old.weights == "rollout":
+        if inputs.old_token_logps is None:
+            raise RuntimeError(
+                "the plan takes the weights' pi_old from the rollout, which has none"
+            )
+        old = inputs.old_token_logps
     weights, outside = algorithm.importance_weights(
         old,
         sampler,

@@ -1,13 +1,14 @@
 """One rollout: prompts -> completions -> rewards -> advantages, the data both training and
 evaluation use.
 
-`build_rollout` tokenizes the prompts, generates through the caller's backend, pads, decodes, scores
-with the reward runner, folds the KL into the reward and computes leave-one-out advantages
-(rloo.algorithm). Where pi_old's log-probs come from is decided once per trainer (`pi_old_plan`,
-table in `PiOld`); in the one configuration where the loss's own forward is the KL's pi_old, the
-rollout is completed by `complete_rollout`, a named stage of the step that the loss runs right after
-that forward. Its collaborators are arguments (a generate function, the processing class, the reward
-runner, log-prob functions, the cross-process gather), so it knows nothing of the trainer: the
+`build_rollout` tokenizes the prompts (`prepare_prompts`, unless they were read ahead), generates
+through the caller's backend, pads, decodes, scores with the reward runner, folds the KL into the
+reward and computes leave-one-out advantages (rloo.algorithm). Where pi_old's log-probs come from
+is decided once per trainer and mode (`pi_old_plan`, table in `PiOld`); in the one configuration
+where the loss's own forward is the KL's pi_old, the rollout is completed by `complete_rollout`, a
+named stage of the step that the loss runs right after that forward. Its collaborators are
+arguments (a generate function, the processing class, the reward runner, the log-probs source
+rloo.logps.StepLogProbs, the cross-process gather), so it knows nothing of the trainer: the
 trainer's `_prepare_inputs` and the pipeline's evaluation stage call this same function.
 `rollout_metrics` computes the TRL docs' metrics from a Rollout.
 """
@@ -27,7 +28,6 @@ from rloo.metrics import nanmean, nanstd_value, tensor_stats
 from rloo.models import text_tokenizer_of
 from rloo.timing import NULL_TIMER, StepTimer
 from rloo.vision import process_prompts, row_images
-
 
 # Fields holding one entry per local row, in order: what a micro-batch slice takes.
 ROW_FIELDS = (
@@ -54,17 +54,23 @@ class PiOld(NamedTuple):
     """Where one step takes pi_old's log-probs from (`pi_old_plan`). The step runs one way: sample
     prompts -> rollout (generate, score, log-probs, advantages) -> loss -> optimizer step; only in
     the second row does the loss first complete the rollout (`complete_rollout`), from the very
-    forward it computes the ratio with.
+    forward it computes the ratio with (it saves one no-grad forward of the policy per step in the
+    default configuration: docs/design.md has the measurement).
 
     | configuration                          | ratio's pi_old   | KL's pi_old        | kl        |
     |----------------------------------------|------------------|--------------------|-----------|
     | on-policy, beta 0                      | loss forward     | -                  | ""        |
     | on-policy, beta > 0, one micro-batch   | loss forward     | loss forward, in   | "loss"    |
-    |   per generation, no dropout           |                  | complete_rollout   |           |
+    |   per generation, no dropout; training |                  | complete_rollout   |           |
     | on-policy, beta > 0, otherwise; eval   | loss forward     | rollout forward    | "rollout" |
     | on-policy, kl_logps_from_generation    | loss forward     | decode loop        | "decoder" |
     | off-policy (num_iterations > 1, or a   | rollout forward, | the same forward   | "rollout" |
     |   batch outliving an optimizer step)   | kept per row     |                    |           |
+
+    The importance weights of vllm_importance_sampling_correction (rloo.importance) take pi_old
+    per token from the rollout forward where the row above runs one (`weights` "rollout": the
+    policy may have moved since sampling), else from the loss forward (`weights` "loss": it has
+    not); "" without the correction.
 
     "loss forward": the loss's own forward, detached (on-policy: the ratio is exactly 1);
     "rollout forward": a no-grad forward in the rollout; "decode loop": the log-probs the decode
@@ -73,19 +79,51 @@ class PiOld(NamedTuple):
 
     kept: bool  # the rollout keeps pi_old per row for the ratio (off-policy)
     kl: str  # "", "loss", "rollout" or "decoder": the KL's pi_old, per the table
+    weights: str = ""  # "", "rollout" or "loss": the importance weights' pi_old
 
 
-def pi_old_plan(args: Any, dropout: bool) -> PiOld:
-    """The PiOld row for an RLOOConfig (`dropout`: the policy draws dropout masks, so two forwards
-    differ)."""
+def pi_old_plan(args: Any, dropout: bool, mode: str = "train") -> PiOld:
+    """The PiOld row for an RLOOConfig in `mode` ("train" or "eval"; `dropout`: the policy draws
+    dropout masks, so two forwards differ)."""
     kept = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
     if args.beta == 0.0:
-        return PiOld(kept, "")
-    if kept:
-        return PiOld(kept, "rollout")
-    if args.kl_logps_from_generation:
-        return PiOld(kept, "decoder")
-    return PiOld(kept, "loss" if args.steps_per_generation == 1 and not dropout else "rollout")
+        kl = ""
+    elif kept:
+        kl = "rollout"
+    elif args.kl_logps_from_generation:
+        kl = "decoder"
+    elif mode == "train" and args.steps_per_generation == 1 and not dropout:
+        kl = "loss"
+    else:
+        kl = "rollout"
+    weights = ""
+    if getattr(args, "use_vllm", False) and args.vllm_importance_sampling_correction:
+        weights = "rollout" if kept or kl == "rollout" else "loss"
+    return PiOld(kept, kl, weights)
+
+
+class Prompts(NamedTuple):
+    """A generation batch's prompts as the backend takes them: token ids per row, and for a VLM
+    the processor's other inputs per row and the images as the dataset gave them (else None)."""
+
+    ids: list[list[int]]
+    media: list[dict] | None
+    images: list[list] | None
+
+
+def prepare_prompts(
+    processing_class: Any, rows: list[dict], chat_template_kwargs: dict | None, vision: bool
+) -> Prompts:
+    """Rows' prompts (and a VLM's images) through the tokenizer or processor: the rollout's first
+    stage, and what asynchronous generation does ahead of it (rloo.batches.ReadAhead)."""
+    prompts = [row["prompt"] for row in rows]
+    if not vision:
+        return Prompts(
+            tokenize_prompts(processing_class, prompts, chat_template_kwargs), None, None
+        )
+    images = [row_images(row) for row in rows]
+    ids, media = process_prompts(processing_class, prompts, images, chat_template_kwargs)
+    return Prompts(ids, media, images)
 
 
 @dataclass
@@ -106,8 +144,6 @@ class RolloutSettings:
     pi_old: PiOld = PiOld(kept=False, kl="rollout")
     # a vision-language model: prompts and their images go through the processor (rloo.vision)
     vision: bool = False
-    # vllm_importance_sampling_correction: keep pi_old's per-token log-probs for the weights
-    importance: bool = False
 
 
 @dataclass
@@ -151,8 +187,8 @@ class Rollout:
     # a VLM's other inputs per row (pixel_values, image_grid_thw, ...: rloo.vision), else None
     media: list[dict] | None = None
     images: list[list] | None = None  # and its images as the dataset gave them (PIL), per row
-    # (rows, completion_len) pi_old per token where the rollout computed it and the sampler
-    # correction needs it (rloo.importance); else the loss's forward is pi_old
+    # (rows, completion_len) pi_old per token for the sampler correction's weights where the plan
+    # takes it from the rollout (PiOld weights "rollout"; rloo.importance)
     old_token_logps: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -203,33 +239,33 @@ def build_rollout(
     processing_class: Any,
     reward_runner: Callable,
     trainer_state: Any,
-    policy_logps: Callable | None = None,
-    reference_logps: Callable | None = None,
+    logprobs: Any = None,
     gather: Callable = _local,
     gather_object: Callable | None = None,
     process_index: int = 0,
     device: torch.device | str = "cpu",
     timer: StepTimer = NULL_TIMER,
+    prepared: Prompts | None = None,
 ) -> Rollout:
     """rows (dataset rows with 'prompt', this process's share, num_generations consecutive copies
     per prompt) -> Rollout.
 
+    prepared: the rows' prompts already through prepare_prompts (read ahead), else done here;
     generate(prompt_id_lists) -> completion id lists (EOS included), or
     rloo.generation.base.Completions whose `policy_logprobs` then stand for pi_old in the KL;
-    policy_logps / reference_logps(input_ids, attention_mask, logits_to_keep) -> per-token log-probs
-    (as settings.pi_old says); gather(tensor) concatenates a tensor over processes;
+    logprobs (rloo.logps.StepLogProbs, or anything with its `policy` and `reference` methods:
+    (input_ids, attention_mask, logits_to_keep, media=None) -> per-token log-probs) answers the
+    forwards settings.pi_old asks for (None: a rollout that needs none, beta 0 and on-policy);
+    gather(tensor) concatenates a tensor over processes;
     gather_object(list) does the same for Python lists; timer (rloo.timing) counts the generation,
     log-prob and reward sections."""
     prompts = [row["prompt"] for row in rows]
     conversational = is_conversational(prompts[0])
-    media = images = None
-    if settings.vision:
-        images = [row_images(row) for row in rows]
-        prompt_id_lists, media = process_prompts(
-            processing_class, prompts, images, settings.chat_template_kwargs
+    if prepared is None:
+        prepared = prepare_prompts(
+            processing_class, rows, settings.chat_template_kwargs, settings.vision
         )
-    else:
-        prompt_id_lists = tokenize_prompts(processing_class, prompts, settings.chat_template_kwargs)
+    prompt_id_lists, media, images = prepared
     # the images' tensors travel beside the ids (only for VLMs: text callers never see them); the
     # images themselves go to generation too (vLLM takes them, not tensors)
     with_media = {} if media is None else {"media": media}
@@ -269,9 +305,11 @@ def build_rollout(
             width = min(decoded.size(1), completion_ids.size(1))
             old_per_token[:, :width] = decoded[:, :width].to(device)
         elif (kept or settings.beta != 0.0) and not defer:
-            old_per_token = policy_logps(input_ids, attention_mask, logits_to_keep, **with_media)
+            old_per_token = logprobs.policy(input_ids, attention_mask, logits_to_keep, **with_media)
         if settings.beta != 0.0:
-            ref_per_token = reference_logps(input_ids, attention_mask, logits_to_keep, **with_media)
+            ref_per_token = logprobs.reference(
+                input_ids, attention_mask, logits_to_keep, **with_media
+            )
 
     texts = text_tokenizer_of(processing_class).batch_decode(
         completion_id_lists, skip_special_tokens=True
@@ -328,7 +366,7 @@ def build_rollout(
         media=media,
         images=images,
         old_token_logps=old_per_token
-        if settings.importance and sampler_logps is not None
+        if settings.pi_old.weights == "rollout" and sampler_logps is not None
         else None,
     )
 

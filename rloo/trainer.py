@@ -17,7 +17,7 @@ from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, Trainer
 
 from rloo import algorithm, checkpoint, engine, faults, hub
-from rloo.adapters import attach_adapter, reference_adapter
+from rloo.adapters import attach_adapter
 from rloo.batches import ReadAhead
 from rloo.callbacks import SyncRefModelCallback, completion_table_callbacks
 from rloo.checks import check_dispatch, check_inputs, prepare_for_iterable_datasets
@@ -26,7 +26,7 @@ from rloo.config import RLOOConfig
 from rloo.config_checks import reject_legacy_trainer_arguments
 from rloo.generation import LeanGenerator, make_generation_backend
 from rloo.importance import sampler_weights
-from rloo.logps import per_token_logps
+from rloo.logps import StepLogProbs, per_token_logps
 from rloo.metrics import MetricBuffer
 from rloo.models import (
     disable_dropout,
@@ -269,7 +269,10 @@ class RLOOTrainer(Trainer):
         self._step = 0
         self._buffered_inputs: list[Rollout] | None = None
         # where pi_old comes from (rloo.rollout.PiOld)
-        self._pi_old = pi_old_plan(args, dropout_active(self.model))
+        dropout = dropout_active(self.model)
+        self._pi_old = {mode: pi_old_plan(args, dropout, mode) for mode in ("train", "eval")}
+        # generation batches whose prompts were processed ahead, by id (rloo.batches.ReadAhead)
+        self._prepared_prompts: dict = {}
         # duplicated prompts on different ranks sample differently
         set_seed(args.seed, device_specific=True)
 
@@ -431,7 +434,11 @@ class RLOOTrainer(Trainer):
         later = later[: max(0, left)]
         return {
             "upcoming": ReadAhead(
-                self.processing_class, later, self.args.chat_template_kwargs, self._vision
+                self.processing_class,
+                later,
+                self.args.chat_template_kwargs,
+                self._vision,
+                self._prepared_prompts,
             )
         }
 
@@ -465,17 +472,17 @@ class RLOOTrainer(Trainer):
         # own copy.
         gather_weights = self._zero3 and args.ds3_gather_for_generation and not args.use_vllm
 
+        # the rollout's collaborators hold what they need: nothing in them calls back into the
+        # trainer
+        generator, timer, step = self.generator, self._timer, self.state.global_step
+        upcoming = self._upcoming_prompt_ids(rows, mode)
+
         def generate(prompt_ids, **media):  # media: a VLM's images (rloo.vision)
             with contextlib.ExitStack() as stack:
-                with self._timer.section("weight_sync"):
+                with timer.section("weight_sync"):
                     stack.enter_context(gathered_parameters(unwrapped, gather_weights))
-                return self.generator.generate(
-                    unwrapped,
-                    prompt_ids,
-                    num_generations,
-                    self.state.global_step,
-                    **media,
-                    **self._upcoming_prompt_ids(rows, mode),
+                return generator.generate(
+                    unwrapped, prompt_ids, num_generations, step, **media, **upcoming
                 )
 
         chunk = (
@@ -493,10 +500,21 @@ class RLOOTrainer(Trainer):
             pad_to_multiple_of=args.pad_to_multiple_of,
             chat_template_kwargs=args.chat_template_kwargs,
             vision=self._vision,
-            importance=args.vllm_importance_sampling_correction,
-            pi_old=self._pi_old
-            if mode == "train" or self._pi_old.kl != "loss"
-            else self._pi_old._replace(kl="rollout"),
+            pi_old=self._pi_old[mode],
+        )
+        unwrap = accelerator.unwrap_model
+        share = self._fast and engine.kl_forwards_share_prompts(unwrapped, self.ref_model)
+        if self._pi_old[mode].kl == "loss":  # as the loss's forward, which runs without a wrapper
+            share = share and unwrap(self.model_wrapped) is self.model_wrapped
+        logprobs = StepLogProbs(
+            policy_model=unwrapped,
+            reference_model=self.ref_model,
+            temperature=args.temperature,
+            chunk=chunk,
+            share_prompts=share,
+            trainable_adapter=self._trainable_adapter,
+            reference_pages=None if self.ref_model is None else unwrap(self.ref_model),
+            advance=self._timer.advance,
         )
         rollout = build_rollout(
             rows,
@@ -505,17 +523,13 @@ class RLOOTrainer(Trainer):
             processing_class=self.processing_class,
             reward_runner=self.reward_runner,
             trainer_state=self.state,
-            policy_logps=lambda *batch, media=None: self._chunked_logps(
-                unwrapped, *batch, chunk, media
-            ),
-            reference_logps=lambda *batch, media=None: self._reference_logps(
-                unwrapped, *batch, chunk, media
-            ),
+            logprobs=logprobs,
             gather=accelerator.gather,
             gather_object=self._gather_object,
             process_index=accelerator.process_index,
             device=accelerator.device,
             timer=self._timer,
+            prepared=ReadAhead.take(self._prepared_prompts, rows),
         )
         for name, value in self.generator.pop_metrics().items():
             self._metrics.add(mode, name, value)
@@ -540,44 +554,6 @@ class RLOOTrainer(Trainer):
             )
             self._logs.record_rollout(rows, self.reward_func_names, self._gather_object)
             self._logs_fresh = True
-
-    def _chunked_logps(
-        self, model, input_ids, attention_mask, logits_to_keep, chunk, media=None
-    ) -> torch.Tensor:
-        unwrap = self.accelerator.unwrap_model
-        share = self._fast and engine.kl_forwards_share_prompts(unwrap(self.model), self.ref_model)
-        if self._pi_old.kl == "loss" and self.model.training:  # as the loss's forward (no wrapper)
-            share = share and unwrap(self.model_wrapped) is self.model_wrapped
-        parts = []
-        for start in range(0, input_ids.size(0), chunk):
-            parts.append(
-                per_token_logps(
-                    model,
-                    input_ids[start : start + chunk],
-                    attention_mask[start : start + chunk],
-                    logits_to_keep,
-                    self.args.temperature,
-                    share_prompts=share,
-                    media=media and media[start : start + chunk],
-                ).logps
-            )
-            self._timer.advance()  # a micro-batch done: progress for the stall watchdog
-        return torch.cat(parts, dim=0)
-
-    def _reference_logps(
-        self, unwrapped, input_ids, attention_mask, logits_to_keep, chunk, media=None
-    ) -> torch.Tensor:
-        if self.ref_model is not None:
-            # its pages go (rloo.engine.mapped)
-            with engine.paged_out_after(self.accelerator.unwrap_model(self.ref_model)):
-                return self._chunked_logps(
-                    self.ref_model, input_ids, attention_mask, logits_to_keep, chunk, media
-                )
-        # PEFT: base (or frozen copy) is the reference
-        with reference_adapter(unwrapped, self._trainable_adapter):
-            return self._chunked_logps(
-                unwrapped, input_ids, attention_mask, logits_to_keep, chunk, media
-            )
 
     def compute_loss(self, model, inputs: Rollout, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
@@ -609,7 +585,9 @@ class RLOOTrainer(Trainer):
         if old_logps is None:  # on-policy: pi_old is the current policy, ratio exactly 1
             old_logps = (token_logps * mask).sum(dim=1).detach()
         gather = self.accelerator.gather
-        importance = sampler_weights(self.args, inputs, token_logps, self._metrics, mode, gather)
+        importance = sampler_weights(
+            self.args, inputs, token_logps, self._metrics, mode, gather, self._pi_old[mode]
+        )
         loss, clipped = algorithm.clipped_surrogate_loss(
             token_logps,
             old_logps,

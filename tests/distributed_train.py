@@ -55,7 +55,7 @@ trainer = RLOOTrainer(
     train_dataset=data,
     processing_class=tokenizer,
 )
-assert trainer._pi_old.kl == "loss"
+assert trainer._pi_old["train"].kl == "loss"
 flat = getattr(
     trainer.ref_model, "_rloo_mapping", None
 )  # rloo.engine.mapped: accelerate's placement did not copy it out
@@ -64,7 +64,7 @@ if mapped.disk_directory(1 << 20) is not None:
         flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel()
         for p in trainer.ref_model.parameters()
     )
-trainer._pi_old = trainer._pi_old._replace(
+trainer._pi_old["train"] = trainer._pi_old["train"]._replace(
     kl="rollout" if sys.argv[2:] == ["separate-old-forward"] else "loss"
 )  # the KL's pi_old from a forward of its own
 trainer.train()

@@ -202,6 +202,7 @@ def test_the_extreme_weights_are_the_extremes_of_the_logging_window_not_their_me
 
     from rloo.importance import sampler_weights
     from rloo.metrics import MetricBuffer
+    from rloo.rollout import PiOld
 
     args = SimpleNamespace(
         vllm_importance_sampling_correction=True,
@@ -216,9 +217,8 @@ def test_the_extreme_weights_are_the_extremes_of_the_logging_window_not_their_me
             completion_mask=mask,
             old_token_logps=None,
         )
-        sampler_weights(
-            args, inputs, torch.full((2, 1), -1.0), metrics, "train", gather=lambda t: t
-        )
+        plan = PiOld(kept=False, kl="", weights="loss")
+        sampler_weights(args, inputs, torch.full((2, 1), -1.0), metrics, "train", lambda t: t, plan)
     logged = metrics.flush("train")
     assert logged["sampling/importance_sampling_ratio/max"] == pytest.approx(torch.e**2.0)
     assert logged["sampling/importance_sampling_ratio/min"] == pytest.approx(torch.e**-2.0)
@@ -226,3 +226,33 @@ def test_the_extreme_weights_are_the_extremes_of_the_logging_window_not_their_me
     assert logged["vllm/logprob_diff_mean"] == pytest.approx(
         1.25
     )  # the rest stay means, as TRL logs them
+
+
+def test_the_weights_pi_old_is_a_column_of_the_steps_plan():
+    """Where the importance weights take pi_old is decided with the rest of pi_old (rloo.rollout.
+    PiOld): from the rollout's forward where the plan runs one, else from the loss's forward; and
+    evaluation's plan never defers the KL to the loss."""
+    from types import SimpleNamespace
+
+    from rloo.rollout import PiOld, pi_old_plan
+
+    def plan(mode="train", dropout=False, **changes):
+        args = dict(
+            use_vllm=True,
+            vllm_importance_sampling_correction=True,
+            beta=0.05,
+            num_iterations=1,
+            steps_per_generation=1,
+            gradient_accumulation_steps=1,
+            kl_logps_from_generation=False,
+        )
+        return pi_old_plan(SimpleNamespace(**{**args, **changes}), dropout, mode)
+
+    assert plan() == PiOld(kept=False, kl="loss", weights="loss")
+    assert plan("eval") == PiOld(kept=False, kl="rollout", weights="rollout")
+    assert plan(dropout=True) == PiOld(kept=False, kl="rollout", weights="rollout")
+    assert plan(beta=0.0) == PiOld(kept=False, kl="", weights="loss")
+    assert plan(num_iterations=2) == PiOld(kept=True, kl="rollout", weights="rollout")
+    assert plan(beta=0.0, steps_per_generation=2) == PiOld(kept=True, kl="", weights="rollout")
+    assert plan(vllm_importance_sampling_correction=False).weights == ""
+    assert plan(use_vllm=False).weights == ""

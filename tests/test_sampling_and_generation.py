@@ -95,7 +95,7 @@ def test_buffering_matches_trl_worked_example(tmp_path):
     assert set(calls[0]) == {f"{i} {i}" for i in range(6)}
     assert set(calls[1]) == {f"{i} {i}" for i in range(6, 12)}
     # off-policy micro-steps (spg > GA, mu = 2): the clipped ratio is live, old log-probs were recorded
-    assert trainer._pi_old.kept
+    assert trainer._pi_old["train"].kept
 
 
 def test_off_policy_steps_use_recorded_old_logps(tmp_path):

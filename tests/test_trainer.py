@@ -225,7 +225,9 @@ def test_metrics_have_spec_names(tmp_path, tokenizer, model, device, bf16):
     )
 
 
-def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(tmp_path, tokenizer, model):
+def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(
+    tmp_path, tokenizer, model, monkeypatch
+):
     """kl_logps_from_generation=True: the KL's pi_old comes from the logits the decode loop computed, so each rollout
     runs one log-prob forward (the reference's), not two; the run logs the KL of the default run (the forward) up
     to float rounding and ends at its weights. Where it cannot hold, a clear error before training."""
@@ -248,11 +250,11 @@ def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(tmp_path, tok
             processing_class=tokenizer,
         )
         assert trainer.generator.policy_temperature == (0.8 if decoded else None)
-        assert trainer._pi_old.kl == ("decoder" if decoded else "loss")
+        plans = trainer._pi_old
+        assert plans["train"].kl == ("decoder" if decoded else "loss")
         if not decoded:  # a forward in the rollout (the loss's own pi_old is tested on its own)
-            trainer._pi_old = trainer._pi_old._replace(kl="rollout")
-        forwards, chunked = [], trainer._chunked_logps
-        trainer._chunked_logps = lambda *a: forwards.append(1) or chunked(*a)
+            plans["train"] = plans["train"]._replace(kl="rollout")
+        forwards = count_rollout_forwards(monkeypatch)
         trainer.train()
         results[decoded] = (
             [log["kl"] for log in trainer.state.log_history if "kl" in log],
@@ -307,8 +309,21 @@ def test_kl_logps_from_generation_skips_a_forward_and_keeps_the_kl(tmp_path, tok
             make_args(tmp_path, kl_logps_from_generation=True, **{"beta": 0.1, **settings})
 
 
+def count_rollout_forwards(monkeypatch) -> list:
+    """A list that grows by one per log-prob forward a rollout asks for (policy or reference)."""
+    from rloo.logps import StepLogProbs
+
+    forwards, chunked = [], StepLogProbs._chunked
+    monkeypatch.setattr(
+        StepLogProbs, "_chunked", lambda *a: forwards.append(1) or chunked(*a), raising=True
+    )
+    return forwards
+
+
 @pytest.mark.engines
-def test_kl_takes_pi_old_from_the_loss_forward(tmp_path, tokenizer, model, engine_mode):
+def test_kl_takes_pi_old_from_the_loss_forward(
+    tmp_path, tokenizer, model, engine_mode, monkeypatch
+):
     """On-policy with one micro-batch per generation, the KL's pi_old is the loss's own forward: each rollout runs
     one log-prob forward (the reference's), not two, and the run is the one with a separate old forward: the same
     KL (exactly 0 at the first step, the reference being the policy), completion log and weights."""
@@ -330,10 +345,10 @@ def test_kl_takes_pi_old_from_the_loss_forward(tmp_path, tokenizer, model, engin
             train_dataset=conversational(),
             processing_class=tokenizer,
         )
-        assert trainer._pi_old.kl == "loss"
-        trainer._pi_old = trainer._pi_old._replace(kl="loss" if deferred else "rollout")
-        forwards, chunked = [], trainer._chunked_logps
-        trainer._chunked_logps = lambda *a: forwards.append(1) or chunked(*a)
+        plans = trainer._pi_old
+        assert plans["train"].kl == "loss"
+        plans["train"] = plans["train"]._replace(kl="loss" if deferred else "rollout")
+        forwards = count_rollout_forwards(monkeypatch)
         trainer.train()
         logs = trainer._logs
         results[deferred] = (
@@ -370,7 +385,7 @@ def test_kl_takes_pi_old_from_the_loss_forward(tmp_path, tokenizer, model, engin
             args=make_args(tmp_path / "other", **{"beta": 0.1, **settings}),
             train_dataset=conversational(),
         )
-        assert trainer._pi_old.kl != "loss", settings
+        assert trainer._pi_old["train"].kl != "loss", settings
 
 
 def test_no_kl_and_no_reference_model_when_beta_zero(tmp_path, tokenizer, model):

@@ -772,13 +772,21 @@ def test_a_request_frozen_in_flight_stalls_the_checkpoints_wait_and_the_run_resu
 
 @pytest.mark.slow
 def test_weight_sync_steps_pushes_every_k_steps_and_samples_the_batches_between_from_those_weights(
-    server, tmp_path
+    server, tmp_path, monkeypatch
 ):
     """weight_sync_steps=2, max_staleness=2: pushes at steps 0, 2, 4 only, each verified; right after each, the
-    batches of the next two steps are requested, one after the other, from those weights; samples lag 0,1,2,1,2."""
+    batches of the next two steps are requested, one after the other, from those weights; samples lag 0,1,2,1,2.
+    Each batch's prompts are tokenized once: those read ahead are not tokenized again by their rollout."""
+    import rloo.rollout
+
+    tokenized, tokenize = [], rloo.rollout.tokenize_prompts
+    monkeypatch.setattr(
+        rloo.rollout, "tokenize_prompts", lambda *a: tokenized.append(1) or tokenize(*a)
+    )
     trainer, _ = _async_run(
         server, tmp_path / "out", max_steps=5, weight_sync_steps=2, max_staleness=2
     )
+    assert len(tokenized) == 5 and not trainer._prepared_prompts
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert [log["async/staleness_max"] for log in logs] == [0.0, 1.0, 2.0, 1.0, 2.0]
     assert [i for i, log in enumerate(logs) if "vllm/sync_max_logprob_diff" in log] == [0, 2, 4]
