@@ -10,6 +10,8 @@ import os
 import re
 import sys
 
+from infra.tracking import log_to
+
 OWN = re.compile(r"\[(pipeline|dataset|model|train|evaluate|promote|sweep)\] ")
 LOG_NAME = "pipeline.log"
 
@@ -59,7 +61,6 @@ def quiet(run_root: str) -> None:
         root.addHandler(log_file)
     # warnings.warn -> the "py.warnings" logger -> the file, not the console
     logging.captureWarnings(True)
-    from infra.tracking import log_to
 
     log_to(log_file)  # MLflow's own loggers do not propagate to the root
     consoles = [

@@ -10,6 +10,8 @@ import sqlite3
 import threading
 from contextlib import closing
 
+from rloo.primitives import cache_root
+
 DEFAULT_ROOT = "runs"
 
 
@@ -94,8 +96,6 @@ def template_path() -> str:
     """Where a just-started, still empty Prefect database of this Prefect version is kept for new
     run roots."""
     import prefect
-
-    from rloo.primitives import cache_root
 
     return os.path.join(cache_root(), "prefect-db", f"prefect-{prefect.__version__}.db")
 

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+from infra import databases
+from infra.launch import stop_process_groups
 from infra.runconfig import REPOSITORY
 
 POOL = "rloo"
@@ -27,7 +29,6 @@ def service_environment(
     """What the servers, `prefect deploy`, the worker and the flow runs it starts share. With the
     team's databases (PostgreSQL URLs, checked: no password in them), the Prefect server runs on
     `prefect_db`, and the flow runs track into the MLflow server on `mlflow_db`."""
-    from infra import databases
 
     root = os.path.abspath(run_root)
     api = f"http://127.0.0.1:{prefect_port}/api"
@@ -165,8 +166,6 @@ def running(processes: list[subprocess.Popen]):
     except KeyboardInterrupt:
         pass
     finally:
-        from infra.launch import stop_process_groups
-
         stop_process_groups(processes)
 
 

@@ -14,6 +14,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import Field
 
+from flows.pipeline import rloo_pipeline
 from infra import stages, sweep, sweep_report, tracking
 from infra.runconfig import load_run_config, shipped_sweeps
 from infra.writer import sole_writer
@@ -86,7 +87,6 @@ async def rloo_sweep(
 
 async def _run(config, recipe: str, overrides: list[str], folder: str) -> dict:
     from prefect.concurrency.asyncio import concurrency
-    from flows.pipeline import rloo_pipeline
 
     name, settings = sweep.study_name(config), config.sweep
     tracking.check_reachable(config.tracking_uri)

@@ -22,6 +22,8 @@ from infra import stages, tracking
 from infra.job_tracking import CHECKPOINTS, read_jsonl
 from infra.runconfig import RunConfig
 from rloo.checkpoint import is_complete
+from rloo.models import load_causal_lm, load_tokenizer, prepare_tokenizer
+from rloo.vision import is_vision_config
 
 FINAL = "final"
 # a checkpoint folder's files that are not the policy's weights
@@ -93,7 +95,6 @@ def log_models(config: RunConfig, train_result: dict, model_result: dict, run_id
     """Each saved checkpoint and the final model as a LoggedModel of the train run `run_id`
     (found again when it exists: none twice); returns the train result with `models` (name ->
     model id), persisted as the stage's result."""
-    from rloo.vision import is_vision_config
     from transformers import AutoConfig
 
     uri, experiment = config.tracking_uri, config.tracking.experiment
@@ -148,8 +149,6 @@ def load_policy(policy: str, weights: str | None, trust: bool):
 
     from transformers.utils import logging as transformers_logging
 
-    from rloo.models import load_causal_lm
-
     # one summary line per stage, not a bar per weight file
     transformers_logging.disable_progress_bar()
     if weights is None:
@@ -169,7 +168,6 @@ def load_policy(policy: str, weights: str | None, trust: bool):
 def _attach_weights(
     config: RunConfig, checkpoint: Checkpoint, model_result: dict, model_id: str
 ) -> None:
-    from rloo.models import load_tokenizer, prepare_tokenizer
 
     policy = model_result["policy"]
     trust = bool(config.recipe_value("trust_remote_code"))

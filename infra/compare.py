@@ -8,6 +8,7 @@ import json
 import os
 
 from infra import tracking
+from infra.evaluation import figure, save_figure
 from infra.runconfig import RunConfig
 
 
@@ -28,7 +29,6 @@ def config_differences(configs: dict[str, RunConfig]) -> dict[str, dict[str, obj
 def plot_curves(curves: dict[str, list[tuple[int, float]]], target: str) -> str | None:
     if not any(curves.values()):
         return None
-    from infra.evaluation import figure, save_figure
 
     plt, fig, axis = figure((7, 4))
     for run, points in curves.items():

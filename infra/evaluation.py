@@ -8,7 +8,23 @@ import os
 
 from infra import checkpoints, stages
 from infra.checkpoints import load_policy
+from infra.job_tracking import read_metrics
 from infra.runconfig import RunConfig
+from rloo.cli import resolve_reward, reward_entries
+from rloo.completion_log import as_text
+from rloo.generation import in_process_generator
+from rloo.models import (
+    eos_token_ids,
+    load_reward_model,
+    load_tokenizer,
+    prepare_tokenizer,
+    reward_tokenizers,
+    text_tokenizer_of,
+)
+from rloo.rewards import RewardRunner
+from rloo.rollout import RolloutSettings, build_rollout, rollout_metrics
+from rloo.timing import SECTIONS
+from rloo.vision import has_image_processor, is_vision_config, placeholder_token_ids
 
 
 def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) -> dict:
@@ -17,9 +33,6 @@ def _score(config: RunConfig, model, tokenizer, rows, runner, generator, state) 
     import math
 
     import torch
-
-    from rloo.rollout import RolloutSettings, build_rollout, rollout_metrics
-    from rloo.vision import has_image_processor
 
     batch = config.evaluation.batch_size
 
@@ -102,19 +115,6 @@ def score_sets(
     import torch
     from transformers import TrainerState
 
-    from rloo.cli import resolve_reward, reward_entries
-    from rloo.generation import in_process_generator
-    from rloo.models import (
-        eos_token_ids,
-        load_reward_model,
-        load_tokenizer,
-        prepare_tokenizer,
-        reward_tokenizers,
-        text_tokenizer_of,
-    )
-    from rloo.vision import is_vision_config
-    from rloo.rewards import RewardRunner
-
     trust = bool(config.recipe_value("trust_remote_code"))
     reward_funcs = [resolve_reward(entry) for entry in reward_entries(config.training)]
     reward_funcs = [
@@ -175,8 +175,6 @@ def generation_config(config: RunConfig, model, pad_token_id: int, eos: list[int
     make the evaluation of one model decode unlike another's."""
     from transformers import GenerationConfig
 
-    from rloo.vision import is_vision_config, placeholder_token_ids
-
     settings = config.evaluation
     sampling = (
         dict(do_sample=False)
@@ -205,8 +203,6 @@ def evaluation_fingerprint(config: RunConfig, rows: list[dict]) -> str:
     """What makes two evaluations comparable: the same prompts, decoding settings and reward
     functions."""
     import hashlib
-
-    from rloo.cli import reward_entries
 
     payload = {
         "prompts": [row["prompt"] for row in rows],
@@ -336,7 +332,6 @@ def _label(checkpoint) -> str:
 
 
 def _training_records(metrics_path: str) -> list[dict]:
-    from infra.job_tracking import read_metrics
 
     return [r for r in read_metrics(os.path.dirname(metrics_path)) if "train_runtime" not in r]
 
@@ -373,7 +368,6 @@ def plot_reward_curve(metrics_path: str, target: str) -> str | None:
 def plot_step_timing(metrics_path: str, target: str) -> str | None:
     """A stacked bar per logged step: seconds in each timing/* section (rloo.timing), the step's
     wall time on top."""
-    from rloo.timing import SECTIONS
 
     records = [
         r for r in _training_records(metrics_path) if "step_time" in r and "timing/train" in r
@@ -456,7 +450,6 @@ def render_report(
     if timing_plot:
         lines += ["", f"![step time by section]({os.path.basename(timing_plot)})"]
     lines += ["", "## Samples", "", "| prompt | base | trained |", "| --- | --- | --- |"]
-    from rloo.completion_log import as_text
 
     for index in range(min(5, len(rows))):
         cells = [

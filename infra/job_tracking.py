@@ -28,6 +28,7 @@ from infra.tracking import (
     start_system_metrics,
     stop_system_metrics,
 )
+from rloo.callbacks import image_columns
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,6 @@ class RunDirTrackingCallback(TrainerCallback):
     def on_completions(self, args, state, control, rows=None, **kwargs):
         if not self._active(state) or not rows:
             return
-        from rloo.callbacks import image_columns
 
         path = os.path.join(self.train_dir, "completions", f"step_{state.global_step:07d}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -8,6 +8,8 @@ import dataclasses
 import glob
 import os
 
+from rloo.watchdog import REPORTS
+
 
 class TrainingFailed(RuntimeError):
     pass
@@ -22,7 +24,6 @@ def stall_cause(output_dir: str, since: float) -> str | None:
     """The first line of each stall report (rloo.watchdog.REPORTS: one per process that found its
     step stalled, on any node) written after `since` (epoch seconds), the first written first,
     each with its path; else None."""
-    from rloo.watchdog import REPORTS
 
     reports = sorted(
         (os.path.getmtime(path), path)

@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-
 from infra.jobs import JobHandle, TrainingFailed, job_environment, tail
+from infra.slurm import scancel, slurm_job_state
 
 __all__ = [
     "JobHandle",
@@ -105,8 +105,6 @@ def job_state(handle: JobHandle) -> tuple[str, str | None]:
     from submitit.core.utils import JobPaths, pickle_load
 
     if handle.executor == "slurm":
-        from infra.slurm import slurm_job_state
-
         return slurm_job_state(handle)
     paths = JobPaths(handle.folder, job_id=handle.job_id, task_id=0)
     if paths.result_pickle.exists():
@@ -145,8 +143,6 @@ def cancel(handle: JobHandle) -> None:
     import signal
 
     if handle.executor == "slurm":
-        from infra.slurm import scancel
-
         scancel(handle.job_id)
         return
     pid = int(handle.job_id)

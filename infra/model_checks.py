@@ -7,13 +7,16 @@ from __future__ import annotations
 import os
 
 from infra.runconfig import RunConfig
+from rloo import vision
+from rloo.adapters import default_lora_targets, linear_module_names
+from rloo.assets import resolve_model_alias
+from rloo.vision import is_vision_config
 
 
 def resolve_model_source(config: RunConfig) -> tuple[str, str | None]:
     """(policy path or id, tokenizer path or None) for training.model_name_or_path, aliases resolved
     (rloo.assets.resolve_model_alias; 'tiny' is built under the run root),
     training.tokenizer_name_or_path first."""
-    from rloo.assets import resolve_model_alias
 
     policy, tokenizer = resolve_model_alias(
         config.training["model_name_or_path"], os.path.join(config.run_root, ".assets")
@@ -26,9 +29,6 @@ def check_lora_targets(model_source: str, targets, trust_remote_code: bool) -> t
     (None: PEFT's default for the architecture); returns (the parameter count, the targets)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from rloo.adapters import default_lora_targets, linear_module_names
-    from rloo.vision import is_vision_config
 
     model_config = AutoConfig.from_pretrained(model_source, trust_remote_code=trust_remote_code)
     if targets is None:
@@ -63,7 +63,6 @@ def check_tokenizer_fits(policy: str, tokenizer, args, dataset_result: dict) -> 
     )
     vocab = getattr(text_config, "vocab_size", None)
     context = getattr(text_config, "max_position_embeddings", None)
-    from rloo import vision
 
     processor, tokenizer = tokenizer, getattr(tokenizer, "tokenizer", tokenizer)
     if vocab and len(tokenizer) > vocab:

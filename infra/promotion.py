@@ -13,6 +13,7 @@ import os
 from infra import checkpoints, evaluation, stages, tracking
 from infra.runconfig import ConfigError, RunConfig, load_run_config
 from rloo.checkpoint import is_complete
+from rloo.hub import HfHubPublisher, get_publisher
 
 # model aliases with a public counterpart
 HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -80,7 +81,6 @@ def load_config(config_path: str, overrides: list[str]) -> RunConfig:
 
 
 def _uses_hub() -> bool:
-    from rloo.hub import HfHubPublisher, get_publisher
 
     return isinstance(get_publisher(), HfHubPublisher)
 

@@ -12,7 +12,9 @@ import shutil
 
 from infra import stages, tracking
 from infra.checkpoints import load_policy, render_table
+from infra.evaluation import format_number
 from infra.promotion import HUB_IDS, TOKENIZER_FILES, Candidate, promotion_dir
+from rloo.hub import CARD_FIELDS, get_publisher, public_config
 
 CARD = """
 # {{ model_name }}
@@ -103,9 +105,6 @@ def upload_folder(candidate: Candidate, version: str, metrics: dict) -> str:
 def model_card(candidate: Candidate, version: str, merged: bool, metrics: dict):
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-    from infra.evaluation import format_number
-    from rloo.hub import CARD_FIELDS, public_config
-
     config = candidate.config
     repo = config.promotion.hub_repo or config.registered_model
     base_id = base_model_id(config)
@@ -195,7 +194,6 @@ def model_card(candidate: Candidate, version: str, merged: bool, metrics: dict):
 def publish(candidate: Candidate, version: str, metrics: dict) -> dict:
     """Upload (unless this candidate's upload already went through), tag it with the run key, record
     the repo, commit and URL on the model version, and only then move `champion` to it."""
-    from rloo.hub import get_publisher
 
     config = candidate.config
     publisher = get_publisher()

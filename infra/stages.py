@@ -11,9 +11,21 @@ import os
 import shutil
 import time
 
+from infra.job_tracking import read_metrics, read_step, tracking_environment
+from infra.jobs import TrainingStalled, stall_cause
+from infra.launch import JobHandle, TrainingFailed, TrainJob, cancel, job_state, submit_local
 from infra.model_checks import check_lora_targets, check_tokenizer_fits, resolve_model_source
-from infra.runconfig import RunConfig
+from infra.runconfig import ConfigError, RunConfig, resolved_dict
+from infra.slurm import MultiNodeJob, executor_parameters, submit_slurm
 from infra.tracking import DatasetRef
+from rloo.adapters import check_quantization_supported, lora_targets
+from rloo.checkpoint import latest_checkpoint
+from rloo.checks import check_image_columns
+from rloo.cli import parse_recipe, recipe_value, resolve_reward, reward_entries
+from rloo.data import load_prompt_dataset, validate_prompt_rows
+from rloo.models import load_tokenizer, prepare_tokenizer
+from rloo.timing import timing_summary
+from rloo.vision import check_images_readable, check_rows_fit, embed_images, undecoded
 
 STAGE_VERSIONS = {"dataset": 2, "model": 1, "train": 2, "evaluate": 2}
 
@@ -76,7 +88,6 @@ def load_stage_result(config: RunConfig, stage: str) -> dict | None:
 
 
 def write_config(config: RunConfig) -> str:
-    from infra.runconfig import resolved_dict
 
     path = stage_path(config, "config.json")
     write_json(
@@ -105,7 +116,6 @@ def prepare_dataset(config: RunConfig) -> dict:
 
     datasets.disable_progress_bars()  # one summary line per stage, not a bar per split
     record_execution(config, "dataset")
-    from rloo.vision import embed_images
 
     data = config.data
     dataset, prompt_format = load_checked_rows(config)
@@ -157,7 +167,6 @@ def split_datasets(config: RunConfig, dataset_result: dict) -> list:
 def pipeline_datasets(config: RunConfig, dataset_result: dict) -> list:
     """What the train and evaluate runs show as their inputs: both splits and every
     evaluation.extra_sets file (context evaluation, digest of its rows)."""
-    from rloo.data import load_prompt_dataset
 
     extra = [
         DatasetRef(
@@ -175,8 +184,6 @@ def pipeline_datasets(config: RunConfig, dataset_result: dict) -> list:
 def load_checked_rows(config: RunConfig):
     """data.source loaded and every row checked (rloo.data), enough rows for data.eval_size:
     (dataset, format)."""
-    from rloo.data import load_prompt_dataset, validate_prompt_rows
-    from rloo.vision import check_images_readable, check_rows_fit
 
     data = config.data
     dataset = load_prompt_dataset(data.source, data.config, data.split)
@@ -197,8 +204,6 @@ def check_config(config: RunConfig, read_rows: bool) -> bool:
     (rloo.cli's checks), the reward imports, data.source, and with `read_rows` every row of a local
     source (`rloo-pipeline validate`; a Hub dataset's rows are checked by the dataset stage, nothing
     is downloaded here). True when rows were read."""
-    from infra.runconfig import ConfigError
-    from rloo.cli import resolve_reward, reward_entries
 
     try:
         script, args = validate_recipe(config)
@@ -251,8 +256,6 @@ def check_enough_prompts(config: RunConfig, args, num_train: int) -> None:
 def dataset_digest(*splits) -> str:
     import hashlib
 
-    from rloo.vision import undecoded
-
     digest = hashlib.sha256()
     for split in splits:
         for row in undecoded(split):  # an image by its bytes, not a PIL object's repr
@@ -280,7 +283,6 @@ def build_training_args(config: RunConfig, recipe: dict):
     """(ScriptArguments, RLOOConfig) of the job's recipe, validated here in one process by
     rloo.cli.parse_recipe (what `rloo train` runs). The batch arithmetic is done for the launch's
     world size (trainer nodes x processes per node) by scaling the per-device batch sizes."""
-    from rloo.cli import parse_recipe, recipe_value
 
     settings = dict(recipe)
     world = config.launch.nproc_per_node * (
@@ -324,10 +326,6 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
     template, LoRA targets, quantization support, the training arguments, the reward imports."""
     from transformers.utils import logging as transformers_logging
 
-    from rloo.cli import resolve_reward, reward_entries
-    from rloo.adapters import check_quantization_supported
-    from rloo.models import load_tokenizer, prepare_tokenizer
-
     transformers_logging.disable_progress_bar()  # building the 'tiny' alias: no bar per weight file
     record_execution(config, "model")
     policy, tokenizer_source = resolve_model_source(config)
@@ -342,8 +340,6 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
         check_quantization_supported(type("Q", (), {"quant_method": "bitsandbytes"})())
     rewards = [resolve_reward(entry) for entry in reward_entries(script)]
     from transformers import AutoConfig
-
-    from rloo.checks import check_image_columns
 
     model_config = AutoConfig.from_pretrained(policy, trust_remote_code=args.trust_remote_code)
     # images need a vision-language model (told from the config, before any weight loads)
@@ -361,7 +357,6 @@ def prepare_model(config: RunConfig, dataset_result: dict) -> dict:
             "with a template, or give plain-text prompts."
         )
     check_tokenizer_fits(policy, tokenizer, args, dataset_result)
-    from rloo.adapters import lora_targets
 
     targets = lora_targets(script.lora_target_modules) if script.use_peft else "all-linear"
     num_parameters, targets = check_lora_targets(policy, targets, args.trust_remote_code)
@@ -414,8 +409,6 @@ def start_or_reattach_training(
     followed it (its orchestrator lost: the Prefect API away, the process killed), is reattached;
     otherwise a job is submitted, resuming from the newest checkpoint when there is one. Returns the
     job record (train/job.json)."""
-    from infra.launch import JobHandle, TrainJob, job_state, submit_local
-    from infra.job_tracking import tracking_environment
 
     job_file = stage_path(config, "train", "job.json")
     previous = read_json(job_file)
@@ -426,7 +419,6 @@ def start_or_reattach_training(
             return {**previous, "reattached": True}
     record_execution(config, "train")
     output_dir = stage_path(config, "train", "output")
-    from rloo.checkpoint import latest_checkpoint
 
     checkpoint = latest_checkpoint(output_dir)
     recipe = write_train_recipe(config, dataset_result, model_result, resume=checkpoint is not None)
@@ -438,8 +430,6 @@ def start_or_reattach_training(
     )
     workdir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if config.launch.executor == "slurm":
-        from infra.slurm import MultiNodeJob, executor_parameters, submit_slurm
-
         settings = config.launch.slurm
         job = MultiNodeJob(
             recipe,
@@ -496,8 +486,6 @@ def training_progress(config: RunConfig) -> tuple[int, int | None, float | None,
     step (a recipe that logs every 10 steps still shows each), the rest from its metrics file.
     Every attempt of a job appends to that file; a step counter that goes back is a new attempt
     (resumed from an earlier checkpoint, or restarted from the start), which is the one followed."""
-    from infra.job_tracking import read_metrics, read_step
-    from rloo.timing import timing_summary
 
     step, reward, timing, logged = 0, None, None, 0.0
     for record in read_metrics(train_dir(config)):
@@ -522,9 +510,6 @@ async def follow_training(config: RunConfig, record: dict, on_progress=None, jud
     cancellable). A sweep's trial has a `judge` (infra.sweep.PruningJudge): each new checkpoint is
     scored and reported, and a pruned trial's job is stopped there (its checkpoints kept)."""
     import asyncio
-
-    from infra.jobs import TrainingStalled, stall_cause
-    from infra.launch import JobHandle, TrainingFailed, cancel, job_state
 
     handle = JobHandle.from_dict(record["handle"])
     deadline = handle.submitted_at + config.launch.timeout_min * 60 + 60
@@ -555,8 +540,6 @@ async def follow_training(config: RunConfig, record: dict, on_progress=None, jud
                 raise TrainingStalled(f"training job {handle.job_id} stalled: {stalled}")
             raise TrainingFailed(f"training job {handle.job_id} {state.lower()}: {error}")
         if time.time() > deadline:
-            from infra.launch import cancel
-
             cancel(handle)
             raise (TrainingStalled if stalled else TrainingFailed)(
                 f"training job {handle.job_id} exceeded "
@@ -582,7 +565,6 @@ async def follow_training(config: RunConfig, record: dict, on_progress=None, jud
 def extra_set_rows(config: RunConfig, name: str, training_prompts: list) -> list[dict]:
     """evaluation.extra_sets[name]'s rows, checked as training rows are, none of whose prompts is a
     training prompt (a held-out set must be kept out of training)."""
-    from rloo.data import load_prompt_dataset, validate_prompt_rows
 
     path = config.evaluation.extra_sets[name]
     if not os.path.isfile(path):

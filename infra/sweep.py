@@ -12,7 +12,13 @@ import json
 import math
 import os
 
+from infra import databases, stages, tracking
+from infra.checkpoints import best, training_checkpoints
+from infra.evaluation import held_out_rows, score_sets
 from infra.runconfig import ConfigError, PrunerSettings, RunConfig, load_run_config, resolved_dict
+from infra.stages import extra_set_rows, validate_recipe
+from rloo.cli import resolve_reward, reward_entries
+from rloo.rewards.runner import reward_function_name
 
 # Trial states as the study keeps them (optuna.trial.TrialState names).
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")
@@ -31,7 +37,6 @@ def sweep_dir(run_root: str, name: str) -> str:
 def storage_url(config: RunConfig) -> str:
     """The study's database: sweep.storage (or RLOO_SWEEP_DB), else a SQLite file beside the
     MLflow store."""
-    from infra import databases
 
     url = config.sweep.storage or databases.configured("sweep")
     if url:
@@ -47,8 +52,6 @@ def trial_name(config: RunConfig, number: int) -> str:
 def metric_names(config: RunConfig) -> list[str]:
     """What the held-out evaluation measures for this config's reward functions (accuracy/<name>
     where the reward turns out 0/1)."""
-    from rloo.cli import resolve_reward, reward_entries
-    from rloo.rewards.runner import reward_function_name
 
     names = []
     for entry in reward_entries(config.training):
@@ -72,8 +75,6 @@ def check_sweep(config: RunConfig) -> None:
     held-out evaluation produces, on a set it scores), pruning's need for checkpoints, and every
     value a trial can get (each edge of a range, each choice, each enqueued point) applied to the
     config and validated as a run of its own would be."""
-    from infra import databases
-    from infra.stages import validate_recipe
 
     sweep = config.sweep
     if sweep is None:
@@ -309,8 +310,6 @@ def finish(study, config: RunConfig, number: int, params: dict, summary: dict) -
     run on the trial and its state and objective on its MLflow run; a line saying so."""
     from optuna.trial import TrialState
 
-    from infra import tracking
-
     trial_cfg = trial_config(config, number, params)
     trial = _trial(study, number)
     trial.set_user_attr("rloo.run_key", trial_cfg.run_key)
@@ -370,7 +369,6 @@ class PruningJudge:
     follower judges each checkpoint once."""
 
     def __init__(self, config: RunConfig, dataset_result: dict, model_result: dict):
-        from infra import stages
 
         self.config, self.dataset_result, self.model_result = config, dataset_result, model_result
         self.path = stages.stage_path(config, "train", SCORES)
@@ -379,9 +377,6 @@ class PruningJudge:
 
     def _rows(self) -> list[dict]:
         from datasets import load_from_disk
-
-        from infra.evaluation import held_out_rows
-        from infra.stages import extra_set_rows
 
         if self.rows is None:
             name = self.config.trial.objective_set
@@ -399,7 +394,6 @@ class PruningJudge:
 
     def pending(self) -> list:
         """Checkpoints saved and complete, due for judging, not judged yet."""
-        from infra.checkpoints import training_checkpoints
 
         interval = self.config.evaluation.checkpoint_interval
         saved = training_checkpoints(self.config)
@@ -408,7 +402,6 @@ class PruningJudge:
 
     def judge(self, checkpoint) -> dict:
         """Score one checkpoint, report it; {"name", "step", "value", "prune"}."""
-        from infra.evaluation import score_sets
 
         settings = self.config.trial
         max_steps = self.config.recipe_value("max_steps")
@@ -442,7 +435,6 @@ class PruningJudge:
 
 
 def trial_scores(config: RunConfig) -> list[dict]:
-    from infra import stages
 
     return _read_jsonl(stages.stage_path(config, "train", SCORES))
 
@@ -465,7 +457,6 @@ def objective_value(config: RunConfig, summary: dict) -> tuple[float | None, dic
     """A finished trial's value: its best evaluated checkpoint's (the final model included) on the
     objective's set, in the study's direction, which is what `promote --sweep` takes; (value, that
     checkpoint's row of the evaluation's table)."""
-    from infra.checkpoints import best
 
     trial = config.trial
     sign = -1.0 if trial.direction == "minimize" else 1.0

@@ -8,7 +8,9 @@ import json
 import os
 
 from infra import tracking
+from infra.evaluation import figure, save_figure
 from infra.runconfig import RunConfig
+from infra.sweep import count, trial_states
 
 ORDER = {"COMPLETE": 0, "PRUNED": 1, "RUNNING": 2, "FAIL": 3, "WAITING": 4}
 
@@ -124,7 +126,6 @@ def plot(rows: list[dict], objective: str, target: str) -> str | None:
     points = [row for row in rows if row["value"] is not None]
     if not points:
         return None
-    from infra.evaluation import figure, save_figure
 
     plt, fig, axis = figure((7, 4))
     for state, marker in (("COMPLETE", "o"), ("PRUNED", "x")):
@@ -149,7 +150,6 @@ def plot(rows: list[dict], objective: str, target: str) -> str | None:
 def write(config: RunConfig, study, run_id: str, folder: str) -> dict:
     """The sweep's report (trials.md, importances.json, objective.png in the sweep folder, logged to
     its MLflow run with the best value as a metric); returns it with a one-line summary."""
-    from infra.sweep import count, trial_states
 
     objective = f"{config.sweep.objective_set} {config.sweep.objective}"
     rows = ranked(study)

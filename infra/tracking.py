@@ -15,6 +15,7 @@ import time
 import warnings
 from typing import Any
 
+from rloo.data import load_prompt_dataset
 from rloo.hub import is_secret
 
 QUICK_FAIL = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
@@ -192,8 +193,6 @@ class DatasetRef:
 def log_datasets(tracking_uri: str, run_id: str, refs: list[DatasetRef]) -> None:
     """Every dataset as an input of the run, with its schema and row count (MLflow's profile)."""
     import mlflow
-
-    from rloo.data import load_prompt_dataset
 
     inputs = []
     for ref in refs:

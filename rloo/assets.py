@@ -11,7 +11,9 @@ import os
 import shutil
 import tempfile
 
+from rloo import tiny
 from rloo.primitives import cache_root
+from rloo.tiny import tiny_vision_model
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -66,7 +68,6 @@ def resolve_model_alias(name: str, root: str | None = None) -> tuple[str, str | 
         return name, None
     if name == "smollm2":
         return smollm2_path(), None
-    from rloo import tiny
 
     base = os.path.abspath(os.path.join(root or cache_root(), name))
     if name == "tiny-vlm":  # model and processor in one folder, as a Hub VLM repo
@@ -81,7 +82,6 @@ def resolve_model_alias(name: str, root: str | None = None) -> tuple[str, str | 
 
 
 def _save_vision(directory: str) -> None:
-    from rloo.tiny import tiny_vision_model
 
     model, processor = tiny_vision_model()
     model.save_pretrained(directory)

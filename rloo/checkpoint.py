@@ -20,6 +20,8 @@ import warnings
 import torch
 
 from rloo import faults
+from rloo.rollout import Rollout
+from rloo.zero import gathered_parameters
 
 STATE_DIR = "rloo_state"
 REFERENCE_FILE = "ref_model.pt"
@@ -278,8 +280,6 @@ def restore_state(trainer, checkpoint_dir: str) -> None:
     """After the weights: the moved reference of a sync_ref_model run, the micro-step counter and
     the buffered generation batch of this process (a resumed run continues inside a generation
     exactly)."""
-    from rloo.rollout import Rollout
-    from rloo.zero import gathered_parameters
 
     reference_file = reference_path(checkpoint_dir)
     if trainer.args.sync_ref_model and os.path.exists(reference_file):

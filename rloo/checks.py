@@ -15,11 +15,12 @@ from typing import Any
 from datasets import Dataset, IterableDataset
 from torch import nn
 
-from rloo.data import check_prompt_dataset
 from rloo.adapters import check_quantization_supported
+from rloo.data import check_prompt_dataset
+from rloo.generation.vllm_colocate import check_colocate_possible
 from rloo.primitives import is_peft_model
 from rloo.rewards.runner import RewardFunctionError, reward_function_name
-from rloo.vision import IMAGE_COLUMNS
+from rloo.vision import IMAGE_COLUMNS, is_vision_config
 
 # Keywords every reward function receives besides the dataset columns
 # (rloo.rewards.runner.RewardRunner).
@@ -113,7 +114,6 @@ def check_image_columns(
     found = [column for column in IMAGE_COLUMNS if column in columns]
     if not found:
         return
-    from rloo.vision import is_vision_config
 
     config = getattr(model, "config", None)
     if isinstance(model, str):
@@ -199,8 +199,6 @@ def check_inputs(
             "RLOOConfig(max_steps=1000))."
         )
     if args.use_vllm and args.vllm_mode == "colocate":
-        from rloo.generation.vllm_colocate import check_colocate_possible
-
         check_colocate_possible(args)
     if eval_dataset is not None:
         named = (

@@ -6,10 +6,10 @@ Works the same under `torchrun ... -m rloo train --config recipe.yaml` on many p
 
 from __future__ import annotations
 
+import argparse
 import ast
 import difflib
 import importlib
-import argparse
 import os
 import sys
 from dataclasses import MISSING
@@ -17,17 +17,28 @@ from dataclasses import MISSING
 import yaml
 from transformers import HfArgumentParser
 
+from rloo.adapters import lora_targets
+from rloo.assets import resolve_model_alias
+from rloo.callbacks import PreemptionCallback
+from rloo.checkpoint import DiskFull, latest_checkpoint, resolve_resume, save_final
 from rloo.config import RLOOConfig
+from rloo.data import load_mixture, load_prompt_dataset, mixture_problems, with_prompt
+from rloo.models import load_tokenizer, local_model_problem
+from rloo.rewards import by_short_name
+from rloo.rewards.runner import RewardFunctionError
 
 # (re-exported: the recipe's fields and the unknown-field message are part of this command's API)
 from rloo.script_args import (
     FIELD_NAMES,
+    MIXTURE_KEYS,
     ScriptArguments,
     closest,  # noqa: F401 (re-exported)
     reward_entries,  # noqa: F401
     unknown_field,
 )
-
+from rloo.trainer import RLOOTrainer
+from rloo.watchdog import STALLED_EXIT_CODE, TrainingStalled
+from rloo.zero import DEEPSPEED_ON_CPU
 
 PIPELINE_SECTIONS = (
     "name",
@@ -117,8 +128,6 @@ def check_recipe_combinations(values: dict, prefix: str = "") -> None:
             "Hub id (org/name) or an alias ('smollm2', 'tiny', 'tiny-vlm')."
         )
     if os.path.isdir(os.path.expanduser(model)):
-        from rloo.models import local_model_problem
-
         if problem := local_model_problem(os.path.expanduser(model)):
             raise ValueError(f"{prefix}model_name_or_path={model!r}: {problem}.")
     if values.get("load_in_4bit") and not values.get("use_peft"):
@@ -147,13 +156,10 @@ def parse_recipe(recipe: dict, argv: list[str] | None = None) -> tuple[ScriptArg
     for key in recipe:
         if key not in FIELD_NAMES:
             raise ValueError(unknown_field(key))
-    from rloo.script_args import MIXTURE_KEYS
 
     mixture = {key: recipe[key] for key in MIXTURE_KEYS if key in recipe}
     recipe = {key: value for key, value in recipe.items() if key not in MIXTURE_KEYS}
     if mixture:
-        from rloo.data import mixture_problems
-
         if problems := mixture_problems(mixture):
             raise ValueError("the recipe's dataset mixture: " + " ".join(problems))
     parser = _parser()
@@ -269,13 +275,10 @@ def resolve_reward(entry: str):
     """A short name (`trl rloo`'s, or a built-in of ours) or an import path resolves to a callable;
     anything that names a model directory or looks like a Hub id ('org/name' without a module) is a
     reward model."""
-    from rloo.rewards import by_short_name
 
     if (short := by_short_name(entry)) is not None:
         return short
     if os.path.isdir(os.path.expanduser(entry)):
-        from rloo.models import local_model_problem
-
         if problem := local_model_problem(os.path.expanduser(entry), reward_model=True):
             raise ValueError(f"reward function {entry!r}: {problem}.")
         return entry
@@ -294,8 +297,6 @@ def build_peft_config(script_args: ScriptArguments):
     if not script_args.use_peft:
         return None, None
     from peft import LoraConfig
-
-    from rloo.adapters import lora_targets
 
     extra = (
         {}
@@ -354,12 +355,8 @@ def model_init_kwargs(script_args: ScriptArguments, config: RLOOConfig) -> dict 
 def build_trainer(argv: list[str]):
     """Everything that can be checked before training: arguments, reward imports, data, model,
     PEFT."""
-    from rloo.assets import resolve_model_alias
-    from rloo.data import load_prompt_dataset
-    from rloo.trainer import RLOOTrainer
 
     script_args, config = parse_arguments(argv)
-    from rloo.checkpoint import resolve_resume
 
     # a bad path: now, not later
     resolve_resume(config.resume_from_checkpoint, config.output_dir, missing_ok=True)
@@ -370,8 +367,6 @@ def build_trainer(argv: list[str]):
     config.model_init_kwargs = model_init_kwargs(script_args, config)
     eval_dataset = None
     if script_args.mixture:
-        from rloo.data import load_mixture
-
         found = load_mixture(script_args.mixture)
         train_dataset, eval_dataset = found["train"], found.get("test")
     else:
@@ -389,8 +384,6 @@ def build_trainer(argv: list[str]):
             streaming=script_args.dataset_streaming,
         )
     if script_args.dataset_prompt_column or script_args.system_prompt:
-        from rloo.data import with_prompt
-
         train_dataset, eval_dataset = (
             with_prompt(d, script_args.dataset_prompt_column, script_args.system_prompt)
             if d is not None
@@ -399,10 +392,7 @@ def build_trainer(argv: list[str]):
         )
     processing_class = None
     if tokenizer_source:
-        from rloo.models import load_tokenizer
-
         processing_class = load_tokenizer(tokenizer_source, config.trust_remote_code)
-    from rloo.callbacks import PreemptionCallback
 
     callbacks = [resolve_callable(path)() for path in script_args.callbacks or []] + [
         PreemptionCallback()
@@ -450,7 +440,6 @@ def train(argv: list[str]) -> int:
         trainer.generator.close()  # an in-process vLLM engine goes before the process group it uses
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    from rloo.zero import DEEPSPEED_ON_CPU
 
     if DEEPSPEED_ON_CPU["started"]:
         exit_without_native_teardown(code)
@@ -482,9 +471,6 @@ def exit_without_native_teardown(code: int) -> None:
 
 def _run(trainer, script_args) -> int:
     config = trainer.args
-    from rloo.checkpoint import DiskFull, latest_checkpoint, resolve_resume, save_final
-    from rloo.rewards.runner import RewardFunctionError
-    from rloo.watchdog import STALLED_EXIT_CODE, TrainingStalled
 
     # 'latest' with nothing saved yet starts from scratch: a requeued job that was preempted before
     # its first save.

@@ -23,6 +23,7 @@ from rloo.config_checks import (
     parse_pad_to_multiple_of,
     resolve_batch_sizes,
 )
+from rloo.engine import mode
 from rloo.versions import TRANSFORMERS_4, precision_environment
 from rloo.zero import start_deepspeed_on_cpu
 
@@ -454,7 +455,6 @@ class RLOOConfig(TrainingArguments):
         check_backend_combinations(self)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
-        from rloo.engine import mode
 
         self.engine = mode(self.engine)
         if self.kl_logps_from_generation:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from rloo.algorithm import IMPORTANCE_SAMPLING_MODES
+
 VLLM_MODES = ("server", "colocate")
 STALL_MARGIN_S = 60  # ddp_timeout over stall_timeout_s: the watchdog's report and unwinding
 
@@ -105,11 +107,23 @@ def check_backend_combinations(config) -> None:
             )
 
 
+def unwarped(args) -> bool:
+    """Whether the sampler's log-probs are those of the plain (temperature-scaled) distribution,
+    which the trainer computes too: no top-k/top-p/min-p, repetition penalty, structured outputs or
+    extra generation_kwargs."""
+    return (
+        args.top_k in (0, -1, None)
+        and args.top_p == 1.0
+        and not args.min_p
+        and args.repetition_penalty == 1.0
+        and not args.vllm_structured_outputs_regex
+        and not args.generation_kwargs
+    )
+
+
 def check_importance_sampling(config) -> None:
     """vllm_importance_sampling_*: a known mode, bounds in order, and a sampler whose log-probs
     are those of the distribution the trainer computes."""
-    from rloo.algorithm import IMPORTANCE_SAMPLING_MODES
-    from rloo.generation.vllm_common import unwarped
 
     mode = config.vllm_importance_sampling_mode
     if mode not in IMPORTANCE_SAMPLING_MODES:

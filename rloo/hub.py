@@ -16,6 +16,8 @@ import os
 import shutil
 from typing import Any, Protocol
 
+from rloo.checkpoint import atomic_save
+
 logger = logging.getLogger(__name__)
 
 SECRET_MARKERS = ("token", "password", "secret", "api_key")
@@ -350,8 +352,6 @@ def rewrite_training_args(args, output_dir: str) -> None:
     """transformers pickles the whole TrainingArguments, hub_token included, into every save (and so
     into every upload): write training_args.bin again with the secrets cleared."""
     import copy
-
-    from rloo.checkpoint import atomic_save
 
     scrubbed = copy.copy(args)
     for name in vars(scrubbed):

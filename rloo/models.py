@@ -19,8 +19,10 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from rloo import vision
 from rloo.engine import mapped_copy
 from rloo.primitives import is_moe, is_peft_model
+from rloo.zero import is_partitioned
 
 
 def _looks_like_local_path(name: str) -> bool:
@@ -147,7 +149,6 @@ def load_tokenizer(
     model's), its processor (AutoProcessor, rloo.vision), else its tokenizer (AutoTokenizer);
     `revision` as for the model (the TRL docs: model_init_kwargs' revision is also used for the
     processing class)."""
-    from rloo import vision
 
     if config is not None and vision.is_vision_config(config):
         check_model_source(name, "processing_class source")
@@ -387,7 +388,6 @@ def reference_for_zero3(
     """The initial policy as a separate model for ZeRO-3. A policy already sharded at load time
     (zero.Init) cannot be copied, so the reference is loaded again from the same source on every
     rank."""
-    from rloo.zero import is_partitioned
 
     if not is_partitioned(policy):
         # its weights move into DeepSpeed's partitions

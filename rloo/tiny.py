@@ -9,6 +9,8 @@ import os
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from rloo.vision import images_only
+
 WORDS = (
     "the a cat dog sat ran on mat big small red blue one two three four five six seven eight nine "
     "zero what is plus minus answer yes no good bad"
@@ -151,8 +153,6 @@ def tiny_vision_model(seed: int = 0):
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
-
-    from rloo.vision import images_only
 
     tokenizer = tiny_tokenizer(
         ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"),

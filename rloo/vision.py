@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from rloo.data import is_conversational
+
 logger = logging.getLogger(__name__)
 
 
@@ -163,7 +165,6 @@ def process_prompts(
     with the image tokens expanded, per row; the model's other inputs per row, e.g. pixel_values,
     image_grid_thw, token_type_ids, as a batch of one). Rows with the same prompt and images (the
     num_generations consecutive copies of one prompt) are processed once."""
-    from rloo.data import is_conversational
 
     ids, media, previous = [], [], None
     for index, (prompt, row_images_) in enumerate(zip(prompts, images)):
@@ -418,8 +419,6 @@ def _check_rows(
     dataset: Any, image_token: str | None, every_row: bool = False, processor_name: str = ""
 ) -> None:
     from datasets import Dataset
-
-    from rloo.data import is_conversational
 
     columns = image_columns_of(dataset)
     if not isinstance(dataset, Dataset) or not columns:

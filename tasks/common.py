@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+from infra import stall_alert
 from infra.runconfig import RunConfig
 from infra.stages import STAGE_VERSIONS
 
@@ -39,8 +40,6 @@ def progress_reporter(config: RunConfig, every_s: float = 30.0):
     plain line that reads the same in a terminal, a pipe or the Prefect UI. The Prefect API going
     away stops the artifact updates, not the following."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
-    from infra import stall_alert
 
     artifact = create_progress_artifact(
         0.0,

@@ -145,6 +145,37 @@ def test_no_import_circle_in_the_project_even_through_function_level_imports():
     assert _circles(edges) == []
 
 
+# The only modules whose functions import the project's own modules, and why (elsewhere they are
+# imported at the top, where a reader sees them).
+DEFERRED_IMPORTS = {
+    "flows/cli.py": "each command imports what it runs: `rloo-pipeline --help` and a refused "
+    "command line answer without loading torch, Prefect or MLflow",
+    "rloo/generation/vllm_colocate.py": "rloo_vllm runs inside vLLM's engine and imports vLLM, an "
+    "optional extra",
+}
+
+
+def test_a_function_imports_the_projects_modules_only_where_a_reason_is_written():
+    import ast
+
+    deferring = set()
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.Import):
+                        names = [alias.name for alias in inner.names]
+                    elif isinstance(inner, ast.ImportFrom):
+                        names = [inner.module or ""] if not inner.level else [PACKAGES[0]]
+                    else:
+                        continue
+                    if any(name.split(".")[0] in PACKAGES for name in names):
+                        deferring.add(str(path.relative_to(ROOT)))
+    assert deferring == set(DEFERRED_IMPORTS)
+
+
 # What the speed layer may import from the rest of the project: leaves that import nothing of the
 # project but each other.
 ENGINE_LEAVES = {"rloo.primitives", "rloo.kv", "rloo.zero", "rloo.versions"}

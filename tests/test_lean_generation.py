@@ -352,6 +352,8 @@ def test_policy_logprobs_kept_while_decoding_are_the_forwards(tokenizer, model, 
 def test_decoded_logprobs_are_the_kls_pi_old_and_steps_past_every_end_are_cut(tokenizer):
     """build_rollout takes Completions.policy_logprobs for pi_old in the KL; a ZeRO-3 rank that decoded in step with
     the others past its own rows' ends hands in more columns than its completions have."""
+    from types import SimpleNamespace
+
     from rloo.generation import Completions
     from rloo.rewards.runner import RewardRunner
     from rloo.rollout import PiOld, RolloutSettings, build_rollout
@@ -378,8 +380,7 @@ def test_decoded_logprobs_are_the_kls_pi_old_and_steps_past_every_end_are_cut(to
             [lambda completion_ids, **kw: [float(len(c)) for c in completion_ids]], [None]
         ),
         trainer_state=None,
-        policy_logps=None,
-        reference_logps=lambda ids, mask, keep: torch.zeros(ids.size(0), keep),
+        logprobs=SimpleNamespace(reference=lambda ids, mask, keep: torch.zeros(ids.size(0), keep)),
     )
     # KL_i = sum_t (pi_old - pi_ref): -3.0 and -2.25; shaped = length - 0.5 KL
     assert rollout.shaped_rewards.tolist() == pytest.approx([2 + 1.5, 3 + 1.125])
@@ -509,9 +510,9 @@ def test_prompts_go_through_once_for_their_shared_start_then_in_length_groups_wi
             model, rows
         ) == TransformersGenerator(generation, tokenizer.pad_token_id, eos).generate(model, rows)
     # under ZeRO-3 each forward is collective (every rank must run as many): one forward, whatever the lengths
-    import rloo.zero
+    from rloo.engine import prefill as prefill_module
 
-    monkeypatch.setattr(rloo.zero, "is_partitioned", lambda model: True)
+    monkeypatch.setattr(prefill_module, "is_partitioned", lambda model: True)
     widths.clear()
     hook = model.register_forward_pre_hook(
         lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape), with_kwargs=True

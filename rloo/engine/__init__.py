@@ -18,13 +18,16 @@ import os
 
 from torch import nn
 
+from rloo.engine import heap, kernel, tied
 from rloo.engine.lean import DecodeLoop, customised_generate, supports
 from rloo.engine.mapped import mapped_copy, paged_out_after
+from rloo.engine.recompute import covered_modules, recomputed_activations
 from rloo.engine.shared_prompts import (
     can_share_prompts,
     kl_forwards_share_prompts,
     shared_prompt_logits,
 )
+from rloo.engine.tied import tied_rows
 
 __all__ = [
     "DecodeLoop",
@@ -71,8 +74,6 @@ def loss_context(model: nn.Module, unwrapped: nn.Module, fast: bool):
     if not fast:
         yield
         return
-    from rloo.engine.recompute import recomputed_activations
-    from rloo.engine.tied import tied_rows
 
     with recomputed_activations(model), tied_rows(unwrapped):
         yield
@@ -82,8 +83,6 @@ def keep_freed_memory(fast: bool) -> None:
     """Freed memory kept in the process for the next step (rloo.engine.heap), where the layer is
     on."""
     if fast:
-        from rloo.engine import heap
-
         heap.keep_freed_memory()
 
 
@@ -123,8 +122,6 @@ def describe(
             f"rloo engine: reference ({ENVIRONMENT}=reference or engine='reference'): "
             "model.generate and plain forwards; no fast path on"
         )
-    from rloo.engine import heap, kernel, tied
-    from rloo.engine.recompute import covered_modules
 
     parts = []
     if generated_by is None:

@@ -36,6 +36,7 @@ from rloo.engine import packing
 from rloo.engine.cuda_graph import Graphed
 from rloo.engine.heap import own_mappings
 from rloo.engine.registry import kind_of
+from rloo.zero import is_partitioned
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -100,7 +101,6 @@ def lean_decoder(model: nn.Module, rows: int) -> Any:
     one included), so the step keeps the model's forward there. Not under autocast (bf16 / fp16
     mixed precision): the step computes in the weights' dtype, so the model's autocast forward
     decodes there, as it filled the prompts' cache."""
-    from rloo.zero import is_partitioned
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)

@@ -41,6 +41,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from rloo.engine.binding import Library, source_id
+from rloo.primitives import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,6 @@ def compiled(target: str = "native") -> Library | None:
     key = hashlib.sha256("\n".join([SOURCE, compiler, torch_lib, *flags]).encode()).hexdigest()[:16]
     # (-march=native: one build per CPU model)
     cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:8]
-    from rloo.primitives import cache_root
 
     path = os.path.join(cache_root(), "kernels", f"decode-gemm-{key}-{cpu}.so")
     if not os.path.exists(path):

@@ -33,6 +33,7 @@ from rloo.kv import (
     plain_cache,
     share_cache_rows,
 )
+from rloo.zero import is_partitioned
 
 # a forward's fixed cost in padded tokens, for _plan: a split into groups must save more padding
 # than this (measured on SmolLM2 with the generation benchmark's prompts: bench_generation.py)
@@ -112,7 +113,6 @@ def _linears_on_onednn(model, device: torch.device):
     ZeRO-3 (whose hooks gather the weights). The same sums in another order (float rounding apart,
     as another row count's GEMM). oneDNN runs these shapes faster than MKL on the CPUs measured
     (docs/performance.md)."""
-    from rloo.zero import is_partitioned
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if device.type != "cpu" or not torch.backends.mkldnn.is_available() or is_partitioned(base):
@@ -155,7 +155,6 @@ def _plan(model, input_ids, attention_mask, positions) -> tuple[Any, int, list[l
     is the better (no prefix worth its own forward and one group, a GPU, padding not all on the
     left, a cache with other than plain layers) or the only way (ZeRO-3: every forward gathers the
     parameters with the other ranks, which must run as many)."""
-    from rloo.zero import is_partitioned
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if (

@@ -6,6 +6,11 @@ from rloo.generation.base import Completions, GenerationBackend
 from rloo.generation.continuous_batching import ContinuousBatchingGenerator
 from rloo.generation.lean import LeanGenerator
 from rloo.generation.transformers_backend import TransformersGenerator, build_generation_config
+from rloo.generation.vllm_async import AsyncServerGenerator
+from rloo.generation.vllm_colocate import VLLMColocateGenerator
+from rloo.generation.vllm_server import VLLMServerGenerator
+from rloo.models import dropout_active
+from rloo.vision import is_vision_config, placeholder_token_ids
 
 __all__ = [
     "Completions",
@@ -55,8 +60,6 @@ def make_generation_backend(
     in-process vLLM engine (`vllm_mode='colocate'`, which gets a VLM's `processor`),
     transformers' continuous batching, or in process (in_process_generator; `fast`: the speed
     layer may take it)."""
-    from rloo.vision import is_vision_config, placeholder_token_ids
-
     vision = is_vision_config(model.config)
     if vision and args.use_transformers_continuous_batching and not args.use_vllm:
         raise ValueError(
@@ -66,16 +69,10 @@ def make_generation_backend(
             "(model.generate takes the images), or use_vllm=True."
         )
     if args.use_vllm and args.vllm_mode == "server":
-        from rloo.generation.vllm_server import VLLMServerGenerator
-
         if args.generates_ahead:
-            from rloo.generation.vllm_async import AsyncServerGenerator
-
             return AsyncServerGenerator(args, accelerator, model, eos_token_ids, zero3=zero3)
         return VLLMServerGenerator(args, accelerator, model, eos_token_ids, zero3=zero3)
     if args.use_vllm:
-        from rloo.generation.vllm_colocate import VLLMColocateGenerator
-
         return VLLMColocateGenerator(
             args,
             accelerator,
@@ -114,7 +111,6 @@ def keep_policy_logprobs(generator: GenerationBackend, model, temperature: float
     """kl_logps_from_generation: ask the decode loop to keep the policy's log-probs of its tokens
     (RLOOConfig has refused the backends and losses where they cannot stand for pi_old); a clear
     error where they cannot here."""
-    from rloo.models import dropout_active
 
     if not isinstance(generator, LeanGenerator):
         raise ValueError(

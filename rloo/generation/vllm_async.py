@@ -28,6 +28,7 @@ import torch
 from rloo.generation.base import Completions
 from rloo.generation.vllm_client import VLLMServerClient
 from rloo.generation.vllm_server import VLLMServerGenerator, request_timeout
+from rloo.watchdog import TrainingStalled
 
 if TYPE_CHECKING:
     from rloo.batches import ReadAhead
@@ -74,8 +75,6 @@ class _Request(threading.Thread):
     def take(self, timeout_s: float | None = None) -> list[dict]:
         self.join(timeout_s)
         if self.is_alive():
-            from rloo.watchdog import TrainingStalled
-
             raise TrainingStalled(
                 f"the generation request for the batch sampled from step {self.version}'s weights "
                 f"made no progress for {timeout_s:g} s (stall_timeout_s) while a checkpoint waited "

@@ -34,13 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from rloo.config_checks import unwarped
 from rloo.generation.base import Completions, GenerationBackend
-from rloo.generation.vllm_shm import (
-    CPU_SHM_MARK,  # noqa: F401 (re-exported)
-    SHM_DIR,  # noqa: F401 (API)
-    remove_stale_cpu_shm,
-    unlink_own_cpu_shm,
-)
 from rloo.generation.vllm_common import (
     cut_at_eos,
     full_weights,
@@ -49,8 +44,14 @@ from rloo.generation.vllm_common import (
     run_lengths,
     sampling_of,
     sync_tolerance,
-    unwarped,
 )
+from rloo.generation.vllm_shm import (
+    CPU_SHM_MARK,  # noqa: F401 (re-exported)
+    SHM_DIR,  # noqa: F401 (API)
+    remove_stale_cpu_shm,
+    unlink_own_cpu_shm,
+)
+from rloo.primitives import is_peft_model
 from rloo.timing import timed
 from rloo.vision import is_vision_config, placeholder_token_ids
 
@@ -225,7 +226,6 @@ def engine_folder(model: torch.nn.Module, tokenizer, need_tokenizer: bool) -> st
     """A folder holding only the policy's config (the engine starts with dummy weights; the real
     ones are loaded in place before the first generation), plus the tokenizer when vLLM needs one
     (structured outputs)."""
-    from rloo.primitives import is_peft_model
 
     base = model.get_base_model() if is_peft_model(model) else model
     config = base.config.to_dict()

@@ -10,6 +10,11 @@ from typing import Any
 
 import torch
 
+from rloo.logps import per_token_logps
+from rloo.models import eval_mode
+from rloo.primitives import is_peft_model
+from rloo.zero import gathered_parameters
+
 
 def sampling_of(args, suppress: list[int] = ()) -> dict:
     """vLLM sampling parameters (the names of vllm.SamplingParams and of /v1/completions) from
@@ -47,7 +52,6 @@ def sync_weights_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The policy's weights under the names of its checkpoint (what vLLM's load_weights expects). A
     PeftModel must have its adapter merged by the caller: base-layer names are mapped back, LoRA
     tensors left out."""
-    from rloo.primitives import is_peft_model
 
     if is_peft_model(model):
         named = []
@@ -65,8 +69,6 @@ def full_weights(model: torch.nn.Module, zero3: bool):
     """The policy's full weights under checkpoint names, for a push: gathered from ZeRO-3 shards
     (every rank takes part) and, for a PeftModel, with the adapter merged (unmerged again
     afterwards)."""
-    from rloo.primitives import is_peft_model
-    from rloo.zero import gathered_parameters
 
     with gathered_parameters(model, zero3):
         if is_peft_model(model):
@@ -85,20 +87,6 @@ def cut_at_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
     return ids
 
 
-def unwarped(args) -> bool:
-    """Whether the sampler's log-probs are those of the plain (temperature-scaled) distribution,
-    which the trainer computes too: no top-k/top-p/min-p, repetition penalty, structured outputs or
-    extra generation_kwargs."""
-    return (
-        args.top_k in (0, -1, None)
-        and args.top_p == 1.0
-        and not args.min_p
-        and args.repetition_penalty == 1.0
-        and not args.vllm_structured_outputs_regex
-        and not args.generation_kwargs
-    )
-
-
 def sync_tolerance(args, model: torch.nn.Module) -> float:
     """vllm_sync_tolerance, or its default for the policy's dtype (float32: exact up to kernel
     order; bf16: loose)."""
@@ -112,8 +100,6 @@ def max_logprob_diff(model: torch.nn.Module, samples: list[dict]) -> float:
     """The largest |trainer - vLLM| log-prob over the completion tokens of `samples` ({"prompt",
     "completion", "vllm"}, and a VLM's "media": rloo.vision). Every rank of a ZeRO-3 run must call
     it with the same number of samples (the forwards gather)."""
-    from rloo.logps import per_token_logps
-    from rloo.models import eval_mode
 
     device = next(model.parameters()).device
     worst = 0.0

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from rloo.config_checks import STALL_MARGIN_S
+from rloo.config_checks import STALL_MARGIN_S, unwarped
 from rloo.generation.base import Completions, GenerationBackend
 from rloo.generation.vllm_client import VLLMServerClient
 from rloo.generation.vllm_common import (
@@ -27,10 +27,11 @@ from rloo.generation.vllm_common import (
     sampling_of,
     sync_tolerance,
     sync_weights_of,
-    unwarped,
 )
+from rloo.primitives import is_peft_model
 from rloo.timing import timed
 from rloo.vision import is_vision_config, placeholder_token_ids
+from rloo.zero import gathered_parameters
 
 
 def server_url(args) -> str:
@@ -129,7 +130,6 @@ class VLLMServerGenerator(GenerationBackend):
         self.requests = 0
         self.adapter_mode = False
         self.base_pending = False
-        from rloo.primitives import is_peft_model
 
         if accelerator.is_main_process:
             self.client = VLLMServerClient(
@@ -310,8 +310,6 @@ class VLLMServerGenerator(GenerationBackend):
         loaded in place under one name, which generation requests then use as their model."""
         import os
         import shutil
-
-        from rloo.zero import gathered_parameters
 
         # once: the base weights (adapter not merged), so server base == policy base
         if self.base_pending:
