@@ -18,10 +18,10 @@ import os
 
 from torch import nn
 
-from rloo.engine import heap, kernel, tied
+# (recompute's functions are read through the module, where a test records their calls)
+from rloo.engine import heap, kernel, recompute, tied
 from rloo.engine.lean import DecodeLoop, customised_generate, supports
 from rloo.engine.mapped import mapped_copy, paged_out_after
-from rloo.engine.recompute import covered_modules, recomputed_activations
 from rloo.engine.shared_prompts import (
     can_share_prompts,
     kl_forwards_share_prompts,
@@ -75,7 +75,7 @@ def loss_context(model: nn.Module, unwrapped: nn.Module, fast: bool):
         yield
         return
 
-    with recomputed_activations(model), tied_rows(unwrapped):
+    with recompute.recomputed_activations(model), tied_rows(unwrapped):
         yield
 
 
@@ -144,7 +144,7 @@ def describe(
             else "off (this model's forward takes no shareable KV cache)"
         )
     )
-    covered = covered_modules(model)
+    covered = recompute.covered_modules(model)
     parts.append(
         f"recomputed activations: on ({covered} modules)"
         if covered
