@@ -97,7 +97,7 @@ def pi_old_plan(args: Any, dropout: bool, mode: str = "train") -> PiOld:
     else:
         kl = "rollout"
     weights = ""
-    if getattr(args, "use_vllm", False) and args.vllm_importance_sampling_correction:
+    if args.use_vllm and args.vllm_importance_sampling_correction:
         weights = "rollout" if kept or kl == "rollout" else "loss"
     return PiOld(kept, kl, weights)
 
