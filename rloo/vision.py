@@ -4,6 +4,7 @@ transformers cannot build the stock one because torchvision is missing)."""
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from typing import Any
 
@@ -24,16 +25,33 @@ def is_vision_config(config: Any) -> bool:
 def images_only(processor_class: type) -> type:
     """`processor_class` without its video processor, under the same name (so that a saved folder
     names the stock class). transformers builds Qwen2-VL-style processors only with a video
-    processor, and its video processors need torchvision; images alone need neither."""
+    processor, and its video processors need torchvision; images alone need neither. A processor
+    whose constructor requires `video_processor` (Gemma 4) is given None, which is dropped before
+    transformers' ProcessorMixin checks its parts."""
+    from transformers import ProcessorMixin
+
     attributes = [name for name in processor_class.get_attributes() if name != "video_processor"]
+    takes_video = "video_processor" in inspect.signature(processor_class.__init__).parameters
+
+    class WithoutVideo(ProcessorMixin):
+        # after processor_class and before ProcessorMixin in the method order: its super() call
+        # lands here
+        def __init__(self, *args, video_processor=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    def __init__(self, *args, **kwargs):
+        if takes_video and len(args) < len(attributes) + 1:
+            kwargs.setdefault("video_processor", None)
+        processor_class.__init__(self, *args, **kwargs)
 
     def get_attributes(cls):
         return list(attributes)
 
     return type(
         processor_class.__name__,
-        (processor_class,),
+        (processor_class, WithoutVideo),
         {
+            "__init__": __init__,
             "get_attributes": classmethod(get_attributes),
             "__module__": processor_class.__module__,
             "__doc__": f"{processor_class.__name__} for images only (no video processor).",
@@ -87,6 +105,12 @@ def load_processor(name: str, config: Any, trust_remote_code: bool, revision: st
         for key, value in saved.items()
         if key not in attributes and key not in ("processor_class", "auto_map", "chat_template")
     }
+    # an audio part (Gemma 4's feature extractor) loads without torchvision
+    parts = {}
+    if "feature_extractor" in attributes:
+        from transformers import AutoFeatureExtractor
+
+        parts["feature_extractor"] = AutoFeatureExtractor.from_pretrained(name, **kwargs)
     video = "video_processor" in attributes
     logger.info(
         "rloo: torchvision is not installed, so %s is built with its PIL image processor%s.",
@@ -97,6 +121,7 @@ def load_processor(name: str, config: Any, trust_remote_code: bool, revision: st
     return built(
         image_processor=image_processor,
         tokenizer=tokenizer,
+        **parts,
         chat_template=tokenizer.chat_template,
         **settings,
     )

@@ -137,6 +137,43 @@ def _text_models() -> dict:
         "tiny-Cohere2ForCausalLM": lambda: tf.Cohere2ForCausalLM(
             small(tf.Cohere2Config, sliding_window=16)
         ),
+        # GLM-4 MoE: a dense first layer, then routed experts beside a shared one
+        "tiny-Glm4MoeForCausalLM": lambda: tf.Glm4MoeForCausalLM(
+            small(
+                tf.Glm4MoeConfig,
+                hidden=16,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                first_k_dense_replace=1,
+                output_router_logits=True,
+            )
+        ),
+        # Nemotron 3 nano's layer kinds: Mamba-2, MoE, attention, MLP (no CUDA kernels on the CPU)
+        "tiny-NemotronHForCausalLM-nano": lambda: tf.NemotronHForCausalLM(
+            tf.NemotronHConfig(
+                vocab_size=VOCAB_SIZE,
+                hidden_size=16,
+                layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=4,
+                intermediate_size=32,
+                use_mamba_kernels=False,
+                ssm_state_size=8,
+                mamba_num_heads=4,
+                mamba_head_dim=8,
+                n_groups=2,
+                chunk_size=8,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                moe_shared_expert_intermediate_size=16,
+                pad_token_id=SPECIALS["<|endoftext|>"],
+                eos_token_id=SPECIALS["<|im_end|>"],
+                bos_token_id=None,
+            )
+        ),
     }
 
 
@@ -151,6 +188,9 @@ def _vlm_models() -> dict:
         "tiny-Gemma3ForConditionalGeneration": FAMILIES["gemma3"],
         "tiny-LlavaNextForConditionalGeneration": FAMILIES["llava_next"],
         "tiny-SmolVLMForConditionalGeneration": FAMILIES["idefics3"],
+        "tiny-Gemma4ForConditionalGeneration": FAMILIES["gemma4"],
+        "tiny-Qwen3_5ForConditionalGeneration-NoThink": FAMILIES["qwen3_5"],
+        "tiny-Qwen3_5MoeForConditionalGeneration-3.6": FAMILIES["qwen3_5_moe"],
     }
 
 

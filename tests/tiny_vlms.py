@@ -230,12 +230,167 @@ def tiny_idefics3(seed: int = 0):
     return _finish(model, tokenizer), processor
 
 
+def _tiny_qwen3_5(seed: int, moe: bool):
+    """Qwen3.5's VLM: a hybrid text model (Gated DeltaNet linear attention, then full attention)
+    behind a Qwen3-VL-style vision tower, with Qwen3-VL's processor."""
+    import transformers as tf
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    from rloo.vision import images_only
+
+    tokenizer = _tokenizer(
+        ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+        "<|vision_start|><|image_pad|><|vision_end|>",
+    )
+    ids = tokenizer.convert_tokens_to_ids
+    text = _text(len(tokenizer))
+    text.update(
+        head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={
+            "rope_type": "default",
+            "mrope_section": [1, 1, 0],
+            "mrope_interleaved": True,
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    )
+    if moe:
+        text.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+        )
+    vision = dict(
+        depth=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=32,
+        num_position_embeddings=64,
+    )
+    config_class, model_class = (
+        (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration)
+        if moe
+        else (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration)
+    )
+    config = config_class(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+    )
+    torch.manual_seed(seed)
+    model = model_class(config)
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
+        patch_size=4,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+    processor = images_only(Qwen3VLProcessor)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+    )
+    return _finish(model, tokenizer), processor
+
+
+def tiny_qwen3_5(seed: int = 2):
+    """(model, processor): Qwen3.5 (dense), 4-pixel patches merged 2x2. Seed 2 by default: at
+    seeds 0, 1 and 3 this two-layer model's greedy continuations do not depend on the image, which
+    test_vision's generation test needs them to."""
+    return _tiny_qwen3_5(seed, moe=False)
+
+
+def tiny_qwen3_5_moe(seed: int = 0):
+    """(model, processor): Qwen3.5-MoE, the same with routed and shared experts."""
+    return _tiny_qwen3_5(seed, moe=True)
+
+
+def tiny_gemma4(seed: int = 0):
+    """(model, processor): Gemma 4 with 4-pixel patches pooled 3x3 (the image processor's fewest
+    soft tokens, 70, bound its resize), per-layer input embeddings, no audio tower (its processor
+    still has the audio feature extractor and tokens)."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+
+    from rloo.vision import images_only
+
+    names = {
+        "boi_token": "<start_of_image>",
+        "image_token": "<|image|>",
+        "eoi_token": "<end_of_image>",
+        "boa_token": "<start_of_audio>",
+        "audio_token": "<|audio|>",
+        "eoa_token": "<end_of_audio>",
+    }
+    tokenizer = _tokenizer(list(names.values()), "<|image|>", names)
+    ids = tokenizer.convert_tokens_to_ids
+    text = _text(len(tokenizer))
+    text.update(
+        head_dim=8,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        vocab_size_per_layer_input=len(tokenizer),
+        hidden_size_per_layer_input=8,
+    )
+    config = Gemma4Config(
+        text_config=text,
+        vision_config=dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            patch_size=4,
+            pooling_kernel_size=3,
+            position_embedding_size=256,
+        ),
+        audio_config=None,
+        boi_token_id=ids("<start_of_image>"),
+        eoi_token_id=ids("<end_of_image>"),
+        image_token_id=ids("<|image|>"),
+        video_token_id=None,
+        audio_token_id=None,
+        boa_token_id=None,
+        eoa_token_index=None,
+    )
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(config)
+    processor = images_only(Gemma4Processor)(
+        feature_extractor=Gemma4AudioFeatureExtractor(),
+        image_processor=Gemma4ImageProcessorPil(
+            patch_size=4, max_soft_tokens=70, pooling_kernel_size=3
+        ),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+        image_seq_length=70,
+    )
+    return _finish(model, tokenizer), processor
+
+
 FAMILIES = {
     "qwen2_vl": tiny_qwen2_vl,
     "qwen2_5_vl": tiny_qwen2_5_vl,
     "gemma3": tiny_gemma3,
     "llava_next": tiny_llava_next,
     "idefics3": tiny_idefics3,
+    "qwen3_5": tiny_qwen3_5,
+    "qwen3_5_moe": tiny_qwen3_5_moe,
+    "gemma4": tiny_gemma4,
 }
 
 
