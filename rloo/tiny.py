@@ -146,19 +146,50 @@ def tiny_text_config(vocab_size: int) -> dict:
     )
 
 
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+
+
+def qwen_vl_tokenizer():
+    """The tiny tokenizer with Qwen-VL's image tokens; an image is written as Qwen's chat template
+    writes it."""
+    return tiny_tokenizer(QWEN_VL_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def qwen_vl_token_ids(tokenizer) -> dict:
+    """A Qwen-VL config's image-token fields for `qwen_vl_tokenizer()`."""
+    ids = tokenizer.convert_tokens_to_ids
+    return dict(
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+    )
+
+
+def qwen_vl_processor(processor_class: type, tokenizer):
+    """`processor_class` (Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's) for images only, with the PIL
+    image processor: 4-pixel patches merged 2x2, images of 16x16 to 32x32 pixels."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
+        patch_size=4,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+    return images_only(processor_class)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+    )
+
+
 def tiny_vision_model(seed: int = 0):
     """(model, processor): a tiny random Qwen2-VL (M-RoPE, 4-pixel patches merged 2x2, images of
     16x16 to 32x32 pixels), the pipeline's `tiny-vlm` alias. Its processor is built for images
     only (rloo.vision.images_only): transformers' video processors need torchvision."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 
-    tokenizer = tiny_tokenizer(
-        ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"),
-        "<|vision_start|><|image_pad|><|vision_end|>",
-    )
-    ids = tokenizer.convert_tokens_to_ids
+    tokenizer = qwen_vl_tokenizer()
     text = tiny_text_config(len(tokenizer))
     text["rope_parameters"] = {
         "rope_type": "default",
@@ -177,10 +208,7 @@ def tiny_vision_model(seed: int = 0):
             temporal_patch_size=2,
             mlp_ratio=2,
         ),
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
+        **qwen_vl_token_ids(tokenizer),
         eos_token_id=2,
         pad_token_id=2,
         bos_token_id=None,
@@ -190,13 +218,4 @@ def tiny_vision_model(seed: int = 0):
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None
-    image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
-        patch_size=4,
-        merge_size=2,
-        temporal_patch_size=2,
-    )
-    processor = images_only(Qwen2VLProcessor)(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
-    )
-    return model, processor
+    return model, qwen_vl_processor(Qwen2VLProcessor, tokenizer)

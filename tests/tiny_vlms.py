@@ -22,7 +22,27 @@ import numpy as np
 import torch
 from PIL import Image
 
-from rloo.tiny import tiny_text_config, tiny_tokenizer, tiny_vision_model
+from rloo.tiny import (
+    qwen_vl_processor,
+    qwen_vl_token_ids,
+    qwen_vl_tokenizer,
+    tiny_text_config,
+    tiny_tokenizer,
+    tiny_vision_model,
+)
+
+
+# the vision towers of the Qwen families after Qwen2-VL: two blocks, 4-pixel patches merged 2x2
+QWEN_VISION = dict(
+    depth=2,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=32,
+)
 
 
 def _tokenizer(
@@ -141,15 +161,8 @@ def tiny_qwen2_5_vl(seed: int = 0):
     first vision block and full attention in its second."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from rloo.vision import images_only
-
-    tokenizer = _tokenizer(
-        ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
-        "<|vision_start|><|image_pad|><|vision_end|>",
-    )
-    ids = tokenizer.convert_tokens_to_ids
+    tokenizer = qwen_vl_tokenizer()
     text = _text(len(tokenizer))
     text["rope_parameters"] = {
         "rope_type": "default",
@@ -158,38 +171,15 @@ def tiny_qwen2_5_vl(seed: int = 0):
     }
     config = Qwen2_5_VLConfig(
         text_config=text,
-        vision_config=dict(
-            depth=2,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=16,
-            out_hidden_size=32,
-            fullatt_block_indexes=[1],
-        ),
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
+        vision_config=dict(QWEN_VISION, window_size=16, fullatt_block_indexes=[1]),
+        **qwen_vl_token_ids(tokenizer),
         eos_token_id=2,
         pad_token_id=2,
         bos_token_id=None,
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
-    image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
-        patch_size=4,
-        merge_size=2,
-        temporal_patch_size=2,
-    )
-    processor = images_only(Qwen2_5_VLProcessor)(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
-    )
-    return _finish(model, tokenizer), processor
+    return _finish(model, tokenizer), qwen_vl_processor(Qwen2_5_VLProcessor, tokenizer)
 
 
 def tiny_idefics3(seed: int = 0):
@@ -234,16 +224,9 @@ def _tiny_qwen3_5(seed: int, moe: bool):
     """Qwen3.5's VLM: a hybrid text model (Gated DeltaNet linear attention, then full attention)
     behind a Qwen3-VL-style vision tower, with Qwen3-VL's processor."""
     import transformers as tf
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
-    from rloo.vision import images_only
-
-    tokenizer = _tokenizer(
-        ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
-        "<|vision_start|><|image_pad|><|vision_end|>",
-    )
-    ids = tokenizer.convert_tokens_to_ids
+    tokenizer = qwen_vl_tokenizer()
     text = _text(len(tokenizer))
     text.update(
         head_dim=8,
@@ -267,17 +250,6 @@ def _tiny_qwen3_5(seed: int, moe: bool):
             moe_intermediate_size=16,
             shared_expert_intermediate_size=16,
         )
-    vision = dict(
-        depth=2,
-        hidden_size=16,
-        intermediate_size=32,
-        num_heads=2,
-        patch_size=4,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        out_hidden_size=32,
-        num_position_embeddings=64,
-    )
     config_class, model_class = (
         (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration)
         if moe
@@ -285,24 +257,12 @@ def _tiny_qwen3_5(seed: int, moe: bool):
     )
     config = config_class(
         text_config=text,
-        vision_config=vision,
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
+        vision_config=dict(QWEN_VISION, num_position_embeddings=64),
+        **qwen_vl_token_ids(tokenizer),
     )
     torch.manual_seed(seed)
     model = model_class(config)
-    image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
-        patch_size=4,
-        merge_size=2,
-        temporal_patch_size=2,
-    )
-    processor = images_only(Qwen3VLProcessor)(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
-    )
-    return _finish(model, tokenizer), processor
+    return _finish(model, tokenizer), qwen_vl_processor(Qwen3VLProcessor, tokenizer)
 
 
 def tiny_qwen3_5(seed: int = 2):
