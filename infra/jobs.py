@@ -8,8 +8,6 @@ import dataclasses
 import glob
 import os
 
-from rloo.watchdog import REPORTS
-
 
 class TrainingFailed(RuntimeError):
     pass
@@ -24,6 +22,9 @@ def stall_cause(output_dir: str, since: float) -> str | None:
     """The first line of each stall report (rloo.watchdog.REPORTS: one per process that found its
     step stalled, on any node) written after `since` (epoch seconds), the first written first,
     each with its path; else None."""
+    # Imported here: rloo.watchdog is a TrainerCallback (torch, transformers), and a job's own
+    # process imports this module to run torchrun, nothing of the trainer.
+    from rloo.watchdog import REPORTS
 
     reports = sorted(
         (os.path.getmtime(path), path)

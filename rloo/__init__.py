@@ -4,8 +4,19 @@ from rloo.versions import check_installed
 
 check_installed()
 
-from rloo.config import RLOOConfig  # noqa: E402 (after the versions are known good)
-from rloo.trainer import RLOOTrainer  # noqa: E402
-
 __all__ = ["RLOOConfig", "RLOOTrainer"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """RLOOConfig and RLOOTrainer on first use (`from rloo import RLOOTrainer` as in TRL): importing
+    a submodule (rloo.watchdog, rloo.tiny) does not pay for torch, transformers and peft."""
+    if name == "RLOOConfig":
+        from rloo.config import RLOOConfig
+
+        return RLOOConfig
+    if name == "RLOOTrainer":
+        from rloo.trainer import RLOOTrainer
+
+        return RLOOTrainer
+    raise AttributeError(f"module 'rloo' has no attribute {name!r}")

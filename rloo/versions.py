@@ -7,11 +7,12 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
-import transformers
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-TRANSFORMERS = Version(transformers.__version__)
+# From the installed package's metadata, not `import transformers`: `import rloo` (this check) stays
+# cheap for the processes that use none of the trainer (a job's launcher, the pipeline's CLI).
+TRANSFORMERS = Version(importlib.metadata.version("transformers"))
 # transformers 4.x: the releases TRL 1.16 still supports (>= 4.56.2)
 TRANSFORMERS_4 = TRANSFORMERS.major < 5
 

@@ -152,7 +152,27 @@ DEFERRED_IMPORTS = {
     "command line answer without loading torch, Prefect or MLflow",
     "rloo/generation/vllm_colocate.py": "rloo_vllm runs inside vLLM's engine and imports vLLM, an "
     "optional extra",
+    "rloo/__init__.py": "RLOOConfig and RLOOTrainer load on first use, as in TRL's package: a "
+    "process that needs one light module (a job's launcher) does not load torch and transformers",
+    "infra/jobs.py": "each job's launcher process imports it to start torchrun; the watchdog's "
+    "report names come with the trainer's imports, only where a stall is looked for",
 }
+
+
+def test_a_jobs_launcher_and_the_package_load_neither_torch_nor_transformers():
+    """Every local job and every SLURM node task starts a launcher process that unpickles
+    infra.launch's TrainJob: seconds of imports per job if it pulled the trainer in."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, rloo, infra.launch, infra.slurm; "
+        "print(sorted({'torch', 'transformers', 'peft'} & set(sys.modules)))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert loaded.stdout.strip() == "[]"
 
 
 def test_a_function_imports_the_projects_modules_only_where_a_reason_is_written():
