@@ -20,3 +20,7 @@ def __getattr__(name: str):
 
         return RLOOTrainer
     raise AttributeError(f"module 'rloo' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
