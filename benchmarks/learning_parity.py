@@ -53,7 +53,7 @@ def pipeline_settings(path: str, mode: str, seed: int, steps: int, run_root: str
     return [part for assignment in assignments for part in ("--set", assignment)]
 
 
-def run_one(path: str, mode: str, seed: int, steps: int) -> dict:
+def run_one(path: str, mode: str, seed: int, steps: int, keep: bool = False) -> dict:
     """One pipeline run against a fresh server; its training curve and evaluation."""
     from infra.launch import stop_process_groups
     from rloo.assets import smollm2_path
@@ -112,7 +112,10 @@ def run_one(path: str, mode: str, seed: int, steps: int) -> dict:
         "importance_weight_mean": [round(log[RATIO], 4) for log in logs if RATIO in log],
         "limited_frac": [round(log[LIMITED], 4) for log in logs if LIMITED in log],
     }
-    shutil.rmtree(work, ignore_errors=True)
+    if keep:  # the run directory (metrics.jsonl, completions) to look into
+        print(f"kept: {run_dir}", flush=True)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return result
 
 
@@ -130,7 +133,7 @@ def report(results: str) -> None:
         raise SystemExit(f"no results under {results}: run the grid first")
     print(
         "| path | mode | seeds | held-out accuracy | rephrased accuracy "
-        "| reward, last 20 steps | steps/s |"
+        "| reward, last 20 steps | steps/s, by seed |"
     )
     print("|---|---|---|---|---|---|---|")
     for (path, mode), runs in sorted(
@@ -141,7 +144,8 @@ def report(results: str) -> None:
             f"| {spread([r['held_out']['trained'] for r in runs])} "
             f"| {spread([r['rephrased']['trained'] for r in runs])} "
             f"| {spread([statistics.mean(r['rewards'][-20:]) for r in runs])} "
-            f"| {statistics.mean(r['steps_per_s'] for r in runs):.4f} |"
+            # by seed, not averaged: a run that shared the machine with other work is slower
+            f"| {', '.join(format(r['steps_per_s'], '.4f') for r in runs)} |"
         )
     base = next(iter(found.values()))[0]
     print(
@@ -200,6 +204,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--results", default=RESULTS, help="where each run's JSON file goes")
+    parser.add_argument("--keep", action="store_true", help="keep each run's directory")
     parser.add_argument("--report", action="store_true", help="the table and plot, no training")
     options = parser.parse_args()
     if options.report:
@@ -212,7 +217,7 @@ def main() -> None:
                 target = os.path.join(options.results, f"{path}-{mode}-{seed}.json")
                 if os.path.exists(target):
                     continue
-                result = run_one(path, mode, seed, options.steps)
+                result = run_one(path, mode, seed, options.steps, options.keep)
                 with open(target, "w") as handle:
                     json.dump(result, handle)
                 print(
