@@ -8,8 +8,8 @@ the pipeline to core 1, as in benchmarks/async_generation.py, so steps/s are com
 
 Each run writes one JSON file under docs/parity/ (path-mode-seed.json) and is skipped when its
 file exists, so the grid can be filled over several sittings; `--report` prints the table for
-docs/performance.md from those files and draws docs/parity/reward_curves.png (reward curves, mean and range
-over seeds).
+docs/performance.md from those files and draws docs/parity/reward_curves.png (reward and training
+accuracy, each seed and their mean). --keep keeps each run's directory to look into.
 
     .venv/bin/python benchmarks/learning_parity.py [--paths default,merged] [--modes sync,async]
         [--seeds 0,1,2] [--steps 60]       # ~30 min per merged seed, ~70 min per default seed
@@ -162,36 +162,40 @@ def draw(found: dict[tuple[str, str], list[dict]], target: str) -> None:
     import matplotlib.pyplot as plt
 
     paths = sorted({path for path, _ in found})
-    figure, axes = plt.subplots(1, len(paths), figsize=(6 * len(paths), 3.5), squeeze=False)
-    for axis, path in zip(axes[0], paths):
-        for mode, colour in (("sync", "tab:blue"), ("async", "tab:orange")):
-            runs = found.get((path, mode))
-            if not runs:
-                continue
-            length = min(len(r["rewards"]) for r in runs)
-            # a 10-step moving mean of each run's reward, then the mean and range over seeds
-            smooth = [
-                [statistics.mean(r["rewards"][max(0, i - 9) : i + 1]) for i in range(length)]
-                for r in runs
-            ]
-            steps = range(1, length + 1)
-            axis.plot(
-                steps,
-                [statistics.mean(c) for c in zip(*smooth)],
-                color=colour,
-                label=f"{mode} ({len(runs)} seed{'s' if len(runs) > 1 else ''})",
-            )
-            axis.fill_between(
-                steps,
-                [min(c) for c in zip(*smooth)],
-                [max(c) for c in zip(*smooth)],
-                color=colour,
-                alpha=0.2,
-            )
-        axis.set_title(f"{path} path")
-        axis.set_xlabel("step")
-        axis.set_ylabel("reward (10-step mean)")
-        axis.legend()
+    rows = (("rewards", "reward"), ("accuracy", "training accuracy"))
+    figure, axes = plt.subplots(
+        len(rows), len(paths), figsize=(6 * len(paths), 6), squeeze=False, sharex=True
+    )
+    for column, path in enumerate(paths):
+        for row, (key, label) in enumerate(rows):
+            axis = axes[row][column]
+            for mode, colour in (("sync", "tab:blue"), ("async", "tab:orange")):
+                runs = found.get((path, mode))
+                if not runs:
+                    continue
+                length = min(len(r[key]) for r in runs)
+                steps = range(1, length + 1)
+                # each seed's 10-step moving mean (thin), and their mean (thick): a run that
+                # collapses shows as itself, not as a wider band
+                smooth = [
+                    [statistics.mean(r[key][max(0, i - 9) : i + 1]) for i in range(length)]
+                    for r in runs
+                ]
+                for curve in smooth:
+                    axis.plot(steps, curve, color=colour, linewidth=0.8, alpha=0.5)
+                axis.plot(
+                    steps,
+                    [statistics.mean(c) for c in zip(*smooth)],
+                    color=colour,
+                    linewidth=2,
+                    label=f"{mode} (seeds {', '.join(str(r['seed']) for r in runs)})",
+                )
+            axis.set_ylabel(f"{label} (10-step mean)")
+            if row == 0:
+                axis.set_title(f"{path} path")
+                axis.legend()
+            if row == len(rows) - 1:
+                axis.set_xlabel("step")
     figure.tight_layout()
     figure.savefig(target, dpi=100)
     print(f"plot: {os.path.relpath(target, ROOT)}")
