@@ -12,7 +12,7 @@ docs/performance.md from those files and draws docs/parity/reward_curves.png (re
 accuracy, each seed and their mean). --keep keeps each run's directory to look into.
 
     .venv/bin/python benchmarks/learning_parity.py [--paths default,merged] [--modes sync,async]
-        [--seeds 0,1,2] [--steps 60]       # ~30 min per merged seed, ~70 min per default seed
+        [--seeds 0,1,2] [--steps 60] [--keep]   # ~55 min per merged seed, ~2 h per default seed
     .venv/bin/python benchmarks/learning_parity.py --report
 """
 
