@@ -23,6 +23,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -76,8 +77,17 @@ def run_one(path: str, mode: str, seed: int, steps: int, keep: bool = False) -> 
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         with open(os.path.join(work, "pipeline.log"), "w") as log:
-            finished = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=log)
-        if finished.returncode != 0:
+            pipeline = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True
+            )
+        try:
+            returncode = pipeline.wait()
+        finally:
+            if pipeline.poll() is None:  # interrupted: the pipeline, then its job (its own session)
+                stop_process_groups([pipeline])
+                cancel_job(os.path.join(work, "runs"))
+                print(f"stopped; what it wrote is in {work}", flush=True)
+        if returncode != 0:
             raise SystemExit(f"{path}/{mode}/seed {seed} failed: see {work}/pipeline.log")
     finally:
         stop_process_groups([server])
@@ -117,6 +127,17 @@ def run_one(path: str, mode: str, seed: int, steps: int, keep: bool = False) -> 
     else:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def cancel_job(run_root: str) -> None:
+    """Cancel the training job of the run under run_root, if it started one: a job outlives the
+    pipeline that started it (so that a pipeline can reattach), and here nothing will."""
+    from infra.jobs import JobHandle
+    from infra.launch import cancel
+
+    for record in glob.glob(os.path.join(run_root, "*", "train", "job.json")):
+        with open(record) as handle:
+            cancel(JobHandle.from_dict(json.load(handle)["handle"]))
 
 
 def spread(values: list[float]) -> str:
@@ -211,6 +232,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep each run's directory")
     parser.add_argument("--report", action="store_true", help="the table and plot, no training")
     options = parser.parse_args()
+    # `kill` (SIGTERM) as Ctrl-C: the run's server, pipeline and job are stopped on the way out
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if options.report:
         report(options.results)
         return
