@@ -87,8 +87,8 @@ def child(stage: str, case: str) -> dict:
     import bench_vs_trl
     import rloo.engine as engine
     import rloo.engine.decode as decode
-    import rloo.engine.packing as packing
     import rloo.engine.lean as lean
+    import rloo.engine.packing as packing
     import rloo.engine.prefill as prefill
     import rloo.engine.shared_prompts as shared_prompts
     import rloo.trainer as trainer

@@ -139,12 +139,12 @@ def train(
 
 
 def main() -> None:
+    import argparse
     import tempfile
 
+    from infra.launch import stop_process_groups
     from rloo.assets import smollm2_path
     from rloo.generation.vllm_client import VLLMServerClient
-    from infra.launch import stop_process_groups
-    import argparse
 
     parser = argparse.ArgumentParser()
     parser.add_argument("steps", type=int, nargs="?", default=16)

@@ -23,10 +23,10 @@ def child(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rloo.engine import heap, prompt_layers, tied
     from rloo.assets import smollm2_path
-    from rloo.logps import per_token_logps
+    from rloo.engine import heap, prompt_layers, tied
     from rloo.engine.recompute import recomputed_activations
+    from rloo.logps import per_token_logps
 
     heap.keep_freed_memory()  # as the trainer does
     if not layered:

@@ -63,8 +63,8 @@ def _run_checked(
     options, config, config_path: str, assignments: list[str], api: EphemeralApi
 ) -> int:
     from flows import console
-    from infra.stages import check_config
     from infra.checkpoints import best
+    from infra.stages import check_config
     from infra.tracking import check_reachable, experiment_id, models_link
 
     check_config(config, read_rows=False)  # the rows: in the dataset stage, which reads them anyway
@@ -690,9 +690,9 @@ def main(argv: list[str] | None = None) -> int:
         "promote": cmd_promote,
         "sweep": cmd_sweep,
     }
+    from infra.jobs import TrainingFailed
     from infra.runconfig import ConfigError
     from infra.tracking import TrackingUnavailable
-    from infra.jobs import TrainingFailed
     from infra.writer import RunDirBusy
 
     try:

@@ -17,8 +17,8 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from infra import stages, tracking
-from infra.writer import sole_writer
 from infra.runconfig import RunSettings, load_run_config, resolved_dict, shipped_recipes
+from infra.writer import sole_writer
 from tasks.dataset import dataset_task
 from tasks.evaluate import evaluate_task
 from tasks.model import model_task

@@ -335,8 +335,8 @@ def with_image_files(dataset: Any, base_dir: str) -> Any:
     """A data file's `image` / `images` columns of file paths (relative to the file's folder) or of
     encoded bytes (Parquet) as datasets.Image features, so that rows hold PIL images as with a Hub
     dataset. A path that is no file is an error naming its row (a stream's: when it is read)."""
-    from datasets import List
     from datasets import Image as ImageFeature
+    from datasets import List
 
     features = getattr(dataset, "features", None) or {}
     for column, nested in (("image", False), ("images", True)):

@@ -10,7 +10,6 @@ import torch
 
 from rloo.algorithm import nanstd
 
-
 REDUCERS = {"mean": lambda values: sum(values) / len(values), "max": max, "min": min}
 
 

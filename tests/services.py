@@ -10,7 +10,6 @@ import tempfile
 import time
 import urllib.request
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 

@@ -377,9 +377,10 @@ MODEL_STAGE = [
 def test_the_model_stage_refuses_what_needs_the_tokenizer_before_any_weight_loads(
     case, rows, tmp_path, monkeypatch
 ):
+    from transformers import AutoTokenizer
+
     from infra import stages
     from infra.runconfig import load_run_config
-    from transformers import AutoTokenizer
     from rloo.assets import resolve_model_alias
 
     _, tokenizer_dir = resolve_model_alias("tiny", os.path.join(rows, "assets"))

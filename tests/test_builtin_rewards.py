@@ -5,6 +5,7 @@ import sys
 import pytest
 from datasets import Dataset
 
+from helpers import make_args
 from rloo import RLOOTrainer
 from rloo.rewards import (
     accuracy_reward,
@@ -14,8 +15,6 @@ from rloo.rewards import (
     reasoning_accuracy_reward,
     think_format_reward,
 )
-
-from helpers import make_args
 
 
 def chat(text):

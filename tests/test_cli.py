@@ -12,9 +12,8 @@ import yaml
 from rloo import RLOOConfig
 from rloo.cli import main, parse_arguments, resolve_callable, resolve_reward
 from rloo.rewards import accuracy_reward
-from tiny_models import save_tiny
-
 from services import free_port
+from tiny_models import save_tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -6,9 +6,8 @@ import os
 
 import pytest
 
-from rloo import RLOOTrainer
-
 from helpers import conversational, length_reward, make_args
+from rloo import RLOOTrainer
 
 
 def reward_with_extras(completion_ids, tag, log_extra, log_metric, **kwargs):

@@ -3,9 +3,6 @@
 import pytest
 import torch
 
-from rloo import RLOOTrainer
-from rloo.generation import ContinuousBatchingGenerator, TransformersGenerator
-
 from helpers import (
     assert_step_timing,
     conversational,
@@ -14,6 +11,8 @@ from helpers import (
     make_args,
     position_reward,
 )
+from rloo import RLOOTrainer
+from rloo.generation import ContinuousBatchingGenerator, TransformersGenerator
 
 
 def test_greedy_continuous_batching_equals_generate(tmp_path, tokenizer, model):

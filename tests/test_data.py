@@ -4,10 +4,9 @@ import pytest
 import torch
 from datasets import DatasetDict, IterableDataset
 
+from helpers import conversational, length_reward, logged, make_args, position_reward, standard
 from rloo import RLOOTrainer
 from rloo.sampling import repeat_iterable
-
-from helpers import conversational, length_reward, logged, make_args, position_reward, standard
 
 
 def evaluate_with(tmp_path, tokenizer, model, eval_dataset, **kwargs):

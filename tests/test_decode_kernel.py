@@ -10,12 +10,11 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
-from rloo.generation import LeanGenerator, TransformersGenerator
-from rloo.engine import kernel, packing
-from rloo.engine.packing import kernels
-from rloo.engine.lean import Draws, MinNewTokens, sample_from
-
 from helpers import PROMPTS, config, kernel_targets, small_llama, with_lora
+from rloo.engine import kernel, packing
+from rloo.engine.lean import Draws, MinNewTokens, sample_from
+from rloo.engine.packing import kernels
+from rloo.generation import LeanGenerator, TransformersGenerator
 
 _TARGETS = kernel_targets()
 

@@ -7,12 +7,11 @@ import functools
 import pytest
 import torch
 
-from rloo.generation import LeanGenerator, TransformersGenerator
+from helpers import DEVICES, PROMPTS, config, with_lora
 from rloo.engine import kernel, packing
 from rloo.engine.packing import kernels
+from rloo.generation import LeanGenerator, TransformersGenerator
 from tiny_models import tiny_causal_lm
-
-from helpers import DEVICES, PROMPTS, config, with_lora
 
 
 def _variant(tokenizer, kind):
@@ -315,7 +314,6 @@ def test_trainer_evaluation_packs_once_and_training_on_every_call(
     """RLOOTrainer.evaluate generates every batch inside reusing_weights (one packed copy for all of them);
     training packs on each call and keeps nothing through its backward."""
     from helpers import conversational, length_reward, make_args
-
     from rloo import RLOOTrainer
 
     built = _counting_builds(monkeypatch)

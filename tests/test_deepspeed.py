@@ -13,11 +13,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from rloo import RLOOConfig
-from tiny_models import save_tiny, tiny_causal_lm, tiny_tokenizer
-from rloo.zero import frozen_engine_config
 from helpers import printed_logs
+from rloo import RLOOConfig
+from rloo.zero import frozen_engine_config
 from services import free_port
+from tiny_models import save_tiny, tiny_causal_lm, tiny_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))

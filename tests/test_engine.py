@@ -9,11 +9,10 @@ import types
 import pytest
 import torch
 
+from helpers import conversational, make_args, position_reward
 from rloo import RLOOTrainer, engine
 from rloo.engine import registry
 from rloo.generation import LeanGenerator, TransformersGenerator
-
-from helpers import conversational, make_args, position_reward
 from tiny_models import tiny_reward_model
 
 

@@ -7,10 +7,9 @@ import os
 import pytest
 import torch
 
+from helpers import conversational, length_reward, make_args
 from rloo import RLOOTrainer
 from rloo.hub import LocalPublisher, get_publisher, render_model_card, set_publisher
-
-from helpers import conversational, length_reward, make_args
 
 TOKEN = "hf_SECRETtoken1234567890"
 

@@ -8,9 +8,8 @@ import logging
 
 import pytest
 
-from rloo.engine import binding, kernel
-
 from helpers import config, small_llama
+from rloo.engine import binding, kernel
 
 
 def _library():

@@ -16,11 +16,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rloo.generation import LeanGenerator, TransformersGenerator, in_process_generator
-from rloo.engine.lean import Draws, MinNewTokens, sample_from
-from tiny_models import tiny_causal_lm
-
 from helpers import DEVICES, PROMPTS, config, with_lora
+from rloo.engine.lean import Draws, MinNewTokens, sample_from
+from rloo.generation import LeanGenerator, TransformersGenerator, in_process_generator
+from tiny_models import tiny_causal_lm
 
 
 @pytest.mark.parametrize(
@@ -267,8 +266,8 @@ def test_a_customised_generate_is_the_one_generation_goes_through(
     from datasets import Dataset
     from transformers.generation.utils import GenerationMixin
 
-    from rloo import RLOOTrainer
     from helpers import make_args
+    from rloo import RLOOTrainer
 
     eos = [tokenizer.eos_token_id]
 

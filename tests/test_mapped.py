@@ -5,12 +5,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from helpers import conversational, make_args, position_reward
 from rloo import RLOOTrainer
 from rloo.engine import mapped
 from rloo.models import create_reference_model
 from rloo.tiny import tiny_config
-
-from helpers import conversational, make_args, position_reward
 
 needs_a_disk = pytest.mark.skipif(
     mapped.disk_directory(64 << 20) is None,

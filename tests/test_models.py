@@ -7,10 +7,6 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from rloo import RLOOTrainer
-from rloo.versions import TRANSFORMERS_4
-from tiny_models import save_remote_code_model, save_tiny, tiny_causal_lm, tiny_moe_causal_lm
-
 from helpers import (
     assert_same_update,
     conversational,
@@ -20,6 +16,9 @@ from helpers import (
     position_reward,
     with_lora,
 )
+from rloo import RLOOTrainer
+from rloo.versions import TRANSFORMERS_4
+from tiny_models import save_remote_code_model, save_tiny, tiny_causal_lm, tiny_moe_causal_lm
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 

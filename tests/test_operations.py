@@ -270,8 +270,8 @@ def test_gate_failure_registers_the_candidate_and_publishes_nothing(
 def test_rejection_leaves_the_champion_alone(runs, environment, mlflow_server, hub):
     root, (key, _) = runs
     process, waiting = start_waiting_promotion(environment, root, key)
-    from prefect.input.run_input import keyset_from_paused_state
     from prefect.input import read_flow_run_input
+    from prefect.input.run_input import keyset_from_paused_state
 
     keys = keyset_from_paused_state(waiting.state)
     schema = read_flow_run_input(keys["schema"], flow_run_id=waiting.id)

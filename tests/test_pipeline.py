@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from rloo.checkpoint import latest_checkpoint
+from helpers import TIMING_KEYS, assert_step_timing
 from infra import job_tracking, stages, tracking
 from infra.launch import JobHandle, TrainingFailed, cancel, job_state
 from infra.runconfig import load_run_config
-from helpers import TIMING_KEYS, assert_step_timing
+from rloo.checkpoint import latest_checkpoint
 from services import MlflowServer
 
 pytestmark = pytest.mark.slow
@@ -459,6 +459,7 @@ def test_the_training_step_does_not_wait_for_mlflow(tmp_path, monkeypatch):
     """on_log queues and returns while the upload is still in flight (here: held until on_log has returned), and
     the sender delivers it after, in order with the items queued meanwhile."""
     import threading
+
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     for key, value in job_tracking.tracking_environment(

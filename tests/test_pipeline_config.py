@@ -381,8 +381,8 @@ def test_evaluation_packs_the_decode_step_once_per_policy(tmp_path, tokenizer, m
     from transformers import GenerationConfig, TrainerState
 
     from infra.evaluation import _score
-    from rloo.generation import LeanGenerator
     from rloo.engine import lean
+    from rloo.generation import LeanGenerator
     from rloo.rewards import RewardRunner
     from tiny_models import tiny_causal_lm
 

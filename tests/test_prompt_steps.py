@@ -7,9 +7,8 @@ import shutil
 import pytest
 import torch
 
-from rloo.engine import kernel, packing
-
 from helpers import kernel_targets, small_llama, with_lora
+from rloo.engine import kernel, packing
 
 _TARGETS = kernel_targets()
 
@@ -89,9 +88,9 @@ def test_prompts_through_the_c_step_fill_the_decoders_buffers_as_the_models_forw
     from transformers import DynamicCache, GenerationConfig
 
     from rloo.data import pad_rows
-    from rloo.generation import LeanGenerator, TransformersGenerator
     from rloo.engine import prompt_steps as module
     from rloo.engine.decode import lean_decoder
+    from rloo.generation import LeanGenerator, TransformersGenerator
     from rloo.kv import cache_argument
 
     library = kernel.compiled(target)

@@ -8,12 +8,11 @@ import weakref
 import pytest
 import torch
 
+from helpers import conversational, make_args, position_reward, with_lora
 from rloo import RLOOTrainer
 from rloo.engine import recompute
 from rloo.logps import per_token_logps
 from tiny_models import tiny_causal_lm
-
-from helpers import conversational, make_args, position_reward, with_lora
 
 
 def _model(tokenizer, kind):
@@ -86,6 +85,7 @@ def test_recomputable_activations_are_not_kept_for_the_backward(tokenizer, monke
     hooks the graph keeps them. A module whose forward is not Llama's is left alone, and so is a model under ZeRO-3."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
     from rloo.engine.registry import registry
 
     kinds = [registry().get(cls) for cls in (LlamaRMSNorm, LlamaMLP, GemmaRMSNorm)]

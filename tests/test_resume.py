@@ -5,13 +5,11 @@ import re
 
 import pytest
 import torch
-
 from transformers import TrainerCallback
 
+from helpers import conversational, length_reward, make_args
 from rloo import RLOOTrainer
 from tiny_models import tiny_causal_lm
-
-from helpers import conversational, length_reward, make_args
 
 # generation_batch_size 16 with per_device_train_batch_size 4 -> steps_per_generation 4 over GA 2: a checkpoint
 # after optimizer step 1 (micro-step 2) falls in the middle of a generation buffer, off-policy slices pending.

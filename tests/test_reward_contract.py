@@ -12,16 +12,14 @@ import threading
 import time
 
 import numpy as np
-import torch
-
 import pytest
+import torch
 from datasets import Dataset
 from transformers import TrainerState
 
+from helpers import conversational, make_args
 from rloo import RLOOTrainer
 from rloo.rewards.runner import RewardFunctionError, RewardRunner, RewardTimeoutError
-
-from helpers import conversational, make_args
 
 
 def build(tmp_path, model, tokenizer, reward_funcs, dataset=None, **kwargs):

@@ -7,10 +7,9 @@ import math
 import pytest
 import torch
 
+from helpers import conversational, length_reward, logged, make_args
 from rloo import RLOOTrainer
 from tiny_models import tiny_reward_model
-
-from helpers import conversational, length_reward, logged, make_args
 
 
 def const_one(completions, **kwargs):

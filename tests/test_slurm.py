@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from rloo.checkpoint import latest_checkpoint
 from infra import stages
 from infra.launch import JobHandle, TrainingFailed, cancel, job_state
 from infra.runconfig import load_run_config
 from infra.slurm import default_constraint, executor_parameters, role_of
+from rloo.checkpoint import latest_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -364,8 +364,8 @@ def test_four_trainer_nodes_and_a_real_vllm_server_on_node_five(cluster, tmp_pat
     log-probs."""
     import json
 
-    from tiny_models import save_servable, tiny_servable_causal_lm, tiny_tokenizer
     from services import VLLM_PYTHON, vllm_cpu_server_command
+    from tiny_models import save_servable, tiny_servable_causal_lm, tiny_tokenizer
 
     assert os.path.exists(VLLM_PYTHON), "run `bash scripts/setup.sh --with-vllm`"
     monkeypatch.setenv("PYTHONPATH", TESTS)

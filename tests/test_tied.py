@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from rloo.logps import per_token_logps
 from rloo.engine.tied import tied_rows
+from rloo.logps import per_token_logps
 from rloo.tiny import tiny_config
 
 VOCAB, HIDDEN = 1000, 32

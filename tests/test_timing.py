@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from rloo import timing
-
 from helpers import needs_cuda
+from rloo import timing
 
 
 @pytest.fixture

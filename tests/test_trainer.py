@@ -7,21 +7,20 @@ import time
 import pytest
 import torch
 
-from rloo import RLOOTrainer
-from rloo.versions import TRANSFORMERS_4
-from tiny_models import save_tiny, tiny_causal_lm, tiny_reward_model, tiny_tokenizer
-
 from helpers import (
     DEVICES,
     assert_same_update,
     assert_step_timing,
-    needs_cuda,
     conversational,
     length_reward,
     make_args,
+    needs_cuda,
     position_reward,
     standard,
 )
+from rloo import RLOOTrainer
+from rloo.versions import TRANSFORMERS_4
+from tiny_models import save_tiny, tiny_causal_lm, tiny_reward_model, tiny_tokenizer
 
 
 def test_learns_to_emit_a_token(tmp_path, tokenizer, model):

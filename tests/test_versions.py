@@ -9,10 +9,9 @@ import sys
 import pytest
 import transformers
 
+from helpers import conversational, length_reward, make_args
 from rloo import RLOOTrainer
 from rloo.versions import TRANSFORMERS_4, check_installed
-
-from helpers import conversational, length_reward, make_args
 
 
 def test_a_dependency_outside_its_range_is_refused_at_import_with_the_fix(tmp_path, monkeypatch):

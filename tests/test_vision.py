@@ -9,12 +9,12 @@ import logging
 import pytest
 import torch
 from datasets import Dataset
-from helpers import make_args
-from tiny_vlms import FAMILIES, random_image, save_vlm
 
+from helpers import make_args
 from rloo import RLOOTrainer
 from rloo.data import pad_rows
 from rloo.vision import collate_media, placeholder_token_ids, process_prompts
+from tiny_vlms import FAMILIES, random_image, save_vlm
 
 QUESTION = "what is two plus two ?"
 
@@ -612,9 +612,8 @@ def test_vllm_server_mode_trains_a_vlm_with_its_images(tmp_path):
     import subprocess
     import sys
 
-    from services import free_port
-
     from rloo.generation.vllm_client import VLLMServerClient, VLLMServerError
+    from services import free_port
 
     model, processor = FAMILIES["qwen2_vl"]()
     folder = save_vlm(str(tmp_path / "vlm"), model, processor)

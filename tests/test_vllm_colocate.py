@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from helpers import assert_step_timing, printed_logs
 from rloo import RLOOConfig
 from rloo.generation.vllm_colocate import (
     CPU_SHM_MARK,
@@ -22,9 +23,8 @@ from rloo.generation.vllm_colocate import (
     remove_stale_cpu_shm,
 )
 from rloo.generation.vllm_common import run_lengths
-from tiny_models import save_servable, tiny_servable_causal_lm, tiny_tokenizer
-from helpers import assert_step_timing, printed_logs
 from services import VLLM_PYTHON
+from tiny_models import save_servable, tiny_servable_causal_lm, tiny_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))

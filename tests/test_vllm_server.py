@@ -15,16 +15,16 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from rloo.checkpoint import is_complete as checkpoint_complete
+from helpers import assert_step_timing, printed_logs
 from rloo import RLOOConfig, RLOOTrainer
+from rloo.checkpoint import is_complete as checkpoint_complete
 from rloo.generation import vllm_server
-from rloo.generation.vllm_common import sampling_of
 from rloo.generation.vllm_client import VLLMServerClient, VLLMServerError
+from rloo.generation.vllm_common import sampling_of
 from rloo.generation.vllm_server import check_same_model
 from rloo.logps import per_token_logps
-from tiny_models import tiny_causal_lm, tiny_tokenizer
-from helpers import assert_step_timing, printed_logs
 from services import VLLM_PYTHON, free_port, start_vllm_cpu_server, stop_vllm_cpu_server
+from tiny_models import tiny_causal_lm, tiny_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -18,7 +18,6 @@ from rloo.tiny import (
     tiny_tokenizer,
 )
 
-
 # vLLM's CPU attention kernels need a head size of 32 or more; tied embeddings as in SmolLM2 (the case where a
 # served model's output layer can go stale after a weight update).
 SERVABLE_OVERRIDES = dict(

@@ -31,7 +31,6 @@ from rloo.tiny import (
     tiny_vision_model,
 )
 
-
 # the vision towers of the Qwen families after Qwen2-VL: two blocks, 4-pixel patches merged 2x2
 QWEN_VISION = dict(
     depth=2,

@@ -28,7 +28,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
-from transformers.generation.utils import GenerationMixin
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
@@ -38,6 +37,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.generation.utils import GenerationMixin
 
 from rloo.engine import kernel
 from rloo.engine.cuda_graph import Graphed

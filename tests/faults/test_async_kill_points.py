@@ -7,8 +7,8 @@ between two chunks of a weight push (the server is left receiving from a dead pe
 import os
 
 import pytest
-
 from harness import assert_same_as_reference, final_weights, reward_history, run, write_recipe
+
 from services import free_port, start_vllm_cpu_server, stop_vllm_cpu_server
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import re
 import subprocess
 
 import pytest
-
 from harness import assert_same_as_reference, run
+
 from rloo.checkpoint import CHECKPOINT, is_complete
 
 pytestmark = pytest.mark.slow

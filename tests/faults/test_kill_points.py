@@ -3,7 +3,6 @@ run, no step missing or doubled (tests/faults/harness.py). `python tests/faults/
 kill moments instead, for a long local run."""
 
 import pytest
-
 from harness import assert_same_as_reference, run
 
 pytestmark = pytest.mark.slow

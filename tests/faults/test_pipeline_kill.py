@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 import yaml
+from harness import ROOT, environment
 from safetensors.torch import load_file
 
-from harness import ROOT, environment
 from infra.runconfig import load_run_config
 from infra.tracking import client
 

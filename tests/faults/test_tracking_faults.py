@@ -10,8 +10,8 @@ import signal
 import time
 
 import pytest
-
 from harness import start, write_recipe
+
 from infra.job_tracking import (
     enqueue,
     flush_pending,
