@@ -256,4 +256,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)  # what was started is stopped: no traceback for a stop that was asked for
