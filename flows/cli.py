@@ -497,7 +497,7 @@ def cmd_ui(options) -> int:
         options.mlflow_db,
     )
     processes = serve.start_servers(
-        options.run_root, options.prefect_port, options.mlflow_port, env
+        options.run_root, options.prefect_port, options.mlflow_port, env, options.mlflow_workers
     )
     with serve.running(processes):
         print(
@@ -521,7 +521,7 @@ def cmd_serve(options) -> int:
         options.mlflow_db,
     )
     processes = serve.start_servers(
-        options.run_root, options.prefect_port, options.mlflow_port, env
+        options.run_root, options.prefect_port, options.mlflow_port, env, options.mlflow_workers
     )
     with serve.running(processes):
         from infra.jobs import wait_for_health
@@ -544,6 +544,12 @@ def cmd_serve(options) -> int:
         )
         serve.wait_any(processes)
     return 0
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 1 or more")
+    return int(text)
 
 
 def _if_running_option(command) -> None:
@@ -652,6 +658,12 @@ def parser() -> argparse.ArgumentParser:
         ui.add_argument("--prefect-port", type=int, default=4200)
         ui.add_argument("--mlflow-port", type=int, default=5000)
         ui.add_argument(
+            "--mlflow-workers",
+            type=_positive_int,
+            default=1,
+            help="the MLflow server's worker processes (default 1; raise it for many clients)",
+        )
+        ui.add_argument(
             "--prefect-db",
             metavar="URL",
             help="the Prefect server's database: postgresql://user@host:port/db "
@@ -714,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """The `rloo-pipeline` command: main(), then an exit that skips the native teardown (seconds
     after torch)."""
-    from rloo.cli import exit_without_native_teardown
+    from rloo.process import exit_without_native_teardown
 
     exit_without_native_teardown(main())
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from flows import prefect_api
 from infra import databases
 from infra.launch import stop_process_groups
 from infra.runconfig import REPOSITORY
@@ -56,11 +57,18 @@ def service_environment(
 
 
 def start_servers(
-    run_root: str, prefect_port: int, mlflow_port: int, env: dict[str, str]
+    run_root: str,
+    prefect_port: int,
+    mlflow_port: int,
+    env: dict[str, str],
+    mlflow_workers: int = 1,
 ) -> list[subprocess.Popen]:
     """The Prefect server and the MLflow server (with its UI), their output in `<run root>/.logs/`
     (the console stays readable)."""
-    return [start_prefect(run_root, prefect_port, env), start_mlflow(run_root, mlflow_port, env)]
+    return [
+        start_prefect(run_root, prefect_port, env),
+        start_mlflow(run_root, mlflow_port, env, mlflow_workers),
+    ]
 
 
 def _start(run_root: str, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -78,7 +86,14 @@ def _start(run_root: str, name: str, command: list[str], env: dict[str, str]) ->
 
 def start_prefect(run_root: str, port: int, env: dict[str, str]) -> subprocess.Popen:
     """Prefect's server on its database (PREFECT_SERVER_DATABASE_CONNECTION_URL, else its SQLite
-    file under PREFECT_HOME)."""
+    file under PREFECT_HOME). A new SQLite database starts as a copy of the template the embedded
+    API keeps (flows.prefect_api): migrating an empty one takes 10-20 s of CPU."""
+    configured = env.get("PREFECT_SERVER_DATABASE_CONNECTION_URL") or env.get(
+        "PREFECT_API_DATABASE_CONNECTION_URL"
+    )
+    database = os.path.join(env["PREFECT_HOME"], "prefect.db")
+    if not configured and not os.path.exists(database):
+        prefect_api.seed_database(database)
     return _start(
         run_root,
         "prefect-server",
@@ -87,9 +102,16 @@ def start_prefect(run_root: str, port: int, env: dict[str, str]) -> subprocess.P
     )
 
 
-def start_mlflow(run_root: str, port: int, env: dict[str, str]) -> subprocess.Popen:
+def start_mlflow(
+    run_root: str, port: int, env: dict[str, str], workers: int = 1
+) -> subprocess.Popen:
     """MLflow's tracking server and UI on its backend store (RLOO_MLFLOW_BACKEND, else the run
-    root's SQLite file), artifacts under the run root either way."""
+    root's SQLite file), artifacts under the run root either way. One worker process by default
+    (MLflow's own default of 4 costs a full import of its server each, about 20 s of CPU at every
+    start, for a store that a team's few clients and one trainer write to); MLflow's job runner
+    (GenAI judges and prompt optimisation, nothing this pipeline starts) stays off unless the
+    environment turns it on."""
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **env}
     root = os.path.abspath(run_root)
     store = env.get("RLOO_MLFLOW_BACKEND") or f"sqlite:///{os.path.join(root, 'mlflow.db')}"
     return _start(
@@ -106,6 +128,8 @@ def start_mlflow(run_root: str, port: int, env: dict[str, str]) -> subprocess.Po
             "127.0.0.1",
             "--port",
             str(port),
+            "--workers",
+            str(workers),
         ],
         env,
     )

@@ -166,7 +166,9 @@ class MlflowServer:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # its own group: stop() ends its uvicorn and job-runner children too
+            # as `rloo-pipeline ui` starts it: without MLflow's GenAI job runner
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        )  # its own group: stop() ends its uvicorn children too
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.process.poll() is not None:
