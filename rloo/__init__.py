@@ -1,8 +1,10 @@
 """RLOO fine-tuning for language models, with TRL's RLOOTrainer API."""
 
+from rloo import deepspeed_lookup
 from rloo.versions import check_installed
 
 check_installed()
+deepspeed_lookup.install()
 
 __all__ = ["RLOOConfig", "RLOOTrainer"]
 __version__ = "0.1.0"

@@ -174,6 +174,40 @@ def test_zero3_resume_ends_with_the_uninterrupted_weights(workdir, zero3_run):
     assert _max_difference(resumed["weights"], zero3_run["weights"]) == 0.0
 
 
+UNWRAP_CHECK = """
+import sys
+import rloo
+from accelerate.utils.other import extract_model_from_parallel
+from torch import nn
+from tiny_models import tiny_causal_lm, tiny_tokenizer
+
+model = tiny_causal_lm(tiny_tokenizer())
+model.save_pretrained(sys.argv[1])
+assert extract_model_from_parallel(model) is model
+assert "deepspeed" not in sys.modules, "saving a model without DeepSpeed imported deepspeed"
+from deepspeed import DeepSpeedEngine
+
+class Engine(DeepSpeedEngine):
+    def __init__(self, module):
+        nn.Module.__init__(self)
+        self.module = module
+
+assert extract_model_from_parallel(Engine(model)) is model, "a DeepSpeed engine was not unwrapped"
+"""
+
+
+def test_deepspeed_is_imported_only_by_the_runs_that_use_it(tmp_path):
+    """accelerate's unwrap (at every save) skips its DeepSpeed lookup while deepspeed is not loaded
+    (rloo.deepspeed_lookup), and still unwraps an engine once it is."""
+    done = subprocess.run(
+        [sys.executable, "-c", UNWRAP_CHECK, str(tmp_path / "model")],
+        cwd=TESTS,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_deepspeed_with_use_cpu_is_refused(tmp_path):
     with pytest.raises(ValueError, match="use_cpu=True would bypass it"):
         RLOOConfig(
