@@ -10,7 +10,7 @@ import sqlite3
 import threading
 from contextlib import closing
 
-from rloo.primitives import cache_root
+from rloo.process import cache_root
 
 DEFAULT_ROOT = "runs"
 
@@ -95,9 +95,11 @@ def local_database() -> str | None:
 def template_path() -> str:
     """Where a just-started, still empty Prefect database of this Prefect version is kept for new
     run roots."""
-    import prefect
+    from importlib.metadata import version
 
-    return os.path.join(cache_root(), "prefect-db", f"prefect-{prefect.__version__}.db")
+    # (the installed distribution's version: reading it does not import prefect, which the
+    # `ui` and `serve` commands never need in their own process)
+    return os.path.join(cache_root(), "prefect-db", f"prefect-{version('prefect')}.db")
 
 
 # What the API's start writes into a new database (its migrations' version and the block types it

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 
 from rloo import tiny
-from rloo.primitives import cache_root
+from rloo.process import cache_root
 from rloo.tiny import tiny_vision_model
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

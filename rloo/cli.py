@@ -24,6 +24,7 @@ from rloo.checkpoint import DiskFull, latest_checkpoint, resolve_resume, save_fi
 from rloo.config import RLOOConfig
 from rloo.data import load_mixture, load_prompt_dataset, mixture_problems, with_prompt
 from rloo.models import load_tokenizer, local_model_problem
+from rloo.process import exit_without_native_teardown
 from rloo.rewards import by_short_name
 from rloo.rewards.runner import RewardFunctionError
 
@@ -444,29 +445,6 @@ def train(argv: list[str]) -> int:
     if DEEPSPEED_ON_CPU["started"]:
         exit_without_native_teardown(code)
     return code
-
-
-def exit_without_native_teardown(code: int) -> None:
-    """Exit as Python would (join the non-daemon threads, run the exit handlers, flush), without the
-    interpreter's final teardown of native modules. Native threads outlive it and abort it now and
-    then ("terminate called without an active exception", exit -6, after everything was saved: once
-    in CI on one of 4 DeepSpeed ranks, which failed the whole job; 2 in ~50 runs of
-    tests/distributed_train.py's two gloo ranks): a core of the latter shows a gloo worker thread
-    (`ProcessGroupGloo::runLoop`) dropping a finished all-gather's tensors, whose decref takes the
-    GIL; during finalization that ends the thread (`pthread_exit`) through C++ frames that cannot
-    unwind. And after torch, transformers and Prefect were imported the teardown takes ~2.5 s that a
-    command line spends doing nothing."""
-    import atexit
-    import logging
-    import threading
-
-    # what the interpreter does first: threading's exit callbacks, non-daemon threads joined
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _run(trainer, script_args) -> int:

@@ -1,11 +1,8 @@
 """Leaf helpers that the trainer and the speed layer (rloo.engine) both use: the log-probability
-of chosen tokens, the entropy of a distribution, what kind of model a module is, and where the
-project caches what it builds. Imports no other module of the project, so either side can import
-it without reaching into the other."""
+of chosen tokens, the entropy of a distribution and what kind of model a module is. Imports no
+other module of the project, so either side can import it without reaching into the other."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +44,3 @@ def is_peft_model(model: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(model, PeftModel)
-
-
-def cache_root() -> str:
-    """Where built assets live (converted models, compiled kernels): $RLOO_CACHE or
-    ~/.cache/rloo."""
-    return os.environ.get("RLOO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rloo"))

@@ -8,8 +8,8 @@ import torch.distributed
 from datasets import Dataset
 
 from rloo import RLOOConfig, RLOOTrainer
-from rloo.cli import exit_without_native_teardown
 from rloo.engine import mapped
+from rloo.process import exit_without_native_teardown
 from rloo.tiny import tiny_causal_lm, tiny_tokenizer
 
 out = sys.argv[1]

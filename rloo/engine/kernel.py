@@ -18,7 +18,7 @@ e^(s - max) in double, two levels as rloo.engine.lean.sample_from, without a pro
 memory.
 
 Compiled once per machine and source by the system's gcc (-O3 -march=native, OpenMP) into the
-kernels folder of rloo.primitives.cache_root and loaded with ctypes. The decode step takes it where
+kernels folder of rloo.process.cache_root and loaded with ctypes. The decode step takes it where
 the CPU has AVX-512 or AVX2 with FMA (`for_decoding`; $RLOO_KERNEL_MARCH, where set, is the -march
 instead of native, e.g. x86-64-v3 to measure on a CPU with AVX-512 what one without it does).
 Without either, without gcc, or off Linux on x86-64, the step keeps oneDNN's GEMM and torch's
@@ -41,7 +41,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from rloo.engine.binding import Library, source_id
-from rloo.primitives import cache_root
+from rloo.process import cache_root
 
 logger = logging.getLogger(__name__)
 
