@@ -1,6 +1,7 @@
 """Launching the training job with submitit and following it without holding anything but a file.
 
-The job is `torchrun ... -m rloo train --config <recipe>` wrapped in a picklable callable. Its
+The job is `torchrun ... -m rloo train --config <recipe>` wrapped in a picklable callable (one
+process: `python -m rloo train` itself, with the environment torchrun would give it). Its
 handle (executor, job id, folder) is written to the run directory, so a retried stage — even from a
 new orchestrator process — reattaches to a job that is still running instead of starting another."""
 
@@ -46,6 +47,9 @@ class TrainJob:
         self.workdir = workdir
 
     def command(self) -> list[str]:
+        train = ["-m", "rloo", "train", "--config", self.recipe_path]
+        if self.nproc_per_node == 1:
+            return [sys.executable, *train]
         return [
             sys.executable,
             "-m",
@@ -53,15 +57,13 @@ class TrainJob:
             "--standalone",
             "--nproc_per_node",
             str(self.nproc_per_node),
-            "-m",
-            "rloo",
-            "train",
-            "--config",
-            self.recipe_path,
+            *train,
         ]
 
     def __call__(self) -> dict:
         env = job_environment(self.env, self.workdir)
+        if self.nproc_per_node == 1:
+            env.update(single_process_environment())
         start = time.time()
         with open(self.log_path, "a") as log:
             log.write(f"$ {' '.join(self.command())}\n")
@@ -75,6 +77,26 @@ class TrainJob:
                 f"{self.log_path}:\n{tail(self.log_path)}"
             )
         return {"seconds": time.time() - start}
+
+
+def single_process_environment() -> dict[str, str]:
+    """What torchrun gives its one worker (a rank, a world of one, a free rendezvous port on
+    loopback), for the job that starts that worker itself: torchrun's agent would cost a process
+    importing torch (3-4 s of CPU) to watch one child. The trainer then runs as under torchrun (a
+    gloo group of one, colocated vLLM on the same port scheme)."""
+    import socket
+
+    with socket.socket() as probe:  # the port the group's store listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK")
+    sizes = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE")
+    return {
+        **dict.fromkeys(ranks, "0"),
+        **dict.fromkeys(sizes, "1"),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def submit_local(job: TrainJob, folder: str, timeout_min: int) -> JobHandle:
@@ -139,7 +161,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def cancel(handle: JobHandle) -> None:
-    """Stop a local job and every process it started (torchrun and its ranks)."""
+    """Stop a local job and every process it started (torchrun, if any, and its ranks)."""
     import signal
 
     if handle.executor == "slurm":
