@@ -28,20 +28,20 @@ torch.set_num_threads(max(1, _threads // int(os.environ.get("PYTEST_XDIST_WORKER
 # total time in a full run on 2 cores (`--durations=0`); the rest follow in the usual order.
 SLOWEST_FILES = (
     "test_slurm.py",
-    "test_pipeline.py",
-    "test_deployments.py",
+    "test_deepspeed.py",
     "test_vllm_colocate.py",
-    "test_sweep.py",
-    "test_team_database.py",
-    "test_pipeline_kill.py",
-    "test_operations.py",
+    "test_deployments.py",
+    "test_pipeline.py",
     "test_async_kill_points.py",
     "test_kill_points.py",
-    "test_deepspeed.py",
+    "test_sweep.py",
+    "test_pipeline_kill.py",
     "test_vllm_server.py",
+    "test_team_database.py",
     "test_prefect_outages.py",
-    "test_tracking_faults.py",
     "test_packaging.py",
+    "test_operations.py",
+    "test_vision.py",
 )
 
 
