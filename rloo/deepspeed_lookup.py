@@ -18,9 +18,9 @@ TARGET = "accelerate.utils.other"
 def patch(module) -> None:
     """Make `module.is_deepspeed_available` (accelerate.utils.other's) true only once deepspeed is
     loaded. Idempotent."""
-    available = module.is_deepspeed_available
-    if getattr(available, "rloo_loaded_only", False):
-        return
+    available = getattr(module, "is_deepspeed_available", None)
+    if available is None or getattr(available, "rloo_loaded_only", False):
+        return  # (an accelerate without this lookup: nothing to change)
 
     def loaded_and_available() -> bool:
         return "deepspeed" in sys.modules and available()
