@@ -87,13 +87,8 @@ def _start(run_root: str, name: str, command: list[str], env: dict[str, str]) ->
 def start_prefect(run_root: str, port: int, env: dict[str, str]) -> subprocess.Popen:
     """Prefect's server on its database (PREFECT_SERVER_DATABASE_CONNECTION_URL, else its SQLite
     file under PREFECT_HOME). A new SQLite database starts as a copy of the template the embedded
-    API keeps (flows.prefect_api): migrating an empty one takes 10-20 s of CPU."""
-    configured = env.get("PREFECT_SERVER_DATABASE_CONNECTION_URL") or env.get(
-        "PREFECT_API_DATABASE_CONNECTION_URL"
-    )
-    database = os.path.join(env["PREFECT_HOME"], "prefect.db")
-    if not configured and not os.path.exists(database):
-        prefect_api.seed_database(database)
+    API keeps (flows.prefect_api)."""
+    prefect_api.seed_server_database(env)
     return _start(
         run_root,
         "prefect-server",

@@ -35,9 +35,7 @@ class PrefectServer:
         from flows import prefect_api
 
         env = {**os.environ, "PREFECT_HOME": self.home, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-        database = os.path.join(self.home, "prefect.db")
-        if not os.path.exists(database):  # as `rloo-pipeline serve` starts one: a template's copy
-            prefect_api.seed_database(database)
+        prefect_api.seed_server_database(env)  # as `rloo-pipeline serve` starts one
         log = open(os.path.join(self.home, "server.log"), "a")
         self.process = subprocess.Popen(
             [
